@@ -1,0 +1,375 @@
+"""The layer graph: what the profiler measures and the planner plans over.
+
+A :class:`LayerGraph` is a DAG of :class:`Layer` records. Each layer carries the numbers
+PipeDream's optimizer needs: forward and backward compute time (ms, for one minibatch of
+``batch_size`` samples), the bytes of its output activation (the gradient sent back is the
+same size) and the bytes of its parameters.
+
+The planner cuts a chain, so a DAG is linearised first (:meth:`LayerGraph.linearize`): a
+topological order in which every prefix is closed under predecessors, so that every cut
+between consecutive blocks is a valid stage boundary; the tensors that cross a cut are the
+outputs of the prefix's layers that a later layer consumes (one *set* of tensors per cut,
+PipeDream's antichain). See docs/architecture.md for how this differs from the original.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = ["Layer", "LayerGraph", "GraphError", "Block", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+class GraphError(ValueError):
+    """A layer graph (or the file it came from) is malformed; the message says where."""
+
+
+@dataclass
+class Layer:
+    """One node of the graph: a module call or operation.
+
+    Times are milliseconds for one minibatch of the graph's ``batch_size``; sizes are bytes.
+    ``is_input`` marks a data-loading node (PipeDream's ``Input``): its forward time is data
+    loading, not compute, and the planner does not charge it to a stage.
+    """
+
+    name: str
+    kind: str = ""
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    activation_bytes: int = 0
+    parameter_bytes: int = 0
+    output_shapes: list[list[int]] | None = None
+    output_dtypes: list[str] | None = None
+    is_input: bool = False
+    stage_id: int | None = None
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward + backward compute time (zero for a data-loading input node)."""
+        if self.is_input:
+            return 0.0
+        return self.forward_ms + self.backward_ms
+
+
+@dataclass
+class Block:
+    """A run of consecutive layers of a linearised graph, with the cut that follows it.
+
+    ``cut_bytes`` is the total size of the tensors that cross from this block and everything
+    before it to the layers after it (0 for the last block); ``cut_tensors`` names their
+    producers.
+    """
+
+    layers: list[str]
+    forward_ms: float
+    backward_ms: float
+    parameter_bytes: int
+    cut_bytes: int
+    cut_tensors: list[str] = field(default_factory=list)
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+def _check_number(value: Any, where: str, integer: bool = False) -> float:
+    """Return ``value`` as a number, or raise a GraphError naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GraphError(f"{where}: expected a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise GraphError(f"{where}: must be finite, got {value!r}")
+    if value < 0:
+        raise GraphError(f"{where}: must be >= 0, got {value!r}")
+    if integer and float(value) != int(value):
+        raise GraphError(f"{where}: must be a whole number of bytes, got {value!r}")
+    return value
+
+
+class LayerGraph:
+    """A DAG of profiled layers.
+
+    Args:
+        layers: the nodes, in any order; names must be unique.
+        edges: ``(producer, consumer)`` name pairs.
+        batch_size: the minibatch size the numbers were measured with (None if unknown).
+        meta: free-form provenance (model name, device, source file).
+        validate: check the graph at once (default); raises :class:`GraphError`.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Layer],
+        edges: Iterable[tuple[str, str]] = (),
+        *,
+        batch_size: int | None = None,
+        meta: dict[str, Any] | None = None,
+        validate: bool = True,
+        source: str = "graph",
+    ) -> None:
+        self.layers: list[Layer] = list(layers)
+        self.edges: list[tuple[str, str]] = [(str(a), str(b)) for a, b in edges]
+        self.batch_size = batch_size
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._by_name: dict[str, Layer] = {}
+        self._topo: list[str] | None = None
+        if validate:
+            self.validate(source)
+        else:
+            self._by_name = {layer.name: layer for layer in self.layers}
+
+    # ------------------------------------------------------------------ basics
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __getitem__(self, name: str) -> Layer:
+        return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def successors(self, name: str) -> list[str]:
+        return [b for a, b in self.edges if a == name]
+
+    def predecessors(self, name: str) -> list[str]:
+        return [a for a, b in self.edges if b == name]
+
+    @property
+    def is_chain(self) -> bool:
+        """True when the graph is one straight line of layers."""
+        order = self.topological_order()
+        return set(self.edges) == set(zip(order, order[1:])) and len(self.edges) == len(order) - 1
+
+    def totals(self) -> dict[str, float]:
+        """Summed compute (ms, input node excluded), forward/backward, parameter and activation bytes."""
+        return {
+            "layers": len(self.layers),
+            "forward_ms": sum(l.forward_ms for l in self.layers if not l.is_input),
+            "backward_ms": sum(l.backward_ms for l in self.layers if not l.is_input),
+            "compute_ms": sum(l.compute_ms for l in self.layers),
+            "parameter_bytes": sum(l.parameter_bytes for l in self.layers),
+            "activation_bytes": sum(l.activation_bytes for l in self.layers),
+        }
+
+    # -------------------------------------------------------------- validation
+    def validate(self, source: str = "graph") -> None:
+        """Check names, numbers, edges and acyclicity; raise one clear GraphError."""
+        if not self.layers:
+            raise GraphError(f"{source}: the graph has no layers")
+        by_name: dict[str, Layer] = {}
+        for i, layer in enumerate(self.layers):
+            where = f"{source}: layer {i} ({layer.name!r})"
+            if not isinstance(layer.name, str) or not layer.name:
+                raise GraphError(f"{source}: layer {i}: 'name' must be a non-empty string")
+            if layer.name in by_name:
+                raise GraphError(f"{where}: duplicate layer name")
+            for attr in ("forward_ms", "backward_ms"):
+                _check_number(getattr(layer, attr), f"{where}: field {attr!r}")
+            for attr in ("activation_bytes", "parameter_bytes"):
+                _check_number(getattr(layer, attr), f"{where}: field {attr!r}", integer=True)
+                setattr(layer, attr, int(getattr(layer, attr)))
+            by_name[layer.name] = layer
+        seen_edges: set[tuple[str, str]] = set()
+        for j, (a, b) in enumerate(self.edges):
+            for end in (a, b):
+                if end not in by_name:
+                    raise GraphError(
+                        f"{source}: edge {j} ({a!r} -> {b!r}) names a layer that does not exist: {end!r}"
+                    )
+            if a == b:
+                raise GraphError(f"{source}: edge {j} ({a!r} -> {b!r}) is a self-loop (a cycle)")
+            seen_edges.add((a, b))
+        self.edges = list(dict.fromkeys(self.edges))  # drop exact duplicates, keep order
+        self._by_name = by_name
+        self._topo = None
+        self.topological_order(source)  # raises on a cycle
+
+    # ----------------------------------------------------------- orderings
+    def topological_order(self, source: str = "graph") -> list[str]:
+        """Layer names so that every edge goes forward.
+
+        Among ready layers it prefers the one that became ready most recently (depth first),
+        so parallel branches (Inception, skip paths) are kept together and the tensors that
+        cross a cut stay few; ties keep the layers' given order. Deterministic.
+        """
+        if self._topo is not None:
+            return list(self._topo)
+        index = {layer.name: i for i, layer in enumerate(self.layers)}
+        indeg = {name: 0 for name in index}
+        succ: dict[str, list[str]] = {name: [] for name in index}
+        for a, b in self.edges:
+            indeg[b] += 1
+            succ[a].append(b)
+        # heap of (-time_became_ready, given index, name): latest-ready first.
+        heap = [(0, index[n], n) for n in index if indeg[n] == 0]
+        heapq.heapify(heap)
+        clock = 0
+        order: list[str] = []
+        while heap:
+            _, _, name = heapq.heappop(heap)
+            order.append(name)
+            clock += 1
+            for nxt in sorted(succ[name], key=index.__getitem__):
+                indeg[nxt] -= 1
+                if indeg[nxt] == 0:
+                    heapq.heappush(heap, (-clock, index[nxt], nxt))
+        if len(order) != len(index):
+            stuck = sorted((n for n, d in indeg.items() if d > 0), key=index.__getitem__)
+            raise GraphError(
+                f"{source}: the edges form a cycle through layer(s) {', '.join(stuck[:8])}"
+                + (" ..." if len(stuck) > 8 else "")
+            )
+        self._topo = order
+        return list(order)
+
+    def linearize(self, merge_free_cuts: bool = True) -> list[Block]:
+        """Linearise the DAG into a chain of blocks the planner may cut between.
+
+        Every prefix of the topological order is closed under predecessors, so a cut after any
+        position is a valid stage boundary. The tensors crossing the cut after position i are
+        the outputs of layers at or before i consumed after i; their summed ``activation_bytes``
+        is what the stage boundary transfers (PipeDream's antichain at that cut).
+
+        With ``merge_free_cuts`` a layer with no compute and no parameters is merged into the
+        block before it (a cut after a reshape or a view is never better than before it), which
+        keeps imported profiles small without changing any optimum.
+        """
+        order = self.topological_order()
+        pos = {name: i for i, name in enumerate(order)}
+        last_use: dict[str, int] = {}
+        for a, b in self.edges:
+            last_use[a] = max(last_use.get(a, -1), pos[b])
+        # live[i]: producers at or before i whose output is consumed after i.
+        blocks: list[Block] = []
+        open_producers: dict[str, int] = {}
+        for i, name in enumerate(order):
+            layer = self._by_name[name]
+            if name in last_use and last_use[name] > i:
+                open_producers[name] = last_use[name]
+            for producer in [p for p, last in open_producers.items() if last <= i]:
+                del open_producers[producer]
+            crossing = sorted(open_producers, key=pos.__getitem__)
+            cut_bytes = sum(self._by_name[p].activation_bytes for p in crossing)
+            fwd = 0.0 if layer.is_input else layer.forward_ms
+            bwd = 0.0 if layer.is_input else layer.backward_ms
+            mergeable = (
+                merge_free_cuts
+                and blocks
+                and fwd == 0.0
+                and bwd == 0.0
+                and layer.parameter_bytes == 0
+            )
+            if mergeable:
+                prev = blocks[-1]
+                prev.layers.append(name)
+                prev.cut_bytes = cut_bytes
+                prev.cut_tensors = crossing
+            else:
+                blocks.append(Block([name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing))
+        return blocks
+
+    # -------------------------------------------------------------- JSON I/O
+    def to_dict(self) -> dict[str, Any]:
+        layers = []
+        for layer in self.layers:
+            d = asdict(layer)
+            for key in ("output_shapes", "output_dtypes", "stage_id"):
+                if d[key] is None:
+                    del d[key]
+            if not d["is_input"]:
+                del d["is_input"]
+            layers.append(d)
+        return {
+            "format": "torchpipedream.LayerGraph",
+            "format_version": FORMAT_VERSION,
+            "batch_size": self.batch_size,
+            "meta": self.meta,
+            "layers": layers,
+            "edges": [list(e) for e in self.edges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "graph") -> "LayerGraph":
+        """Build a graph from its JSON dictionary; every problem raises a GraphError naming the field."""
+        if not isinstance(data, dict):
+            raise GraphError(f"{source}: expected a JSON object at the top level")
+        version = data.get("format_version")
+        if version is None:
+            raise GraphError(f"{source}: missing field 'format_version'")
+        if version != FORMAT_VERSION:
+            raise GraphError(
+                f"{source}: format_version {version!r} is not supported (this version reads {FORMAT_VERSION})"
+            )
+        raw_layers = data.get("layers")
+        if not isinstance(raw_layers, list):
+            raise GraphError(f"{source}: field 'layers' must be a list")
+        known = {f for f in Layer.__dataclass_fields__}
+        layers = []
+        for i, raw in enumerate(raw_layers):
+            if not isinstance(raw, dict):
+                raise GraphError(f"{source}: layers[{i}] must be an object")
+            unknown = set(raw) - known
+            if unknown:
+                raise GraphError(f"{source}: layers[{i}]: unknown field(s) {sorted(unknown)}")
+            if "name" not in raw:
+                raise GraphError(f"{source}: layers[{i}]: missing field 'name'")
+            layers.append(Layer(**raw))
+        raw_edges = data.get("edges", [])
+        if not isinstance(raw_edges, list):
+            raise GraphError(f"{source}: field 'edges' must be a list")
+        edges = []
+        for j, e in enumerate(raw_edges):
+            if not (isinstance(e, (list, tuple)) and len(e) == 2):
+                raise GraphError(f"{source}: edges[{j}] must be a [producer, consumer] pair, got {e!r}")
+            edges.append((str(e[0]), str(e[1])))
+        batch_size = data.get("batch_size")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size <= 0):
+            raise GraphError(f"{source}: field 'batch_size' must be a positive integer or null")
+        meta = data.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise GraphError(f"{source}: field 'meta' must be an object")
+        return cls(layers, edges, batch_size=batch_size, meta=meta, source=source)
+
+    def save(self, path: str | Path) -> None:
+        """Write the graph as JSON (lossless: :meth:`load` gives an equal graph)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LayerGraph":
+        """Read a JSON graph, or a PipeDream ``graph.txt`` (recognised by its content)."""
+        path = Path(path)
+        if not path.exists():
+            raise GraphError(f"{path}: no such file")
+        text = path.read_text()
+        if not text.lstrip().startswith("{"):
+            from .pipedream_profile import parse_graph_txt
+
+            return parse_graph_txt(text, source=str(path))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GraphError(f"{path}: line {exc.lineno}, column {exc.colno}: invalid JSON: {exc.msg}") from None
+        return cls.from_dict(data, source=str(path))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayerGraph) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        t = self.totals()
+        return (
+            f"LayerGraph({len(self)} layers, {len(self.edges)} edges, "
+            f"{t['compute_ms']:.3f} ms compute, {t['parameter_bytes']} parameter bytes)"
+        )

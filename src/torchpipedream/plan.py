@@ -1,0 +1,252 @@
+"""The plan: which layers form each stage, how many workers replicate it, on which ranks.
+
+A :class:`Plan` is what the planner produces and what the schedules, the simulator and the
+runtime consume. It is plain data with a JSON form; :meth:`Plan.validate` checks it.
+
+Ranks are assigned stage by stage: stage 0's replicas get the first ranks, and so on.
+Costs are per minibatch of ``batch_size`` samples on one worker (a replica of a stage with r
+replicas processes every r-th minibatch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Stage", "Plan", "PlanError", "SCHEDULE_KINDS", "PLAN_FORMAT_VERSION"]
+
+PLAN_FORMAT_VERSION = 1
+#: Schedule families a plan may name (see schedules.py and the table in docs/architecture.md).
+SCHEDULE_KINDS = ("pipedream", "2bw", "flush", "gpipe", "naive")
+
+
+class PlanError(ValueError):
+    """A plan is malformed or does not fit the model, topology or launch; the message says why."""
+
+
+@dataclass
+class Stage:
+    """One pipeline stage.
+
+    Attributes:
+        layers: names of the graph layers the stage holds, in topological order.
+        replicas: number of data-parallel workers running this stage.
+        ranks: the global ranks of those workers (len == replicas).
+        forward_ms / backward_ms: compute of one minibatch on one replica.
+        parameter_bytes: bytes of the stage's weights.
+        output_bytes: bytes sent to the next stage per minibatch (activations; the gradient
+            coming back has the same size). 0 for the last stage.
+        output_tensors: producer layer names whose outputs cross to later stages.
+        comm_ms: predicted communication per minibatch (activation/gradient transfers and
+            the replicas' weight synchronisation, amortised).
+        memory_bytes: predicted peak memory of one worker of this stage.
+    """
+
+    layers: list[str]
+    replicas: int = 1
+    ranks: list[int] = field(default_factory=list)
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    parameter_bytes: int = 0
+    output_bytes: int = 0
+    output_tensors: list[str] = field(default_factory=list)
+    comm_ms: float = 0.0
+    memory_bytes: int = 0
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+@dataclass
+class Plan:
+    """A partition of a model into stages over a set of workers.
+
+    Attributes:
+        stages: the stages in pipeline order.
+        schedule: the schedule family the plan was made for (one of SCHEDULE_KINDS).
+        batch_size: samples per minibatch the costs refer to (None if unknown).
+        microbatches: microbatches per minibatch for the batch-synchronous schedules
+            (flush, gpipe, 2bw); 1 means no splitting.
+        noam: number of minibatches the input stage admits before its first backward
+            (PipeDream's NUM_OPT_ACTIVE_MINIBATCHES, ceil(workers / input-stage replicas)).
+        topology: the topology spec the plan was made for (see topology.py).
+        predicted: at least ``time_per_minibatch_s`` and ``samples_per_s``.
+        meta: provenance (graph source, model name, planner options, planning time).
+    """
+
+    stages: list[Stage]
+    schedule: str = "pipedream"
+    batch_size: int | None = None
+    microbatches: int = 1
+    noam: int = 1
+    topology: str = ""
+    predicted: dict[str, float] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------- derived
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(s.replicas for s in self.stages)
+
+    @property
+    def config(self) -> str:
+        """PipeDream's summary string: replicas per stage joined by '-' ("15-1", "1-1-1-1")."""
+        return "-".join(str(s.replicas) for s in self.stages)
+
+    @property
+    def summary(self) -> str:
+        """A human name for the plan's shape: "data parallel ×4", "straight ×4" or "15-1"."""
+        if self.num_stages == 1:
+            r = self.stages[0].replicas
+            return "single worker" if r == 1 else f"data parallel ×{r}"
+        if all(s.replicas == 1 for s in self.stages):
+            return f"straight ×{self.num_stages}"
+        return self.config
+
+    def stage_of_rank(self, rank: int) -> tuple[int, int]:
+        """(stage index, replica index) of a global rank."""
+        for s, stage in enumerate(self.stages):
+            if rank in stage.ranks:
+                return s, stage.ranks.index(rank)
+        raise PlanError(f"rank {rank} is not in the plan (it has {self.num_workers} workers)")
+
+    def stage_of_layer(self) -> dict[str, int]:
+        return {name: s for s, stage in enumerate(self.stages) for name in stage.layers}
+
+    # ----------------------------------------------------------- validation
+    def validate(self, layer_names: list[str] | None = None, world_size: int | None = None) -> None:
+        """Check the plan's own consistency, and optionally against a model and a launch."""
+        if not self.stages:
+            raise PlanError("plan has no stages")
+        if self.schedule not in SCHEDULE_KINDS:
+            raise PlanError(f"unknown schedule {self.schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlanError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        if not isinstance(self.noam, int) or self.noam < 1:
+            raise PlanError(f"noam must be a positive integer, got {self.noam!r}")
+        seen_layers: dict[str, int] = {}
+        seen_ranks: set[int] = set()
+        for s, stage in enumerate(self.stages):
+            if not stage.layers:
+                raise PlanError(f"stage {s} has no layers")
+            if not isinstance(stage.replicas, int) or stage.replicas < 1:
+                raise PlanError(f"stage {s}: replicas must be a positive integer, got {stage.replicas!r}")
+            if len(stage.ranks) != stage.replicas:
+                raise PlanError(f"stage {s}: {stage.replicas} replicas but {len(stage.ranks)} ranks {stage.ranks}")
+            for name in stage.layers:
+                if name in seen_layers:
+                    raise PlanError(f"layer {name!r} is in stage {seen_layers[name]} and stage {s}")
+                seen_layers[name] = s
+            for r in stage.ranks:
+                if r in seen_ranks:
+                    raise PlanError(f"rank {r} is assigned to two stages")
+                seen_ranks.add(r)
+            for attr in ("forward_ms", "backward_ms", "comm_ms", "parameter_bytes", "output_bytes", "memory_bytes"):
+                v = getattr(stage, attr)
+                if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+                    raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
+        if seen_ranks != set(range(self.num_workers)):
+            raise PlanError(f"ranks must be 0..{self.num_workers - 1}, got {sorted(seen_ranks)}")
+        if layer_names is not None:
+            missing = [n for n in layer_names if n not in seen_layers]
+            extra = [n for n in seen_layers if n not in set(layer_names)]
+            if missing or extra:
+                parts = []
+                if missing:
+                    parts.append(f"model layers not in the plan: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+                if extra:
+                    parts.append(f"plan layers not in the model: {extra[:6]}{' ...' if len(extra) > 6 else ''}")
+                raise PlanError(
+                    "the plan does not match the model ("
+                    + "; ".join(parts)
+                    + f"). The model has {len(layer_names)} layers, the plan {len(seen_layers)}: "
+                    "re-run `torchpipedream plan` on this model's profile."
+                )
+        if world_size is not None and world_size != self.num_workers:
+            raise PlanError(
+                f"the plan is for {self.num_workers} workers ({self.summary}) but {world_size} were launched"
+            )
+
+    # ------------------------------------------------------------- JSON I/O
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "torchpipedream.Plan",
+            "format_version": PLAN_FORMAT_VERSION,
+            "config": self.config,
+            "summary": self.summary,
+            "schedule": self.schedule,
+            "batch_size": self.batch_size,
+            "microbatches": self.microbatches,
+            "noam": self.noam,
+            "topology": self.topology,
+            "predicted": dict(self.predicted),
+            "stages": [asdict(s) for s in self.stages],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: expected a JSON object")
+        if data.get("format_version") != PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"{source}: format_version {data.get('format_version')!r} is not supported "
+                f"(this version reads {PLAN_FORMAT_VERSION})"
+            )
+        raw_stages = data.get("stages")
+        if not isinstance(raw_stages, list):
+            raise PlanError(f"{source}: field 'stages' must be a list")
+        known = set(Stage.__dataclass_fields__)
+        stages = []
+        for i, raw in enumerate(raw_stages):
+            if not isinstance(raw, dict) or "layers" not in raw:
+                raise PlanError(f"{source}: stages[{i}] must be an object with 'layers'")
+            unknown = set(raw) - known
+            if unknown:
+                raise PlanError(f"{source}: stages[{i}]: unknown field(s) {sorted(unknown)}")
+            stages.append(Stage(**raw))
+        plan = cls(
+            stages=stages,
+            schedule=data.get("schedule", "pipedream"),
+            batch_size=data.get("batch_size"),
+            microbatches=data.get("microbatches", 1),
+            noam=data.get("noam", 1),
+            topology=data.get("topology", ""),
+            predicted=dict(data.get("predicted") or {}),
+            meta=dict(data.get("meta") or {}),
+        )
+        try:
+            plan.validate()
+        except PlanError as exc:
+            raise PlanError(f"{source}: {exc}") from None
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        if not path.exists():
+            raise PlanError(f"{path}: no such file")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":
+        """A plan with one worker per stage, ranks 0..n-1 (costs unknown unless given)."""
+        stages = [Stage(layers=list(g), replicas=1, ranks=[i]) for i, g in enumerate(layer_groups)]
+        plan = cls(stages=stages, schedule=schedule, noam=len(stages), **kwargs)
+        plan.validate()
+        return plan
