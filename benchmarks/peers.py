@@ -1,0 +1,191 @@
+"""The peers torchpipedream is compared against, measured the same way.
+
+Each runner trains the same model (an ``nn.Sequential``) on the same synthetic batches with the
+same optimizer and reports samples/s as the median of several timed windows after warm-up,
+and the peak resident memory of its process. Used by ``benchmarks/compare.py``.
+
+Runners: a single process (1 thread, or all threads), torch DistributedDataParallel, and
+torch.distributed.pipelining with ScheduleGPipe, Schedule1F1B and ScheduleZBVZeroBubble.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass
+class Workload:
+    """A model, how to make its batches, and where to split it into pipeline stages."""
+
+    name: str
+    build: Callable[[], nn.Sequential]
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    batch_size: int
+    lr: float = 0.01
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _timed_windows(step: Callable[[], None], warmup: int, windows: int, steps_per_window: int) -> list[float]:
+    """Seconds per step for each timed window, after ``warmup`` untimed steps."""
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(steps_per_window):
+            step()
+        out.append((time.perf_counter() - t0) / steps_per_window)
+    return out
+
+
+def _batches(work: Workload, seed: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [work.make_batch(work.batch_size, g) for _ in range(count)]
+
+
+def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, steps: int = 3) -> dict:
+    """One process, ``threads`` intra-op threads, plain training."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = work.build()
+    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    data = _batches(work, 0, 4)
+    i = [0]
+
+    def step() -> None:
+        x, y = data[i[0] % len(data)]
+        i[0] += 1
+        opt.zero_grad(set_to_none=True)
+        work.loss_fn(model(x), y).backward()
+        opt.step()
+
+    times = _timed_windows(step, warmup, windows, steps)
+    return {"samples_per_s": work.batch_size / statistics.median(times), "peak_rss_mb": [peak_rss_mb()]}
+
+
+def _gather(value: float) -> list[float]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def run_ddp(work: Workload, warmup: int = 2, windows: int = 5, steps: int = 3) -> dict:
+    """torch DistributedDataParallel; each rank takes batch_size / world samples of the global batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(work.build())
+    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    data = _batches(work, 0, 4)
+    per_rank = work.batch_size // world
+    i = [0]
+
+    def step() -> None:
+        x, y = data[i[0] % len(data)]
+        i[0] += 1
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad(set_to_none=True)
+        work.loss_fn(model(x[sl]), y[sl]).backward()
+        opt.step()
+
+    times = _timed_windows(step, warmup, windows, steps)
+    slowest = max(_gather(statistics.median(times)))
+    return {"samples_per_s": work.batch_size / slowest, "peak_rss_mb": _gather(peak_rss_mb())}
+
+
+def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
+    """Cut a Sequential into ``parts`` pieces with roughly equal parameter counts (at least one layer each)."""
+    layers = list(model.children())
+    if parts > len(layers):
+        raise ValueError(f"cannot split {len(layers)} layers into {parts} stages")
+    weights = [sum(p.numel() for p in l.parameters()) + 1 for l in layers]
+    total = sum(weights)
+    cuts, acc, target = [], 0, total / parts
+    for i, w in enumerate(weights[:-1]):
+        acc += w
+        remaining_layers = len(layers) - (i + 1)
+        remaining_parts = parts - 1 - len(cuts)
+        if remaining_parts and (acc >= target * (len(cuts) + 1) or remaining_layers == remaining_parts):
+            cuts.append(i + 1)
+    bounds = [0, *cuts, len(layers)]
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def run_torch_pipelining(
+    work: Workload, schedule: str, microbatches: int, warmup: int = 2, windows: int = 5, steps: int = 3
+) -> dict:
+    """torch.distributed.pipelining with manual stages (one per rank; two per rank, V-shaped, for ZBV)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    full = work.build()
+    device = torch.device("cpu")
+    if schedule == "ZBVZeroBubble":
+        pieces = split_sequential(full, 2 * world)
+        stage_ids = [rank, 2 * world - 1 - rank]  # V shape: rank r holds stages r and 2w-1-r
+        stages = [PipelineStage(pieces[s], s, 2 * world, device) for s in stage_ids]
+        params = [p for s in stage_ids for p in pieces[s].parameters()]
+        sched = ScheduleZBVZeroBubble(stages, n_microbatches=microbatches, loss_fn=work.loss_fn)
+        has_input = has_loss = rank == 0  # rank 0 holds both the first and the last stage
+    else:
+        pieces = split_sequential(full, world)
+        stage = PipelineStage(pieces[rank], rank, world, device)
+        params = list(pieces[rank].parameters())
+        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
+        sched = cls(stage, n_microbatches=microbatches, loss_fn=work.loss_fn)
+        has_input, has_loss = rank == 0, rank == world - 1
+    opt = torch.optim.SGD(params, lr=work.lr)
+    data = _batches(work, 0, 4)
+    i = [0]
+
+    def step() -> None:
+        x, y = data[i[0] % len(data)]
+        i[0] += 1
+        opt.zero_grad(set_to_none=True)
+        args = (x,) if has_input else ()
+        if has_loss:
+            sched.step(*args, target=y)
+        else:
+            sched.step(*args)
+        opt.step()
+
+    times = _timed_windows(step, warmup, windows, steps)
+    slowest = max(_gather(statistics.median(times)))
+    return {"samples_per_s": work.batch_size / slowest, "peak_rss_mb": _gather(peak_rss_mb())}
+
+
+def cpu_probe(seconds: float = 0.5) -> float:
+    """Work rate of two concurrent processes relative to one (≈2.0 on two free cores)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        one = pool.apply(_spin, (seconds,))
+        two = pool.map(_spin, [seconds, seconds])
+    return sum(two) / one
+
+
+def _spin(seconds: float) -> float:
+    """Matrix multiplies per second on one thread for ``seconds``."""
+    torch.set_num_threads(1)
+    a = torch.randn(128, 128)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a = torch.tanh(a @ a)
+        n += 1
+    return n / (time.perf_counter() - t0)
