@@ -1,0 +1,428 @@
+"""Schedule generators: a Plan in, a Schedule (one ordered action list per rank) out.
+
+Every schedule is built in three passes over plain data, each small enough to read:
+
+1. **compute order** — for every rank, the order of its forwards and backwards
+   (``_one_f_one_b``, ``_flush_batches``, ``_gpipe_batches``), from the microbatches
+   that the placement rule sends to it;
+2. **updates** — ``AR u`` (replicated stages) and ``U u`` after the rank's last backward
+   contributing to update u, then weight versions per the kind's semantics;
+3. **lowering** — ``SA``/``RA`` around every forward and ``SG``/``RG`` around every
+   backward, with the peer rank that ran (or will run) the same microbatch.
+
+The kinds and their meaning are in docs/architecture.md ("Schedule semantics"); a
+generator is one function in ``GENERATORS`` (name → function). The simulator and the
+runtime interpret the result and contain no schedule logic of their own;
+:func:`~torchpipedream.validate.validate_schedule` proves a schedule before it runs.
+
+Example::
+
+    plan = Plan.straight([["a"], ["b"], ["c"], ["d"]])
+    sched = build_schedule(plan, "pipedream", minibatches=8)
+    print(" ".join(map(str, sched.actions[0])))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from .actions import Action, Kind, Schedule
+from .plan import SCHEDULE_KINDS, Plan, PlanError
+
+__all__ = [
+    "build_schedule",
+    "GENERATORS",
+    "ScheduleBuildError",
+    "warmup_depth",
+    "replica_of",
+    "update_of",
+    "num_updates",
+    "validate_schedule",
+    "ScheduleError",
+]
+
+#: Kinds where one microbatch is one minibatch and minibatch t goes to replica t mod r.
+ROUND_ROBIN_KINDS = ("pipedream", "naive")
+
+
+class ScheduleBuildError(ValueError):
+    """A schedule cannot be generated for these arguments; the message says what to change."""
+
+
+# --------------------------------------------------------------------- placement rules
+def replica_of(plan: Plan, kind: str, stage: int, mb: int, microbatches: int) -> int:
+    """Replica of ``stage`` that runs microbatch ``mb`` (forward and backward): ``mb mod r``.
+
+    Round robin over the global microbatch id for every kind (1F1B-RR for pipedream, where a
+    microbatch is a minibatch). For the batched kinds this equals "microbatch j of a batch →
+    replica j mod r" when r divides m, and otherwise keeps every replica busy and the
+    rank-local order consistent across batches (per-batch j mod r deadlocks 2bw when r ∤ m).
+    """
+    return mb % plan.stages[stage].replicas
+
+
+def update_of(plan: Plan, kind: str, stage: int, mb: int, microbatches: int) -> int:
+    """Index u of the optimizer step of ``stage`` that microbatch ``mb``'s gradient goes into."""
+    if kind in ROUND_ROBIN_KINDS:
+        return mb // plan.stages[stage].replicas
+    return mb // microbatches
+
+
+def num_updates(plan: Plan, kind: str, stage: int, minibatches: int) -> int:
+    """Number of optimizer steps stage ``stage`` takes over the schedule."""
+    if kind in ROUND_ROBIN_KINDS:
+        return math.ceil(minibatches / plan.stages[stage].replicas)
+    return minibatches
+
+
+def warmup_depth(plan: Plan, stage: int) -> int:
+    """Forwards a replica of ``stage`` runs before its first backward in 1F1B.
+
+    ⌈(workers in stages ≥ stage) / replicas of stage⌉: n − s for a straight pipeline
+    (0-indexed s), NOAM = ⌈workers / input replicas⌉ for the input stage — enough
+    minibatches in flight to keep every downstream worker busy.
+    """
+    downstream = sum(st.replicas for st in plan.stages[stage:])
+    return math.ceil(downstream / plan.stages[stage].replicas)
+
+
+# --------------------------------------------------------------------- compute orders
+@dataclass(frozen=True)
+class _C:
+    """A compute item before lowering: F/B of microbatch ``mb``."""
+
+    kind: Kind
+    mb: int
+
+
+def _one_f_one_b(mbs: list[int], warmup: int) -> list[_C]:
+    """``warmup`` forwards, then one backward and one forward in turn, then the rest of the backwards.
+
+    ::
+
+        F0 F1 F2 B0 F3 B1 F4 B2 B3 B4      (warmup 3, five microbatches)
+    """
+    out: list[_C] = []
+    w = min(warmup, len(mbs))
+    out += [_C(Kind.FORWARD, i) for i in mbs[:w]]
+    nb = 0
+    for i in mbs[w:]:
+        out.append(_C(Kind.BACKWARD, mbs[nb]))
+        nb += 1
+        out.append(_C(Kind.FORWARD, i))
+    out += [_C(Kind.BACKWARD, i) for i in mbs[nb:]]
+    return out
+
+
+def _flush_batches(batches: list[list[int]], warmup: int) -> list[_C]:
+    """1F1B inside each batch, all backwards of a batch before the next batch's first forward."""
+    out: list[_C] = []
+    for mbs in batches:
+        out += _one_f_one_b(mbs, warmup)
+    return out
+
+
+def _gpipe_batches(batches: list[list[int]]) -> list[_C]:
+    """Per batch: every forward, then every backward in reverse order."""
+    out: list[_C] = []
+    for mbs in batches:
+        out += [_C(Kind.FORWARD, i) for i in mbs]
+        out += [_C(Kind.BACKWARD, i) for i in reversed(mbs)]
+    return out
+
+
+# --------------------------------------------------------------------- the generators
+@dataclass
+class _Ctx:
+    plan: Plan
+    kind: str
+    minibatches: int
+    microbatches: int
+    vertical_sync: bool
+
+    @property
+    def total_mbs(self) -> int:
+        return self.minibatches * self.microbatches
+
+    def mbs_of(self, stage: int, replica: int) -> list[int]:
+        return [i for i in range(self.total_mbs)
+                if replica_of(self.plan, self.kind, stage, i, self.microbatches) == replica]
+
+    def batches_of(self, stage: int, replica: int) -> list[list[int]]:
+        m = self.microbatches
+        mine = set(self.mbs_of(stage, replica))
+        return [[i for i in range(t * m, t * m + m) if i in mine] for t in range(self.minibatches)]
+
+
+ComputeOrder = dict[tuple[int, int], list[_C]]  # (stage, replica) -> compute items
+
+
+def pipedream(ctx: _Ctx) -> ComputeOrder:
+    """PipeDream 1F1B-RR with weight stashing (optionally vertical sync).
+
+    Straight 4-stage pipeline (n − s warm-up forwards at 0-indexed stage s, then one
+    backward and one forward in turn; ``U t`` after ``B t``)::
+
+        s0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 ...
+        s1:    F0 F1 F2 B0 F3 B1 F4 B2 F5 ...
+        s2:       F0 F1 B0 F2 B1 F3 B2 F4 ...
+        s3:          F0 B0 F1 B1 F2 B2 F3 ...
+
+    Minibatch t runs on replica t mod r of a replicated stage; F and B of t use the version
+    that was newest when F ran (weight stashing).
+    """
+    return {(s, q): _one_f_one_b(ctx.mbs_of(s, q), warmup_depth(ctx.plan, s))
+            for s, st in enumerate(ctx.plan.stages) for q in range(st.replicas)}
+
+
+def naive(ctx: _Ctx) -> ComputeOrder:
+    """Pipelining without weight stashing: the 1F1B order of ``pipedream``, but B uses the newest
+    weights at the time of B (not the ones F used), so its gradient is not a true gradient. For
+    experiments that show why stashing matters.
+
+    ::
+
+        s0: F0v0 F1v0 B0v0 U0 F2v1 B1v1 U1 ...     (B1 ran F with v0 but uses v1)
+    """
+    return pipedream(ctx)
+
+
+def two_bw(ctx: _Ctx) -> ComputeOrder:
+    """PipeDream-2BW: 1F1B over microbatches across batches, no flush; double-buffered weights.
+
+    Batch t (m microbatches) uses version t − 1 for all its F and B; ``U t`` after the
+    stage's last backward of batch t. At most two versions alive. Warm-up is capped at
+    (fewest microbatches of one batch on this replica) + 1 so that version t − 1 exists when batch t starts (the paper asks m ≥ n)::
+
+        s0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 U0 F7 ...     (m = 4, n = 4)
+        s3:          F0 B0 F1 B1 F2 B2 F3 B3 U0 F4 ...
+    """
+    out: ComputeOrder = {}
+    for s, st in enumerate(ctx.plan.stages):
+        for q in range(st.replicas):
+            local_m = min(len(b) for b in ctx.batches_of(s, q))
+            out[(s, q)] = _one_f_one_b(ctx.mbs_of(s, q), min(warmup_depth(ctx.plan, s), local_m + 1))
+    return out
+
+
+def flush(ctx: _Ctx) -> ComputeOrder:
+    """PipeDream-Flush (synchronous 1F1B): 1F1B within a batch, then flush and step.
+
+    Every F and B of batch t uses version t; ``U t`` after the batch's last backward::
+
+        s0: F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5 U0 | F6 ...     (m = 6, n = 4)
+        s3:          F0 B0 F1 B1 F2 B2 ...       B5 U0 |
+    """
+    return {(s, q): _flush_batches(ctx.batches_of(s, q), warmup_depth(ctx.plan, s))
+            for s, st in enumerate(ctx.plan.stages) for q in range(st.replicas)}
+
+
+def gpipe(ctx: _Ctx) -> ComputeOrder:
+    """GPipe: all forwards of a batch, then all backwards in reverse order, then step.
+
+    ::
+
+        s0: F0 F1 F2 F3                B3 B2 B1 B0 U0
+        s3:          F0 F1 F2 F3 B3 B2 B1 B0 U0
+    """
+    return {(s, q): _gpipe_batches(ctx.batches_of(s, q))
+            for s, st in enumerate(ctx.plan.stages) for q in range(st.replicas)}
+
+
+GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
+    "pipedream": pipedream,
+    "2bw": two_bw,
+    "flush": flush,
+    "gpipe": gpipe,
+    "naive": naive,
+}
+assert set(GENERATORS) == set(SCHEDULE_KINDS), "every plan kind needs a generator"
+
+
+# --------------------------------------------------------------------- pass 2: updates, versions
+def _add_updates(ctx: _Ctx, stage: int, items: list[_C]) -> list[_C | tuple[str, int]]:
+    """Insert ("AR", u) / ("U", u) after the rank's last backward of each update u.
+
+    A replica with no backward in update u (e.g. the last, partial round) still takes part in
+    the all-reduce and the step (contributing a zero gradient), right after its previous step.
+    """
+    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    replicated = plan.stages[stage].replicas > 1
+    n_upd = num_updates(plan, kind, stage, ctx.minibatches)
+    last_b: dict[int, int] = {}
+    for pos, it in enumerate(items):
+        if it.kind is Kind.BACKWARD:
+            last_b[update_of(plan, kind, stage, it.mb, m)] = pos
+    after: dict[int, list[int]] = {}
+    prev = -1
+    for u in range(n_upd):
+        pos = last_b.get(u, prev)
+        pos = max(pos, prev)
+        after.setdefault(pos, []).append(u)
+        prev = pos
+    out: list[_C | tuple[str, int]] = []
+    for u in after.get(-1, []):
+        out += ([("AR", u)] if replicated else []) + [("U", u)]
+    for pos, it in enumerate(items):
+        out.append(it)
+        for u in after.get(pos, []):
+            out += ([("AR", u)] if replicated else []) + [("U", u)]
+    return out
+
+
+def _versions(ctx: _Ctx, order: dict[tuple[int, int], list[_C | tuple[str, int]]]) -> dict[tuple[int, int], dict[tuple[Kind, int], int]]:
+    """Weight version of every F and B, per the kind's semantics (docs/architecture.md)."""
+    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    out: dict[tuple[int, int], dict[tuple[Kind, int], int]] = {}
+    for key, items in order.items():
+        vers: dict[tuple[Kind, int], int] = {}
+        steps = 0
+        for it in items:
+            if isinstance(it, tuple):
+                steps += it[0] == "U"
+                continue
+            if kind in ("flush", "gpipe"):
+                vers[(it.kind, it.mb)] = it.mb // m
+            elif kind == "2bw":
+                vers[(it.kind, it.mb)] = max(0, it.mb // m - 1)
+            elif kind == "naive":
+                vers[(it.kind, it.mb)] = steps
+            elif it.kind is Kind.FORWARD:  # pipedream
+                vers[(it.kind, it.mb)] = steps
+            else:
+                vers[(it.kind, it.mb)] = vers[(Kind.FORWARD, it.mb)]
+        out[key] = vers
+    if kind == "pipedream" and ctx.vertical_sync:
+        _apply_vertical_sync(ctx, order, out)
+    return out
+
+
+def _apply_vertical_sync(ctx: _Ctx, order: dict, vers: dict) -> None:
+    """Every stage uses, for minibatch t, the weights that include exactly the updates the input
+    stage's version for t includes: stage s takes ⌊v0(t)·r0 / r_s⌋ (v0(t) for straight pipelines,
+    = max(0, t − n + 1))."""
+    plan = ctx.plan
+    r0 = plan.stages[0].replicas
+    v0 = {}
+    for q in range(r0):
+        for (k, mb), v in vers[(0, q)].items():
+            if k is Kind.FORWARD:
+                v0[mb] = v
+    for (s, q), items in order.items():
+        rs = plan.stages[s].replicas
+        steps = 0
+        for it in items:
+            if isinstance(it, tuple):
+                steps += it[0] == "U"
+                continue
+            v = (v0[it.mb] * r0) // rs
+            if it.kind is Kind.FORWARD and v > steps:
+                raise ScheduleBuildError(
+                    f"vertical sync: stage {s} would need weight version {v} for minibatch {it.mb} "
+                    f"but has only taken {steps} steps; use vertical_sync=False for this plan ({plan.config})"
+                )
+            vers[(s, q)][(it.kind, it.mb)] = v
+
+
+# --------------------------------------------------------------------- pass 3: lowering
+def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
+    """Turn compute items into actions with the transfers around them."""
+    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    n = plan.num_stages
+
+    def rank(stage: int, mb: int) -> int:
+        return plan.stages[stage].ranks[replica_of(plan, kind, stage, mb, m)]
+
+    actions: dict[int, list[Action]] = {}
+    for (s, q), items in order.items():
+        me = plan.stages[s].ranks[q]
+        out: list[Action] = []
+        for it in items:
+            if isinstance(it, tuple):
+                k = Kind.ALLREDUCE if it[0] == "AR" else Kind.OPTIMIZER_STEP
+                out.append(Action(s, k, it[1], replica=q, version=it[1] + 1 if k is Kind.OPTIMIZER_STEP else None))
+                continue
+            v = vers[(s, q)][(it.kind, it.mb)]
+            if it.kind is Kind.FORWARD:
+                if s > 0:
+                    out.append(Action(s, Kind.RECV_ACT, it.mb, replica=q, peer=rank(s - 1, it.mb)))
+                out.append(Action(s, Kind.FORWARD, it.mb, replica=q, version=v))
+                if s < n - 1:
+                    out.append(Action(s, Kind.SEND_ACT, it.mb, replica=q, peer=rank(s + 1, it.mb)))
+            else:
+                if s < n - 1:
+                    out.append(Action(s, Kind.RECV_GRAD, it.mb, replica=q, peer=rank(s + 1, it.mb)))
+                out.append(Action(s, Kind.BACKWARD, it.mb, replica=q, version=v))
+                if s > 0:
+                    out.append(Action(s, Kind.SEND_GRAD, it.mb, replica=q, peer=rank(s - 1, it.mb)))
+        actions[me] = out
+    return dict(sorted(actions.items()))
+
+
+# --------------------------------------------------------------------- entry point
+def build_schedule(
+    plan: Plan,
+    kind: str | None = None,
+    minibatches: int = 8,
+    microbatches: int | None = None,
+    vertical_sync: bool = False,
+) -> Schedule:
+    """Generate the action lists of every rank for ``plan``.
+
+    Args:
+        plan: a valid plan (stages, replicas, ranks).
+        kind: pipedream, 2bw, flush, gpipe or naive; defaults to ``plan.schedule``.
+        minibatches: minibatches (pipedream, naive) or batches (2bw, flush, gpipe) to cover.
+        microbatches: microbatches per batch for 2bw/flush/gpipe (default ``plan.microbatches``);
+            always 1 for pipedream and naive.
+        vertical_sync: pipedream only — every stage uses the input stage's version.
+
+    Raises:
+        ScheduleBuildError: unknown kind, bad counts, or an option the kind does not support.
+    """
+    kind = plan.schedule if kind is None else kind
+    if kind not in GENERATORS:
+        raise ScheduleBuildError(f"unknown schedule {kind!r}; expected one of {', '.join(GENERATORS)}")
+    try:
+        plan.validate()
+    except PlanError as exc:
+        raise ScheduleBuildError(f"cannot build a schedule for an invalid plan: {exc}") from None
+    if not isinstance(minibatches, int) or minibatches < 1:
+        raise ScheduleBuildError(f"minibatches must be a positive integer, got {minibatches!r}")
+    if kind in ROUND_ROBIN_KINDS:
+        if microbatches not in (None, 1):
+            raise ScheduleBuildError(f"{kind} does not split minibatches; use microbatches=1 (got {microbatches})")
+        m = 1
+    else:
+        m = plan.microbatches if microbatches is None else microbatches
+        if not isinstance(m, int) or m < 1:
+            raise ScheduleBuildError(f"microbatches must be a positive integer, got {m!r}")
+    if kind == "2bw":
+        bad = [(i, st.replicas) for i, st in enumerate(plan.stages) if m % st.replicas]
+        if bad:
+            s_i, r = bad[0]
+            raise ScheduleBuildError(
+                f"2bw needs microbatches to be a multiple of every stage's replica count (stage {s_i} has "
+                f"{r} replicas, microbatches is {m}): every replica must take the same share of each batch, "
+                "or the replicas' all-reduces interlock with the pipeline and deadlock. Choose microbatches "
+                f"= {m + (-m) % r} or another multiple"
+            )
+    if vertical_sync and kind != "pipedream":
+        raise ScheduleBuildError(f"vertical_sync applies to the pipedream schedule only, not {kind!r}")
+    ctx = _Ctx(plan, kind, minibatches, m, vertical_sync)
+    compute = GENERATORS[kind](ctx)
+    order = {key: _add_updates(ctx, key[0], items) for key, items in compute.items()}
+    vers = _versions(ctx, order)
+    actions = _lower(ctx, order, vers)
+    options = {"vertical_sync": True} if vertical_sync else {}
+    return Schedule(plan=plan, kind=kind, minibatches=minibatches, microbatches=m, actions=actions, options=options)
+
+
+def __getattr__(name: str):  # re-export the validator without a circular import at load time
+    if name in ("validate_schedule", "ScheduleError"):
+        from . import validate
+
+        return getattr(validate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
