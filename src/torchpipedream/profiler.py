@@ -1,0 +1,550 @@
+"""Measure a model layer by layer and return the :class:`~torchpipedream.graph.LayerGraph`.
+
+The model is traced with ``torch.fx.symbolic_trace``; every fx node except ``output`` and
+``get_attr`` becomes one :class:`~torchpipedream.graph.Layer` whose ``name`` is the fx node's
+name (the runtime later splits the same traced graph by these names). ``get_attr`` nodes
+(parameters and buffers used directly, e.g. a position embedding) belong to the nodes that
+use them: their parameter bytes are charged to the first user and they add no edges.
+Placeholders become input layers (``is_input=True``, no compute).
+
+How each number is measured (times are medians over ``iters`` runs after ``warmup``):
+
+* forward: the traced graph is run node by node by a small interpreter, timing each node's
+  call alone (``time.perf_counter``; on CUDA a pair of CUDA events per node, read after a
+  synchronize at the end of the pass). Autograd is on, as in training.
+* backward: each node is re-run on *detached* copies of its inputs (an input requires grad
+  exactly when it did in the real forward, i.e. when it depends on parameters), then only
+  ``torch.autograd.backward(outputs, ones)`` is timed. This is the node's own backward:
+  gradients for its parameters and for the inputs that need them, nothing upstream. Nodes
+  whose outputs need no gradient (shape arithmetic, masks) get 0.
+* loss: with ``loss_fn``, the loss's forward and backward are timed the same way and added
+  to the layer that produces the model's output (the last such layer in graph order); the
+  loss is not a layer of its own, so stage splits never isolate it. ``meta["loss_layer"]``
+  names that layer.
+* activation_bytes: exact bytes of the node's output tensors (summed over tuples, lists and
+  dicts; views count their full size, since that is what crosses a stage boundary).
+* parameter_bytes: bytes of a ``call_module`` node's module parameters (recursively), plus
+  the parameters it reads through ``get_attr``; each parameter is counted once, at its first
+  user, so the total equals ``sum(p.numel() * p.element_size() for p in module.parameters())``.
+
+Profiling leaves the model as it found it: parameter gradients, buffers (BatchNorm running
+statistics), the RNG state, the device (when ``device`` moved it) and the thread count are
+restored afterwards.
+
+If fx cannot trace the model and it is an ``nn.Sequential`` (or a list of modules), its
+children are profiled as the layers instead (names ``"0"``, ``"1"``, ...; a chain), with
+``meta["split"] = "sequential"``; the graph then also starts with an input layer named
+``"input"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule, Node, symbolic_trace
+from torch.fx.node import map_aggregate, map_arg
+
+from .graph import Layer, LayerGraph
+
+__all__ = ["profile", "ProfilerError"]
+
+log = logging.getLogger(__name__)
+
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
+
+
+class ProfilerError(ValueError):
+    """The model cannot be profiled as given; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------- helpers
+def _tensors(value: Any) -> list[Tensor]:
+    """All tensors in a (nested) tuple/list/dict value, in order."""
+    found: list[Tensor] = []
+
+    def visit(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            found.append(v)
+        return v
+
+    map_aggregate(value, visit)
+    return found
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _module_kind(mod: nn.Module) -> str:
+    text = repr(mod)
+    return text if "\n" not in text else type(mod).__name__
+
+
+def _function_kind(target: Any) -> str:
+    name = getattr(target, "__name__", str(target))
+    module = getattr(target, "__module__", None) or ""
+    if module in ("builtins", "_operator", "operator", ""):
+        return name
+    if module == "torch.nn.functional":
+        return f"F.{name}"
+    if module.startswith("torch"):
+        return f"torch.{name}"
+    return f"{module}.{name}"
+
+
+class _Timer:
+    """Times a region: perf_counter on the CPU; CUDA events (read after a synchronize) on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start: Any) -> Any:
+        """A pending measurement; :meth:`ms` turns it into milliseconds."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            return (start, end)
+        return (time.perf_counter() - start) * 1e3
+
+    def ms(self, pending: Any) -> float:
+        if self.cuda:
+            start, end = pending
+            return float(start.elapsed_time(end))
+        return float(pending)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass
+class _Step:
+    """One layer to time: how to gather its arguments from the environment and call it."""
+
+    name: str
+    kind: str
+    inputs: list[str]  # producer layer names (edges)
+    resolve: Callable[[dict[str, Any]], tuple[tuple, dict]]
+    invoke: Callable[[tuple, dict], Any]
+    params: list[nn.Parameter] = field(default_factory=list)  # counted for this layer
+    own_params: list[nn.Parameter] = field(default_factory=list)  # grads it touches
+    mutates: bool = False
+
+
+@dataclass
+class _Program:
+    """The model as an ordered list of steps (fx nodes or Sequential children)."""
+
+    inputs: list[tuple[str, Any]]  # placeholder name, default (or _NO_DEFAULT)
+    steps: list[_Step]
+    constants: dict[str, Any]  # get_attr node name -> value
+    output: Callable[[dict[str, Any]], Any]
+    output_producers: list[str]
+    split: str
+
+
+_NO_DEFAULT = object()
+
+
+# ------------------------------------------------------------------ building programs
+def _fx_program(gm: GraphModule) -> _Program:
+    modules = dict(gm.named_modules())
+    params_by_id = {id(p): p for p in gm.parameters()}
+    constants: dict[str, Any] = {}
+    inputs: list[tuple[str, Any]] = []
+    steps: list[_Step] = []
+    output_fn: Callable[[dict[str, Any]], Any] = lambda env: None
+    output_producers: list[str] = []
+    kept: set[str] = set()
+
+    def fetch_attr(target: str) -> Any:
+        obj: Any = gm
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            default = node.args[0] if node.args else _NO_DEFAULT
+            inputs.append((node.name, default))
+            kept.add(node.name)
+        elif node.op == "get_attr":
+            constants[node.name] = fetch_attr(node.target)
+        elif node.op == "output":
+            out_arg = node.args[0]
+            output_fn = lambda env, a=out_arg: map_arg(a, lambda n: env[n.name])
+            output_producers = [n.name for n in node.all_input_nodes if n.name in kept]
+        else:
+            steps.append(_fx_step(node, modules, constants, params_by_id, kept))
+            kept.add(node.name)
+    return _Program(inputs, steps, constants, output_fn, output_producers, "fx")
+
+
+def _fx_step(
+    node: Node,
+    modules: dict[str, nn.Module],
+    constants: dict[str, Any],
+    params_by_id: dict[int, nn.Parameter],
+    kept: set[str],
+) -> _Step:
+    args, kwargs, target = node.args, node.kwargs, node.target
+
+    def resolve(env: dict[str, Any]) -> tuple[tuple, dict]:
+        return map_arg(args, lambda n: env[n.name]), map_arg(kwargs, lambda n: env[n.name])
+
+    params: list[nn.Parameter] = []
+    mutates = bool(kwargs.get("inplace", False))
+    if node.op == "call_module":
+        mod = modules[target]
+        kind = _module_kind(mod)
+        params = list(mod.parameters())
+        mutates = mutates or bool(getattr(mod, "inplace", False))
+
+        def invoke(a: tuple, k: dict) -> Any:
+            return mod(*a, **k)
+
+    elif node.op == "call_function":
+        kind = _function_kind(target)
+        name = getattr(target, "__name__", "")
+        mutates = mutates or name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+
+        def invoke(a: tuple, k: dict) -> Any:
+            return target(*a, **k)
+
+    elif node.op == "call_method":
+        kind = f"Tensor.{target}"
+        mutates = mutates or (target.endswith("_") and not target.endswith("__"))
+
+        def invoke(a: tuple, k: dict) -> Any:
+            return getattr(a[0], target)(*a[1:], **k)
+
+    else:  # pragma: no cover - fx has no other node kinds today
+        raise ProfilerError(f"fx node {node.name!r}: unsupported op {node.op!r}")
+    for inp in node.all_input_nodes:
+        if inp.op == "get_attr" and isinstance(constants.get(inp.name), nn.Parameter):
+            p = constants[inp.name]
+            params.append(params_by_id.get(id(p), p))
+    inputs = [inp.name for inp in node.all_input_nodes if inp.name in kept]
+    return _Step(node.name, kind, inputs, resolve, invoke, params, list(params), mutates)
+
+
+def _sequential_program(seq: nn.Sequential) -> _Program:
+    names = list(seq._modules)
+    input_name = "input"
+    while input_name in names:
+        input_name = "_" + input_name
+    steps = []
+    prev = input_name
+    for child_name in names:
+        child = seq._modules[child_name]
+        assert child is not None
+
+        def resolve(env: dict[str, Any], p: str = prev) -> tuple[tuple, dict]:
+            return (env[p],), {}
+
+        def invoke(a: tuple, k: dict, m: nn.Module = child) -> Any:
+            return m(*a, **k)
+
+        params = list(child.parameters())
+        steps.append(
+            _Step(child_name, _module_kind(child), [prev], resolve, invoke, params, params,
+                  bool(getattr(child, "inplace", False)))
+        )
+        prev = child_name
+    last = prev
+    return _Program([(input_name, _NO_DEFAULT)], steps, {}, lambda env: env[last], [last], "sequential")
+
+
+def _build_program(module: nn.Module | Sequence[nn.Module]) -> tuple[_Program, nn.Module]:
+    if isinstance(module, (list, tuple)):
+        if not module or not all(isinstance(m, nn.Module) for m in module):
+            raise ProfilerError("profile: a list of stage modules must be a non-empty list of nn.Module")
+        seq = nn.Sequential(*module)
+        return _sequential_program(seq), seq
+    if not isinstance(module, nn.Module):
+        raise ProfilerError(f"profile: expected an nn.Module, got {type(module).__name__}")
+    try:
+        gm = symbolic_trace(module)
+    except Exception as exc:  # fx raises many kinds (TraceError, TypeError, ...)
+        if isinstance(module, nn.Sequential):
+            log.info("torch.fx could not trace %s (%s); profiling its children instead",
+                     type(module).__name__, _first_line(exc))
+            return _sequential_program(module), module
+        raise ProfilerError(
+            f"profile: torch.fx could not trace {type(module).__name__} ({_first_line(exc)}). "
+            "Make its forward traceable (no Python control flow on tensor values), wrap its parts "
+            "in an nn.Sequential, or pass a list of stage modules."
+        ) from None
+    return _fx_program(gm), gm
+
+
+# --------------------------------------------------------------------------- running
+def _bind_inputs(program: _Program, args: tuple) -> dict[str, Any]:
+    n_required = sum(1 for _, d in program.inputs if d is _NO_DEFAULT)
+    if not n_required <= len(args) <= len(program.inputs):
+        raise ProfilerError(
+            f"profile: the model takes {n_required}..{len(program.inputs)} inputs "
+            f"({', '.join(n for n, _ in program.inputs)}), the sample gave {len(args)}; "
+            "pass a tensor, or a tuple with one tensor per input"
+        )
+    env = dict(program.constants)
+    for i, (name, default) in enumerate(program.inputs):
+        env[name] = args[i] if i < len(args) else default
+    return env
+
+
+def _forward_pass(program: _Program, args: tuple, timer: _Timer, first: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run every step once, timing each call; returns (environment, pending times)."""
+    env = _bind_inputs(program, args)
+    pending: dict[str, Any] = {}
+    for step in program.steps:
+        a, k = step.resolve(env)
+        try:
+            start = timer.start()
+            out = step.invoke(a, k)
+            pending[step.name] = timer.stop(start)
+        except Exception as exc:
+            if not first:
+                raise
+            raise ProfilerError(
+                f"profile: running layer {step.name!r} ({step.kind}) on the sample input failed: "
+                f"{_first_line(exc)}; check the sample input's shape and dtype"
+            ) from None
+        env[step.name] = out
+    return env, pending
+
+
+def _detached(value: Any, clone: bool) -> Any:
+    """Leaf copies of the tensors in ``value``: requires_grad where the original had it."""
+
+    def leaf(v: Any) -> Any:
+        if not isinstance(v, Tensor):
+            return v
+        d = v.detach()
+        if v.requires_grad and (d.is_floating_point() or d.is_complex()):
+            d.requires_grad_(True)
+        return d.clone() if clone else d
+
+    return map_aggregate(value, leaf)
+
+
+def _backward_once(step: _Step, env: dict[str, Any], timer: _Timer) -> Any:
+    """Re-run ``step`` on detached inputs and time only its backward; None if it has none."""
+    a, k = step.resolve(env)
+    try:
+        out = step.invoke(_detached(a, step.mutates), _detached(k, step.mutates))
+    except RuntimeError as exc:
+        if step.mutates:
+            raise ProfilerError(f"profile: re-running layer {step.name!r} for its backward failed: {_first_line(exc)}") from None
+        # An in-place op we did not recognise ("a leaf Variable that requires grad is being
+        # used in an in-place operation"): give it non-leaf copies from now on.
+        step.mutates = True
+        return _backward_once(step, env, timer)
+    roots = [t for t in _tensors(out) if t.requires_grad]
+    if not roots:
+        return None
+    grads = [torch.ones_like(t) for t in roots]
+    for p in step.own_params:
+        p.grad = None
+    timer.sync()
+    start = timer.start()
+    torch.autograd.backward(roots, grads)
+    pending = timer.stop(start)
+    for p in step.own_params:
+        p.grad = None
+    return pending
+
+
+def _loss_once(loss_fn: Callable, output: Any, target: Any, timer: _Timer) -> tuple[Any, Any]:
+    """Time the loss's forward and backward on a detached copy of the model output."""
+    out = _detached(output, clone=False)
+    start = timer.start()
+    loss = loss_fn(out, target) if target is not None else loss_fn(out)
+    fwd = timer.stop(start)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ProfilerError("profile: loss_fn must return a scalar tensor")
+    if not loss.requires_grad:
+        return fwd, None
+    start = timer.start()
+    loss.backward()
+    return fwd, timer.stop(start)
+
+
+# --------------------------------------------------------------------------- public
+def profile(
+    module: nn.Module | Sequence[nn.Module],
+    sample_input: Any,
+    loss_fn: Callable[..., Tensor] | None = None,
+    target: Any = None,
+    device: str | torch.device | None = None,
+    warmup: int = 3,
+    iters: int = 10,
+    name: str | None = None,
+    num_threads: int | None = 1,
+) -> LayerGraph:
+    """Profile ``module`` on ``sample_input`` and return its layer graph.
+
+    Args:
+        module: the model (traced with torch.fx), or an nn.Sequential / list of modules that
+            fx cannot trace (profiled child by child).
+        sample_input: one minibatch: a tensor, or a tuple with one value per forward argument.
+            Its first dimension is recorded as the graph's ``batch_size``.
+        loss_fn: optional ``loss_fn(output, target)`` (or ``loss_fn(output)`` without target);
+            its time is added to the layer producing the output.
+        target: the loss's target for this minibatch.
+        device: where to time; the module is moved there and back. Default: where its
+            parameters are (CPU for a parameterless module).
+        warmup, iters: untimed and timed repetitions; each number is a median over ``iters``.
+        name: the model's name for ``meta["model"]`` (default: its class name).
+        num_threads: torch threads during CPU timing (default 1, restored afterwards);
+            None keeps the current setting.
+
+    Raises:
+        ProfilerError: fx cannot trace a non-Sequential model, the sample does not fit the
+            model, or the arguments are invalid. The message says what to do.
+    """
+    if iters < 1 or warmup < 0:
+        raise ProfilerError(f"profile: need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    root = module if isinstance(module, nn.Module) else None
+    first_param = next(iter(root.parameters()), None) if root is not None else None
+    home = first_param.device if first_param is not None else torch.device("cpu")
+    dev = torch.device(device) if device is not None else home
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ProfilerError(f"profile: device {dev} requested but CUDA is not available")
+    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    args = tuple(map_aggregate(a, lambda v: v.to(dev) if isinstance(v, Tensor) else v) for a in args)
+    if target is not None:
+        target = map_aggregate(target, lambda v: v.to(dev) if isinstance(v, Tensor) else v)
+    first_tensor = next(iter(_tensors(args)), None)
+    batch_size = int(first_tensor.shape[0]) if first_tensor is not None and first_tensor.dim() > 0 else None
+
+    moved = root is not None and dev != home
+    if moved:
+        root.to(dev)
+    old_threads = torch.get_num_threads()
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+    try:
+        program, traced = _build_program(module)
+        all_params = list(traced.parameters())
+        saved_grads = [p.grad for p in all_params]
+        saved_buffers = [(b, b.detach().clone()) for b in traced.buffers()]
+        if dev.type == "cpu" and num_threads is not None:
+            torch.set_num_threads(num_threads)
+        try:
+            with torch.enable_grad():
+                graph = _measure(program, args, loss_fn, target, _Timer(dev), warmup, iters, batch_size)
+        finally:
+            for p, g in zip(all_params, saved_grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in saved_buffers:
+                    b.copy_(saved)
+        graph.meta.update(
+            model=name or (type(module).__name__ if root is not None else "list"),
+            device=str(dev),
+            torch=torch.__version__,
+            threads=torch.get_num_threads() if dev.type == "cpu" else None,
+            split=program.split,
+            warmup=warmup,
+            iters=iters,
+            timer="cuda_events" if dev.type == "cuda" else "perf_counter",
+        )
+        return graph
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, dev)
+        if moved:
+            root.to(home)
+
+
+def _measure(
+    program: _Program,
+    args: tuple,
+    loss_fn: Callable[..., Tensor] | None,
+    target: Any,
+    timer: _Timer,
+    warmup: int,
+    iters: int,
+    batch_size: int | None,
+) -> LayerGraph:
+    any_mutation = any(s.mutates for s in program.steps)
+    fwd: dict[str, list[float]] = {s.name: [] for s in program.steps}
+    bwd: dict[str, list[float]] = {s.name: [] for s in program.steps}
+    loss_fwd: list[float] = []
+    loss_bwd: list[float] = []
+    env: dict[str, Any] = {}
+    for i in range(warmup + iters):
+        run_args = _detached(args, clone=True) if any_mutation else args
+        env, pending = _forward_pass(program, run_args, timer, first=(i == 0))
+        pending_bwd = {s.name: _backward_once(s, env, timer) for s in program.steps}
+        pending_loss = _loss_once(loss_fn, program.output(env), target, timer) if loss_fn else (None, None)
+        timer.sync()
+        if i < warmup:
+            continue
+        for step in program.steps:
+            fwd[step.name].append(timer.ms(pending[step.name]))
+            pb = pending_bwd[step.name]
+            bwd[step.name].append(timer.ms(pb) if pb is not None else 0.0)
+        if loss_fn:
+            loss_fwd.append(timer.ms(pending_loss[0]))
+            loss_bwd.append(timer.ms(pending_loss[1]) if pending_loss[1] is not None else 0.0)
+
+    layers: list[Layer] = []
+    edges: list[tuple[str, str]] = []
+    for input_name, _ in program.inputs:
+        value = env.get(input_name)
+        layers.append(_layer(input_name, "Input", value, 0.0, 0.0, 0, is_input=True))
+    seen: set[int] = set()
+    for step in program.steps:
+        pbytes = 0
+        for p in step.params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                pbytes += p.numel() * p.element_size()
+        layers.append(
+            _layer(step.name, step.kind, env[step.name], statistics.median(fwd[step.name]),
+                   statistics.median(bwd[step.name]), pbytes)
+        )
+        edges.extend((src, step.name) for src in step.inputs)
+    meta: dict[str, Any] = {"loss_layer": None}
+    if loss_fn and program.output_producers:
+        order = {s.name: i for i, s in enumerate(program.steps)}
+        last = max(program.output_producers, key=lambda n: order.get(n, -1))
+        layer = next(l for l in layers if l.name == last)
+        layer.forward_ms += statistics.median(loss_fwd)
+        layer.backward_ms += statistics.median(loss_bwd)
+        meta["loss_layer"] = last
+    return LayerGraph(layers, edges, batch_size=batch_size, meta=meta)
+
+
+def _layer(name: str, kind: str, value: Any, fwd: float, bwd: float, pbytes: int, is_input: bool = False) -> Layer:
+    tensors = _tensors(value)
+    return Layer(
+        name=name,
+        kind=kind,
+        forward_ms=float(fwd),
+        backward_ms=float(bwd),
+        activation_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        parameter_bytes=int(pbytes),
+        output_shapes=[list(t.shape) for t in tensors],
+        output_dtypes=[str(t.dtype).replace("torch.", "") for t in tensors],
+        is_input=is_input,
+    )
