@@ -1,0 +1,13 @@
+"""The runtime: stage modules, weight versions, point-to-point transfers, the per-rank engine,
+the ``Pipeline`` API and the local launcher.
+
+Import cost: this package imports torch (unlike the graph, planner and schedule modules).
+"""
+
+from __future__ import annotations
+
+from .launch import LaunchError, launch
+from .pipeline import Pipeline, PipelineError, forward_only
+from .stage_split import StageSplitError, split_stages
+
+__all__ = ["Pipeline", "PipelineError", "launch", "LaunchError", "split_stages", "StageSplitError", "forward_only"]

@@ -1,0 +1,308 @@
+"""Point-to-point transfers between pipeline ranks: asynchronous sends, prefetched receives.
+
+Protocol (one rule makes matching unambiguous): all messages between a given sender and
+receiver are matched in FIFO order per direction, and the schedule emits matching orders
+(the k-th ``SA`` from rank a to rank b pairs with the k-th ``RA`` on b from a). Each
+direction uses its own tags, so prefetching on one never steals a message of another.
+
+* **Activations** (``SA``/``RA``, tags ``_TAG_ACT_HEADER``/``_TAG_ACT_DATA``): a fixed-size
+  int64 header (``HEADER_LEN`` words: number of samples, number of activation and
+  passenger tensors, then per tensor dtype, requires-grad flag and shape), followed by one
+  message per tensor. The header is how shapes and dtypes are learned from the first real
+  batch and how they change for a last partial batch: the receiver allocates exactly what
+  the header says, so the user never types a shape and a shape change costs nothing extra.
+  (Cost of always sending it: one 256-byte message per transfer; measured in
+  ``benchmarks/runtime_vs_sim.py``.) A header that does not fit in ``HEADER_LEN`` words
+  announces an extension message with the rest.
+* **Gradients** (``SG``/``RG``, tag ``_TAG_GRAD``): no header. The receiver of a gradient
+  is the stage that sent the activations, so it already knows the shapes (one gradient
+  per activation that requires grad); it posts the ``irecv`` as soon as it has sent the
+  activations, in the order of its own ``RG`` actions.
+
+Receives are posted early (prefetch): the next activation header of each incoming channel
+is always posted, its payload as soon as the header has arrived; gradient receives are
+posted as soon as their shapes are known. Sends are ``isend``; the request and the tensor
+stay referenced until the send completes. Every wait has a deadline and raises
+:class:`CommTimeout` naming the peer rank and stage instead of hanging.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["P2P", "CommTimeout", "CommError", "HEADER_LEN", "encode_header", "decode_header"]
+
+log = logging.getLogger(__name__)
+
+HEADER_LEN = 32
+_TAG_ACT_HEADER = 11
+_TAG_ACT_DATA = 12
+_TAG_GRAD = 13
+_TAG_ACT_EXT = 14
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool,
+]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+class CommError(RuntimeError):
+    """A transfer could not be made (e.g. a value crossing a cut is not a tensor)."""
+
+
+class CommTimeout(CommError):
+    """A blocking wait passed its deadline; the message names the peer rank and stage."""
+
+
+def encode_header(samples: int, tensors: list[torch.Tensor], passengers: list[torch.Tensor]) -> list[int]:
+    """The header words for one activation message (see the module docstring)."""
+    words = [samples, len(tensors), len(passengers)]
+    for t in list(tensors) + list(passengers):
+        if t.dtype not in _CODE:
+            raise CommError(f"cannot send a tensor of dtype {t.dtype}; supported: {[str(d) for d in _DTYPES]}")
+        words += [_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    return words
+
+
+@dataclass
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def decode_header(words: list[int]) -> tuple[int, list[TensorMeta], list[TensorMeta]]:
+    """Inverse of :func:`encode_header`: (samples, activation metas, passenger metas)."""
+    samples, n_act, n_pass = words[0], words[1], words[2]
+    metas: list[TensorMeta] = []
+    pos = 3
+    for _ in range(n_act + n_pass):
+        code, rg, ndim = words[pos], words[pos + 1], words[pos + 2]
+        shape = tuple(words[pos + 3: pos + 3 + ndim])
+        metas.append(TensorMeta(shape, _DTYPES[code], bool(rg)))
+        pos += 3 + ndim
+    return samples, metas[:n_act], metas[n_act:]
+
+
+@dataclass
+class _ActRecv:
+    """One incoming activation message in progress."""
+
+    mb: int
+    header: torch.Tensor
+    header_work: Any
+    data_works: list[Any] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    metas: list[TensorMeta] = field(default_factory=list)
+    n_act: int = 0
+    samples: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class _GradRecv:
+    mb: int
+    works: list[Any]
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+
+class P2P:
+    """Point-to-point channels of one rank.
+
+    Args:
+        rank: this rank.
+        describe: rank -> human text ("rank 2 (stage 1)") for error messages.
+        act_order: peer -> microbatch ids of this rank's ``RA`` actions from that peer, in order.
+        grad_order: peer -> microbatch ids of this rank's ``RG`` actions from that peer, in order.
+        device: where received tensors live (cpu for gloo, cuda for nccl).
+        timeout_s: deadline of every blocking wait.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        describe: Callable[[int], str],
+        act_order: dict[int, list[int]],
+        grad_order: dict[int, list[int]],
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.rank = rank
+        self.describe = describe
+        self.device = device
+        self.timeout_s = float(timeout_s)
+        self._act_queue = {p: collections.deque(ids) for p, ids in act_order.items()}
+        self._grad_queue = {p: collections.deque(ids) for p, ids in grad_order.items()}
+        self._act_posted: dict[int, collections.deque[_ActRecv]] = {p: collections.deque() for p in act_order}
+        self._grad_posted: dict[int, collections.deque[_GradRecv]] = {p: collections.deque() for p in grad_order}
+        self._grad_meta: dict[int, list[TensorMeta]] = {}
+        self._sends: list[tuple[Any, Any, str]] = []
+        self.pump()
+
+    # ------------------------------------------------------------------ helpers
+    def _wait(self, work: Any, what: str, peer: int) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise CommTimeout(
+                f"{self.describe(self.rank)} waited more than {self.timeout_s:g} s for {what} "
+                f"from {self.describe(peer)} "
+                f"({str(exc).splitlines()[0][:200]}); is that rank alive and running the same schedule?"
+            ) from None
+
+    # ------------------------------------------------------------------ progress
+    def pump(self) -> None:
+        """Post every receive that can be posted now; forget completed sends."""
+        for peer, queue in self._act_queue.items():
+            posted = self._act_posted[peer]
+            if posted and not posted[-1].data_works and posted[-1].header_work.is_completed():
+                self._post_act_payload(peer, posted[-1])
+            if queue and (not posted or posted[-1].data_works):
+                mb = queue.popleft()
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                posted.append(_ActRecv(mb, header, dist.irecv(header, src=peer, tag=_TAG_ACT_HEADER)))
+        for peer, queue in self._grad_queue.items():
+            while queue and queue[0] in self._grad_meta:
+                mb = queue.popleft()
+                metas = self._grad_meta.pop(mb)
+                tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+                works = [dist.irecv(t, src=peer, tag=_TAG_GRAD) for t in tensors]
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                self._grad_posted[peer].append(_GradRecv(mb, works, tensors, nbytes))
+        if self._sends:
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def _post_act_payload(self, peer: int, rec: _ActRecv) -> None:
+        words = rec.header.tolist()
+        if words[0] < 0:  # extended header
+            ext = torch.empty(-words[0], dtype=torch.int64, device=self.device)
+            self._wait(dist.irecv(ext, src=peer, tag=_TAG_ACT_EXT), f"the header of microbatch {rec.mb}", peer)
+            words = ext.tolist()
+        rec.samples, act, passengers = decode_header(words)
+        rec.metas = act + passengers
+        rec.n_act = len(act)
+        rec.tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in rec.metas]
+        rec.data_works = [dist.irecv(t, src=peer, tag=_TAG_ACT_DATA) for t in rec.tensors]
+        if not rec.data_works:  # a message without tensors: mark as posted
+            rec.data_works = [None]
+        rec.nbytes = sum(t.numel() * t.element_size() for t in rec.tensors)
+
+    # ------------------------------------------------------------------ activations
+    def send_acts(self, peer: int, mb: int, samples: int, tensors: list[torch.Tensor],
+                  passengers: list[torch.Tensor]) -> int:
+        """Send microbatch ``mb``'s activations (and passengers: targets) to ``peer``; returns bytes.
+
+        Remembers which activations require grad, so the matching gradient receive can be
+        posted right away.
+        """
+        for t in list(tensors) + list(passengers):
+            if not isinstance(t, torch.Tensor):
+                raise CommError(
+                    f"{self.describe(self.rank)}: a value of type {type(t).__name__} crosses the cut to "
+                    f"{self.describe(peer)}; only tensors can cross a stage boundary (move the cut)"
+                )
+        words = encode_header(samples, tensors, passengers)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        if len(words) <= HEADER_LEN:
+            header[: len(words)] = torch.tensor(words, dtype=torch.int64)
+            ext = None
+        else:
+            header[0] = -len(words)
+            ext = torch.tensor(words, dtype=torch.int64, device=self.device)
+        header = header.to(self.device)
+        self._sends.append((dist.isend(header, dst=peer, tag=_TAG_ACT_HEADER), header, "header"))
+        if ext is not None:
+            self._sends.append((dist.isend(ext, dst=peer, tag=_TAG_ACT_EXT), ext, "header"))
+        nbytes = 0
+        for t in list(tensors) + list(passengers):
+            data = t.detach().contiguous()
+            self._sends.append((dist.isend(data, dst=peer, tag=_TAG_ACT_DATA), data, f"activations of microbatch {mb}"))
+            nbytes += data.numel() * data.element_size()
+        self._grad_meta[mb] = [
+            TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if t.requires_grad
+        ]
+        return nbytes
+
+    def recv_acts(self, peer: int, mb: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor], int]:
+        """Block until microbatch ``mb``'s activations from ``peer`` arrived.
+
+        Returns (samples, activations, passengers, bytes); activations that required grad at
+        the sender require grad here (leaves of this stage's graph).
+        """
+        posted = self._act_posted.get(peer)
+        if posted is None:
+            raise CommError(f"{self.describe(self.rank)} has no RA from {self.describe(peer)} in its schedule")
+        self.pump()
+        rec = posted[0]
+        if rec.mb != mb:
+            raise CommError(
+                f"{self.describe(self.rank)}: schedule asks for microbatch {mb} from {self.describe(peer)} "
+                f"but the next message on that channel is microbatch {rec.mb}"
+            )
+        if not rec.data_works:
+            self._wait(rec.header_work, f"the activations of microbatch {mb}", peer)
+            self._post_act_payload(peer, rec)
+        for w in rec.data_works:
+            if w is not None:
+                self._wait(w, f"the activations of microbatch {mb}", peer)
+        posted.popleft()
+        self.pump()
+        for t, m in zip(rec.tensors, rec.metas):
+            if m.requires_grad:
+                t.requires_grad_(True)
+        return rec.samples, rec.tensors[: rec.n_act], rec.tensors[rec.n_act:], rec.nbytes
+
+    # ------------------------------------------------------------------ gradients
+    def send_grads(self, peer: int, mb: int, grads: list[torch.Tensor]) -> int:
+        nbytes = 0
+        for g in grads:
+            data = g.detach().contiguous()
+            self._sends.append((dist.isend(data, dst=peer, tag=_TAG_GRAD), data, f"gradients of microbatch {mb}"))
+            nbytes += data.numel() * data.element_size()
+        return nbytes
+
+    def recv_grads(self, peer: int, mb: int) -> tuple[list[torch.Tensor], int]:
+        """Block until the gradients of microbatch ``mb``'s activations arrive from ``peer``."""
+        self.pump()
+        posted = self._grad_posted.get(peer)
+        if not posted:
+            raise CommError(
+                f"{self.describe(self.rank)}: RG {mb} from {self.describe(peer)} before the matching SA "
+                "(the schedule must send activations before receiving their gradients)"
+            )
+        rec = posted[0]
+        if rec.mb != mb:
+            raise CommError(
+                f"{self.describe(self.rank)}: schedule asks for gradients of microbatch {mb} from "
+                f"{self.describe(peer)} but the next message on that channel is microbatch {rec.mb}"
+            )
+        for w in rec.works:
+            self._wait(w, f"the gradients of microbatch {mb}", peer)
+        posted.popleft()
+        return rec.tensors, rec.nbytes
+
+    # ------------------------------------------------------------------ end
+    def finish(self) -> None:
+        """Wait for every outstanding send (call at the end of a schedule)."""
+        for work, _, what in self._sends:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise CommTimeout(
+                    f"{self.describe(self.rank)}: sending {what} did not complete within {self.timeout_s:g} s "
+                    f"({str(exc).splitlines()[0][:200]})"
+                ) from None
+        self._sends = []
+        leftover = {p: len(q) for p, q in self._act_posted.items() if q}
+        if leftover:
+            log.warning("%s: unmatched activation receives left: %s", self.describe(self.rank), leftover)

@@ -1,0 +1,253 @@
+"""The per-rank interpreter: runs this rank's action list from a Schedule, in order.
+
+The engine has no schedule logic of its own. What it reads from the schedule beyond its own
+list are static facts computed once before the run: the order of its receives per peer (so
+receives can be posted early) and how many F/B actions use each weight version (so stashes
+are kept exactly as long as needed). Everything else, including which weight version each
+F and B uses, comes from the actions.
+
+Per microbatch it keeps: the stage's inputs (data or received activations), the autograd
+graph of its forward (outputs and the leaves it needs gradients for), the received output
+gradients and the computed input gradients, each dropped as soon as the action that
+consumes it has run.
+
+Each executed action becomes an :class:`~torchpipedream.trace.Event` with wall-clock times
+relative to a common start (ranks start after a barrier).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from ..actions import Action, Kind
+from ..trace import Event
+from .comm import P2P
+from .weights import WeightVersions
+
+__all__ = ["Engine", "MicrobatchResult", "as_tuple"]
+
+log = logging.getLogger(__name__)
+
+
+def as_tuple(x: Any) -> tuple[Any, ...]:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+@dataclass
+class MicrobatchResult:
+    """What the last stage learned about one microbatch."""
+
+    samples: int
+    loss: float  # as returned by loss_fn (mean or sum over the microbatch's samples)
+    correct: int | None = None  # class-label accuracy count, when applicable
+
+
+@dataclass
+class _Context:
+    version: int
+    inputs: tuple[Any, ...]
+    leaves: list[torch.Tensor]  # received activations that need a gradient
+    outputs: list[torch.Tensor] = field(default_factory=list)  # outputs to differentiate
+    loss: torch.Tensor | None = None
+    targets: tuple[Any, ...] = ()
+    samples: int = 0
+
+
+class Engine:
+    """Executes one rank's actions.
+
+    Args:
+        rank / stage / replica: who this is.
+        module: the stage module (see stage_split).
+        is_first / is_last: stage position (the first reads data, the last computes the loss).
+        weights: the stage's WeightVersions.
+        comm: P2P channels (None for a single-stage run).
+        loss_fn: ``loss_fn(output, *targets) -> scalar tensor``.
+        ar_group: the replicas' process group (None when the stage is not replicated).
+        timeout_s: deadline for collectives.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        stage: int,
+        replica: int,
+        module: nn.Module,
+        is_first: bool,
+        is_last: bool,
+        weights: WeightVersions,
+        loss_fn: Callable[..., torch.Tensor],
+        ar_group: Any = None,
+        timeout_s: float = 300.0,
+        loss_reduction: str = "mean",
+    ) -> None:
+        self.rank, self.stage, self.replica = rank, stage, replica
+        self.module = module
+        self.is_first, self.is_last = is_first, is_last
+        self.weights = weights
+        self.loss_fn = loss_fn
+        self.ar_group = ar_group
+        self.timeout_s = timeout_s
+        self.loss_reduction = loss_reduction
+
+    # ------------------------------------------------------------------ run
+    def run(
+        self,
+        actions: list[Action],
+        comm: P2P | None,
+        get_microbatch: Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]] | None,
+        train: bool,
+        version_base: int,
+        t0: float,
+    ) -> tuple[dict[int, MicrobatchResult], list[Event]]:
+        """Execute ``actions``; returns the last stage's per-microbatch results and the events.
+
+        ``get_microbatch(i)`` gives (inputs, targets, samples) of microbatch ``i`` (first stage,
+        and the last stage when it is also the first). ``version_base`` is the number of
+        updates before this schedule (schedule versions are relative to its start).
+        """
+        self._ctx: dict[int, _Context] = {}
+        self._received: dict[int, tuple[int, tuple[Any, ...], tuple[Any, ...]]] = {}
+        self._to_send: dict[int, tuple[int, list[torch.Tensor], list[Any]]] = {}
+        self._out_grads: dict[int, list[torch.Tensor]] = {}
+        self._in_grads: dict[int, list[torch.Tensor]] = {}
+        results: dict[int, MicrobatchResult] = {}
+        events: list[Event] = []
+        for action in actions:
+            start = time.perf_counter()
+            nbytes = 0
+            version = None if action.version is None else action.version + version_base
+            kind = action.kind
+            if kind == Kind.FORWARD:
+                self._forward(action.id, version if train else self.weights.version, comm, get_microbatch, train, results)
+            elif kind == Kind.BACKWARD:
+                self._backward(action.id, version)
+            elif kind == Kind.SEND_ACT:
+                samples, tensors, passengers = self._to_send.pop(action.id)
+                nbytes = comm.send_acts(action.peer, action.id, samples, tensors, passengers)
+            elif kind == Kind.RECV_ACT:
+                samples, acts, passengers, nbytes = comm.recv_acts(action.peer, action.id)
+                self._received[action.id] = (samples, tuple(acts), tuple(passengers))
+            elif kind == Kind.SEND_GRAD:
+                nbytes = comm.send_grads(action.peer, action.id, self._in_grads.pop(action.id))
+            elif kind == Kind.RECV_GRAD:
+                grads, nbytes = comm.recv_grads(action.peer, action.id)
+                self._out_grads[action.id] = grads
+            elif kind == Kind.ALLREDUCE:
+                nbytes = self.weights.allreduce(self.ar_group, self.timeout_s)
+            elif kind == Kind.OPTIMIZER_STEP:
+                self.weights.step()
+                version = self.weights.version
+            else:  # pragma: no cover - Kind is closed
+                raise RuntimeError(f"unknown action {action}")
+            if comm is not None:
+                comm.pump()
+            end = time.perf_counter()
+            events.append(Event(
+                rank=self.rank, stage=self.stage, kind=kind.value, id=action.id,
+                start_s=start - t0, end_s=end - t0, bytes=int(nbytes), action=str(action),
+                replica=self.replica, version=version,
+            ))
+        if comm is not None:
+            comm.finish()
+        leftover = [k for k, v in (("forward graphs", self._ctx), ("unsent activations", self._to_send),
+                                   ("unsent gradients", self._in_grads)) if v]
+        if leftover and train:
+            log.warning("rank %d: schedule ended with %s still held", self.rank, ", ".join(leftover))
+        return results, events
+
+    # ------------------------------------------------------------------ compute
+    def _inputs(self, mb: int, get_microbatch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], int, list[torch.Tensor]]:
+        if self.is_first:
+            if get_microbatch is None:
+                raise RuntimeError(f"rank {self.rank}: the first stage needs data for microbatch {mb}")
+            inputs, targets, samples = get_microbatch(mb)
+            return inputs, targets, samples, []
+        if mb not in self._received:
+            raise RuntimeError(f"rank {self.rank}: F{mb} before its activations were received (RA missing)")
+        samples, acts, passengers = self._received.pop(mb)
+        leaves = [t for t in acts if isinstance(t, torch.Tensor) and t.requires_grad]
+        return acts, passengers, samples, leaves
+
+    def _run_module(self, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> tuple[Any, torch.Tensor | None]:
+        params = self.weights.tensors(version)
+        out = functional_call(self.module, params, inputs)
+        loss = self.loss_fn(out, *targets) if self.is_last else None
+        return out, loss
+
+    def _forward(self, mb: int, version: int, comm: P2P | None, get_microbatch: Any, train: bool,
+                 results: dict[int, MicrobatchResult]) -> None:
+        inputs, targets, samples, leaves = self._inputs(mb, get_microbatch)
+        with torch.set_grad_enabled(train):
+            out, loss = self._run_module(version, inputs, targets)
+        if train:
+            self.weights.release(version)
+        if self.is_last:
+            assert loss is not None
+            if loss.dim() != 0:
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}; use reduction='mean' or 'sum'"
+                )
+            correct = None
+            if len(targets) == 1 and isinstance(out, torch.Tensor) and out.dim() == 2:
+                y = targets[0]
+                if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() == 1 and len(y) == len(out):
+                    correct = int((out.detach().argmax(dim=1) == y).sum().item())
+            results[mb] = MicrobatchResult(samples, float(loss.detach().item()), correct)
+            if train:
+                self._ctx[mb] = _Context(version, inputs, leaves, loss=loss, targets=targets, samples=samples)
+        else:
+            outs = list(as_tuple(out))
+            self._to_send[mb] = (samples, outs, list(targets))
+            if train:
+                diff = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+                self._ctx[mb] = _Context(version, inputs, leaves, outputs=diff, targets=targets, samples=samples)
+
+    def _backward(self, mb: int, version: int | None) -> None:
+        ctx = self._ctx.pop(mb, None)
+        if ctx is None:
+            raise RuntimeError(f"rank {self.rank}: B{mb} without its forward F{mb} on this rank")
+        if version is not None and version != ctx.version:
+            # No stashing (naive): recompute the forward with the weights this B names, then
+            # differentiate that graph (inputs from F, weights of the B's version).
+            inputs = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                           for t in ctx.inputs)
+            leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            with torch.enable_grad():
+                out, loss = self._run_module(version, inputs, ctx.targets)
+            ctx.leaves = leaves
+            ctx.loss = loss
+            ctx.outputs = [t for t in as_tuple(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        use_version = ctx.version if version is None else version
+        params = list(self.weights.tensors(use_version).values()) if self.weights.params else []
+        if self.is_last:
+            assert ctx.loss is not None
+            root = ctx.loss * ctx.samples if self.loss_reduction == "mean" else ctx.loss
+            roots, grad_outputs = [root], None
+        else:
+            grads = self._out_grads.pop(mb, None)
+            if grads is None:
+                raise RuntimeError(f"rank {self.rank}: B{mb} before the gradients of its outputs were received (RG missing)")
+            if len(grads) != len(ctx.outputs):
+                raise RuntimeError(f"rank {self.rank}: B{mb} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
+            roots, grad_outputs = ctx.outputs, grads
+        wrt = params + ctx.leaves
+        if wrt and roots:
+            got = torch.autograd.grad(roots, wrt, grad_outputs=grad_outputs, allow_unused=True)
+        else:
+            got = (None,) * len(wrt)
+        self.weights.accumulate(got[: len(params)], ctx.samples)
+        if not self.is_first:
+            self._in_grads[mb] = [g if g is not None else torch.zeros_like(t) for g, t in zip(got[len(params):], ctx.leaves)]
+        if version is not None:
+            self.weights.release(version)

@@ -1,0 +1,387 @@
+"""``Pipeline``: train a model with pipeline parallelism, one stage per process.
+
+Every rank runs the same script (SPMD; under ``torchrun`` or :func:`~torchpipedream.launch`).
+Each builds the whole model (same seed), keeps only its own stage, and calls the same
+methods; the data is read only by the first stage's ranks, the targets travel with the
+activations to the last stage (so only the input stage needs a data loader that yields
+data; the other ranks only need ``len(loader)``).
+
+One call = one schedule. ``train_step(batch)`` runs a schedule of one minibatch (flush,
+gpipe, 2bw: split into ``microbatches``); ``train_step([b0, b1, ...])`` streams N
+minibatches through one schedule of length N; ``fit(loader, epochs)`` streams a whole epoch
+through one schedule of ``len(loader)`` minibatches, so pipedream keeps the pipeline full
+for the whole epoch and drains only at its end. Schedules are built with
+:func:`~torchpipedream.schedules.build_schedule`, validated with
+:func:`~torchpipedream.schedules.validate_schedule` and cached per length.
+
+Why ``optimizer`` is a factory (``lambda params: torch.optim.SGD(params, lr=0.1)``): each
+rank owns only its stage's parameters, which exist only after the split, so the optimizer
+must be built per rank on those.
+
+Restrictions: dim 0 of every input and target tensor is the batch dimension (minibatches
+are split along it into microbatches); only tensors cross stage boundaries; ``loss_fn`` is
+called as ``loss_fn(output, *targets)`` and returns a scalar, the mean over the microbatch's
+samples (``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
+(``loss_reduction="sum"``). Reported losses are per minibatch, in the same reduction.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..actions import Action, Kind, Schedule
+from ..plan import Plan, PlanError
+from ..trace import Trace
+from .comm import P2P
+from .engine import Engine, MicrobatchResult, as_tuple
+from .stage_split import split_stages
+from .weights import OptimizerFactory, WeightVersions
+
+__all__ = ["Pipeline", "PipelineError", "forward_only"]
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(ValueError):
+    """The pipeline cannot run with these arguments; the message says what to change."""
+
+
+def forward_only(schedule: Schedule) -> dict[int, list[Action]]:
+    """The forward part of a schedule (F, SA, RA in each rank's order): evaluation.
+
+    Dropping backwards, gradient transfers and updates keeps it deadlock-free: each remaining
+    receive waits only for a send that comes after fewer actions upstream.
+    """
+    keep = (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT)
+    return {r: [a for a in acts if a.kind in keep] for r, acts in schedule.actions.items()}
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+class Pipeline:
+    """Pipeline-parallel training of ``module_or_stages`` as laid out by ``plan``.
+
+    Args:
+        module_or_stages: the whole model (split with torch.fx by the plan's layer names) or
+            a list of stage modules.
+        plan: stages, replicas and ranks (``Plan.straight([[...], ...])`` for a quick one).
+        optimizer: factory ``params -> torch.optim.Optimizer`` (see the module docstring).
+        loss_fn: ``loss_fn(output, *targets) -> scalar``.
+        schedule: pipedream, 2bw, flush, gpipe or naive (default ``plan.schedule``).
+        microbatches: per minibatch for 2bw/flush/gpipe (default ``plan.microbatches``).
+        loss_reduction: "mean" or "sum" (what loss_fn returns; the update applies the same).
+        vertical_sync: pipedream only: every stage uses the input stage's weight version.
+        timeout_s: deadline of every wait for a peer.
+        device: this rank's device (default: cuda:LOCAL_RANK with NCCL, else cpu).
+        seed: seeds torch on this rank (seed + rank) for dropout and the like.
+
+    Example::
+
+        def main(rank):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+            plan = Plan.straight([["input", "_0", "_1"], ["_2"]], schedule="flush")
+            pipe = Pipeline(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                            loss_fn=nn.CrossEntropyLoss())
+            return pipe.fit(loader, epochs=2)
+
+        torchpipedream.launch(main, 2)
+    """
+
+    def __init__(
+        self,
+        module_or_stages: nn.Module | Sequence[nn.Module],
+        plan: Plan,
+        optimizer: OptimizerFactory,
+        loss_fn: Callable[..., torch.Tensor],
+        schedule: str | None = None,
+        microbatches: int | None = None,
+        loss_reduction: str = "mean",
+        vertical_sync: bool = False,
+        timeout_s: float = 300.0,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+            raise PipelineError(
+                "optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)` "
+                "(each rank builds it on its own stage's parameters), not an optimizer instance"
+            )
+        self.plan = plan
+        self.kind = schedule or plan.schedule
+        self.microbatches = microbatches
+        self.vertical_sync = vertical_sync
+        self.loss_reduction = loss_reduction
+        self.timeout_s = float(timeout_s)
+        self.distributed = self._ensure_process_group(plan.num_workers)
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        plan.validate(world_size=self.world_size)
+        self.stage, self.replica = plan.stage_of_rank(self.rank)
+        if device is None:
+            backend = dist.get_backend() if self.distributed else "gloo"
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu"
+        self.device = torch.device(device)
+        if seed is not None:
+            torch.manual_seed(seed + self.rank)
+        modules = split_stages(module_or_stages, plan)
+        self.module = modules[self.stage].to(self.device)
+        del modules
+        # One process group per replicated stage, created in the same order on every rank.
+        self._ar_group = None
+        for s, st in enumerate(plan.stages):
+            if st.replicas > 1:
+                group = dist.new_group(st.ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+                if s == self.stage:
+                    self._ar_group = group
+        self.weights = WeightVersions(self.module, optimizer, loss_reduction)
+        n = plan.num_stages
+        self.engine = Engine(
+            self.rank, self.stage, self.replica, self.module,
+            is_first=self.stage == 0, is_last=self.stage == n - 1, weights=self.weights,
+            loss_fn=loss_fn, ar_group=self._ar_group, timeout_s=self.timeout_s,
+            loss_reduction=loss_reduction,
+        )
+        self._schedules: dict[int, Schedule] = {}
+        self._events: list[Any] = []
+        self.last_schedule: Schedule | None = None
+        self.history: list[float] = []
+
+    # ------------------------------------------------------------------ setup
+    def _ensure_process_group(self, workers: int) -> bool:
+        if dist.is_available() and dist.is_initialized():
+            return True
+        if all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+            dist.init_process_group(_default_backend(), timeout=datetime.timedelta(seconds=self.timeout_s))
+            return True
+        if workers == 1:
+            return False
+        raise PipelineError(
+            f"the plan needs {workers} processes but no process group is set up: run the script with "
+            f"`torchrun --nproc-per-node {workers} script.py` or through torchpipedream.launch(fn, {workers})"
+        )
+
+    def _describe(self, rank: int) -> str:
+        s, q = self.plan.stage_of_rank(rank)
+        return f"rank {rank} (stage {s}{f' replica {q}' if self.plan.stages[s].replicas > 1 else ''})"
+
+    def schedule_for(self, minibatches: int) -> Schedule:
+        """The validated schedule covering ``minibatches`` minibatches (cached)."""
+        sched = self._schedules.get(minibatches)
+        if sched is None:
+            from ..schedules import build_schedule, validate_schedule
+
+            kwargs: dict[str, Any] = {"minibatches": minibatches}
+            if self.microbatches is not None:
+                kwargs["microbatches"] = self.microbatches
+            if self.vertical_sync:
+                kwargs["vertical_sync"] = True
+            sched = build_schedule(self.plan, self.kind, **kwargs)
+            validate_schedule(sched)
+            self._schedules[minibatches] = sched
+        return sched
+
+    # ------------------------------------------------------------------ data
+    def _microbatch_source(self, batches: Iterator[Any], m: int) -> Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]]:
+        state: dict[str, Any] = {"t": -1, "parts": None}
+
+        def get(mb: int) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
+            t, j = divmod(mb, m)
+            if t < state["t"]:
+                raise RuntimeError(f"microbatch {mb} requested after minibatch {state['t']} (schedule order)")
+            while state["t"] < t:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    raise PipelineError(f"the data ran out before minibatch {t} (len() promised more)") from None
+                state["t"] += 1
+                state["parts"] = self._split(batch, m, state["t"]) if state["t"] == t else None
+            return state["parts"][j]
+
+        return get
+
+    def _split(self, batch: Any, m: int, t: int) -> list[tuple[tuple[Any, ...], tuple[Any, ...], int]]:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise PipelineError(
+                f"minibatch {t}: expected (inputs, targets), got {type(batch).__name__}"
+                f"{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}"
+            )
+        inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in as_tuple(batch[0]))
+        targets = tuple(y.to(self.device) if isinstance(y, torch.Tensor) else y for y in as_tuple(batch[1]))
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            raise PipelineError(f"minibatch {t}: the first input must be a tensor (dim 0 = samples)")
+        size = inputs[0].shape[0]
+        if size < m:
+            raise PipelineError(
+                f"minibatch {t} has {size} samples, fewer than the {m} microbatches it must be split into "
+                "(use drop_last=True in the DataLoader or fewer microbatches)"
+            )
+        def cut(x: Any) -> list[Any]:
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size:
+                return list(torch.tensor_split(x, m, dim=0))
+            return [x] * m
+        in_parts = [cut(x) for x in inputs]
+        tg_parts = [cut(y) for y in targets]
+        out = []
+        for j in range(m):
+            ins = tuple(p[j] for p in in_parts)
+            out.append((ins, tuple(p[j] for p in tg_parts), int(ins[0].shape[0])))
+        return out
+
+    # ------------------------------------------------------------------ running
+    def _run(self, sched: Schedule, batches: Iterator[Any] | None, train: bool) -> list[tuple[float, int, int]]:
+        """Run one schedule; per minibatch (reduced loss, samples, correct) on every rank."""
+        n_mb, m = sched.minibatches, sched.microbatches
+        actions = sched.actions[self.rank] if train else forward_only(sched)[self.rank]
+        base = self.weights.version
+        if train:
+            uses: dict[int, int] = {}
+            for a in actions:
+                if a.kind in (Kind.FORWARD, Kind.BACKWARD) and a.version is not None:
+                    uses[base + a.version] = uses.get(base + a.version, 0) + 1
+            self.weights.expect(uses)
+        comm = None
+        if self.world_size > 1:
+            act_order: dict[int, list[int]] = {}
+            grad_order: dict[int, list[int]] = {}
+            for a in actions:
+                if a.kind == Kind.RECV_ACT:
+                    act_order.setdefault(a.peer, []).append(a.id)
+                elif a.kind == Kind.RECV_GRAD:
+                    grad_order.setdefault(a.peer, []).append(a.id)
+            comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s)
+            dist.barrier()
+        source = self._microbatch_source(iter(batches), m) if (self.stage == 0 and batches is not None) else None
+        t0 = time.perf_counter()
+        results, events = self.engine.run(actions, comm, source, train=train, version_base=base, t0=t0)
+        self.weights.reset_versions()
+        self._events = events
+        self.last_schedule = sched
+        return self._reduce_results(results, n_mb, m)
+
+    def _reduce_results(self, results: dict[int, MicrobatchResult], n_mb: int, m: int) -> list[tuple[float, int, int]]:
+        table = torch.zeros(n_mb, 4, dtype=torch.float64)
+        for mb, r in results.items():
+            t = mb // m
+            weight = r.samples if self.loss_reduction == "mean" else 1
+            table[t, 0] += r.loss * weight
+            table[t, 1] += r.samples
+            table[t, 2] += r.correct or 0
+            table[t, 3] += 1 if r.correct is not None else 0
+        if self.distributed:
+            table = table.to(self.device)
+            dist.all_reduce(table)
+            table = table.cpu()
+        out = []
+        for t in range(n_mb):
+            loss_sum, samples, correct, has_acc = table[t].tolist()
+            loss = loss_sum / samples if (self.loss_reduction == "mean" and samples) else loss_sum
+            out.append((loss, int(samples), int(correct) if has_acc else -1))
+        return out
+
+    # ------------------------------------------------------------------ public API
+    def train_step(self, batch: Any) -> float | list[float]:
+        """Train on one minibatch ``(inputs, targets)`` or a list of them (one schedule).
+
+        Returns the minibatch's loss (a list for a list) on every rank.
+        """
+        batches = batch if isinstance(batch, list) else [batch]
+        if not batches:
+            raise PipelineError("train_step got an empty list of minibatches")
+        rows = self._run(self.schedule_for(len(batches)), iter(batches), train=True)
+        losses = [r[0] for r in rows]
+        self.history.extend(losses)
+        return losses if isinstance(batch, list) else losses[0]
+
+    def fit(self, loader: Iterable[Any], epochs: int = 1) -> list[float]:
+        """Train for ``epochs`` passes over ``loader``; returns each epoch's mean loss (all ranks).
+
+        Only the first stage's ranks iterate the loader; every rank needs ``len(loader)``.
+        """
+        try:
+            n = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            raise PipelineError("fit needs a loader with len() (e.g. a DataLoader) to size the schedule") from None
+        if n < 1:
+            raise PipelineError("the loader is empty")
+        out = []
+        for _ in range(epochs):
+            rows = self._run(self.schedule_for(n), iter(loader) if self.stage == 0 else None, train=True)
+            losses = [r[0] for r in rows]
+            self.history.extend(losses)
+            out.append(sum(losses) / len(losses))
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable[Any]) -> dict[str, float | None]:
+        """Forward only (no stashing, current weights): mean loss and, for class labels, accuracy."""
+        batches = loader if isinstance(loader, list) else loader
+        try:
+            n = len(batches)  # type: ignore[arg-type]
+        except TypeError:
+            raise PipelineError("evaluate needs a loader with len()") from None
+        rows = self._run(self.schedule_for(n), iter(batches) if self.stage == 0 else None, train=False)
+        samples = sum(r[1] for r in rows)
+        if self.loss_reduction == "mean":
+            loss = sum(r[0] * r[1] for r in rows) / max(samples, 1)
+        else:
+            loss = sum(r[0] for r in rows)
+        acc = sum(r[2] for r in rows) / samples if rows and all(r[2] >= 0 for r in rows) and samples else None
+        return {"loss": loss, "accuracy": acc, "samples": samples}
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stage parameters and buffers, under the original model's key names."""
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
+        """The full model state, gathered on rank ``dst`` (every rank when ``dst`` is None).
+
+        Keys match the original module's ``state_dict`` (for user-given stages,
+        ``"<stage>.<key>"``). Collective: call on every rank. Other ranks get None.
+        """
+        mine = self.stage_state_dict() if self.replica == 0 else {}
+        if not self.distributed:
+            return mine
+        if dst is None:
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
+            dist.gather_object(mine, parts, dst=dst)
+            if self.rank != dst:
+                return None
+        full: dict[str, torch.Tensor] = {}
+        for p in parts:
+            full.update(p)
+        return full
+
+    def trace(self, dst: int | None = 0) -> Trace | None:
+        """The measured trace of the last schedule run, all ranks' events (collective)."""
+        meta = {"source": "runtime", "kind": self.kind, "plan": self.plan.summary}
+        if self.last_schedule is not None:
+            meta.update(minibatches=self.last_schedule.minibatches, microbatches=self.last_schedule.microbatches)
+        if not self.distributed:
+            return Trace(list(self._events), meta=meta)
+        if dst is None:
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, self._events)
+        else:
+            parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
+            dist.gather_object(self._events, parts, dst=dst)
+            if self.rank != dst:
+                return None
+        events = [e for p in parts for e in p]
+        events.sort(key=lambda e: (e.start_s, e.rank))
+        return Trace(events, meta=meta)
