@@ -241,18 +241,18 @@ def test_in_place_operations_are_profiled_without_corrupting_inputs():
             self.act = nn.ReLU(inplace=True)
 
         def forward(self, x):
+            x = x.mul_(1.5)  # mutates the caller's tensor: profiling must not
             y = self.act(self.lin(x))
-            y += 1.0
-            return y.mul_(2.0)
+            return y.add_(2.0)
 
     model = InPlace()
     x = torch.randn(4, 8)
     x_before = x.clone()
-    expected = model(x)
-    g = profile(model, x, loss_fn=lambda out: out.sum(), warmup=1, iters=2)
+    expected = model(x.clone())
+    g = profile(model, x, loss_fn=lambda out: out.sum(), warmup=1, iters=3)
     assert torch.equal(x, x_before)
-    assert torch.allclose(model(x), expected)
-    assert g["lin"].backward_ms > 0
+    assert torch.allclose(model(x.clone()), expected)
+    assert g["lin"].backward_ms > 0 and g["add_"].backward_ms > 0
 
 
 # ------------------------------------------------------------------- fallbacks
