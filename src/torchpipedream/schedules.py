@@ -361,6 +361,24 @@ def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
     return dict(sorted(actions.items()))
 
 
+def _check_2bw_shares(plan: Plan, m: int) -> None:
+    """2bw restriction: every replica takes the same share of each batch (r divides m).
+
+    Otherwise replicas reach their all-reduce of batch t at different points of the
+    continuous 1F1B stream and the all-reduce interlocks with the pipeline (a deadlock the
+    validator reports); flush and gpipe drain between batches and have no such restriction.
+    """
+    bad = [(i, st.replicas) for i, st in enumerate(plan.stages) if m % st.replicas]
+    if bad:
+        s_i, r = bad[0]
+        raise ScheduleBuildError(
+            f"2bw needs microbatches to be a multiple of every stage's replica count (stage {s_i} has "
+            f"{r} replicas, microbatches is {m}): every replica must take the same share of each batch, "
+            "or the replicas' all-reduces interlock with the pipeline and deadlock. Choose microbatches "
+            f"= {m + (-m) % r} or another multiple"
+        )
+
+
 # --------------------------------------------------------------------- entry point
 def build_schedule(
     plan: Plan,
@@ -400,15 +418,7 @@ def build_schedule(
         if not isinstance(m, int) or m < 1:
             raise ScheduleBuildError(f"microbatches must be a positive integer, got {m!r}")
     if kind == "2bw":
-        bad = [(i, st.replicas) for i, st in enumerate(plan.stages) if m % st.replicas]
-        if bad:
-            s_i, r = bad[0]
-            raise ScheduleBuildError(
-                f"2bw needs microbatches to be a multiple of every stage's replica count (stage {s_i} has "
-                f"{r} replicas, microbatches is {m}): every replica must take the same share of each batch, "
-                "or the replicas' all-reduces interlock with the pipeline and deadlock. Choose microbatches "
-                f"= {m + (-m) % r} or another multiple"
-            )
+        _check_2bw_shares(plan, m)
     if vertical_sync and kind != "pipedream":
         raise ScheduleBuildError(f"vertical_sync applies to the pipedream schedule only, not {kind!r}")
     ctx = _Ctx(plan, kind, minibatches, m, vertical_sync)

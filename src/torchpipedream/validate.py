@@ -196,6 +196,9 @@ def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: 
                     raise err(k, f"stage {s} has one replica; there is nothing to all-reduce")
                 if a.id != steps or reduced == a.id:
                     raise err(k, f"expected the all-reduce of update {steps} here")
+                missing = [j for j in sorted(mine) if update_of(plan, kind, s, j, m) == a.id and j not in done_b]
+                if missing:
+                    raise err(k, f"the all-reduce of update {a.id} runs before the backward of microbatch {missing[0]} it must include")
             reduced = a.id
         elif a.kind is Kind.OPTIMIZER_STEP:
             if check:
