@@ -129,7 +129,10 @@ def test_get_attr_parameters_fold_into_their_user():
     assert [l.parameter_bytes for l in users] == [model.pos.numel() * 4]
     # shape arithmetic (x.shape[1]) is a layer with no tensor output and no backward
     shape_layers = [l for l in g.layers if l.kind in ("getattr", "getitem")]
-    assert shape_layers and all(l.activation_bytes == 0 and l.backward_ms == 0 for l in shape_layers)
+    assert shape_layers
+    assert all(l.activation_bytes == 0 and l.forward_ms == 0 and l.backward_ms == 0 for l in shape_layers)
+    merged = {name for block in g.linearize() for name in block.layers[1:]}
+    assert {l.name for l in shape_layers} <= merged
 
 
 # --------------------------------------------------------------------------- timing

@@ -21,6 +21,9 @@ How each number is measured (times are medians over ``iters`` runs after ``warmu
   to the layer that produces the model's output (the last such layer in graph order); the
   loss is not a layer of its own, so stage splits never isolate it. ``meta["loss_layer"]``
   names that layer.
+* nodes whose output holds no tensor (shape arithmetic such as ``x.shape[1]``) are recorded
+  with zero time: they cost about a microsecond of Python, and a zero lets
+  :meth:`LayerGraph.linearize` merge them into the block before them.
 * activation_bytes: exact bytes of the node's output tensors (summed over tuples, lists and
   dicts; views count their full size, since that is what crosses a stage boundary).
 * parameter_bytes: bytes of a ``call_module`` node's module parameters (recursively), plus
@@ -519,8 +522,11 @@ def _measure(
             if id(p) not in seen:
                 seen.add(id(p))
                 pbytes += p.numel() * p.element_size()
+        # A node with no tensor output is shape arithmetic (x.shape[1]): about a microsecond
+        # of Python. It is recorded as free so that LayerGraph.linearize() merges it away.
+        free = not _tensors(env[step.name]) and not pbytes
         layers.append(
-            _layer(step.name, step.kind, env[step.name], statistics.median(fwd[step.name]),
+            _layer(step.name, step.kind, env[step.name], 0.0 if free else statistics.median(fwd[step.name]),
                    statistics.median(bwd[step.name]), pbytes)
         )
         edges.extend((src, step.name) for src in step.inputs)
