@@ -1,0 +1,109 @@
+"""The launcher and the point-to-point layer across real processes (gloo, 2 workers each):
+messages with changing shapes and long headers, errors that name the rank, and timeouts
+that fail instead of hanging."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from torchpipedream.runtime import LaunchError, launch
+from torchpipedream.runtime.comm import P2P, CommTimeout
+
+
+def _describe(rank: int) -> str:
+    return f"rank {rank} (stage {rank})"
+
+
+def p2p_worker(rank: int) -> list:
+    """Rank 0 sends three messages with different shapes (the last with 12 tensors, beyond
+    one header) and receives gradients; rank 1 receives them (prefetched) and replies."""
+    g = torch.Generator().manual_seed(5)
+    msgs = [
+        [torch.randn(4, 3, generator=g, requires_grad=True)],
+        [torch.randn(2, 3, generator=g, requires_grad=True), torch.arange(6).reshape(2, 3)],
+        [torch.randn(1, 2, 2, generator=g, requires_grad=True) for _ in range(12)],
+    ]
+    targets = [torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1]), torch.tensor([7])]
+    if rank == 0:
+        comm = P2P(0, _describe, act_order={}, grad_order={1: [0, 1, 2]}, device=torch.device("cpu"), timeout_s=20)
+        for i, (ts, y) in enumerate(zip(msgs, targets)):
+            comm.send_acts(1, i, len(y), ts, [y])
+        grads = [comm.recv_grads(1, i)[0] for i in range(3)]
+        comm.finish()
+        return grads
+    comm = P2P(1, _describe, act_order={0: [0, 1, 2]}, grad_order={}, device=torch.device("cpu"), timeout_s=20)
+    got = []
+    for i in range(3):
+        samples, acts, passengers, nbytes = comm.recv_acts(0, i)
+        got.append((samples, acts, passengers, nbytes))
+        comm.send_grads(0, i, [a * 10 for a in acts if a.requires_grad])
+    comm.finish()
+    return [(s, [a.detach() for a in acts], [a.requires_grad for a in acts], p, n) for s, acts, p, n in got]
+
+
+def test_messages_with_changing_shapes_and_long_headers():
+    grads, received = launch(p2p_worker, 2, timeout_s=60, return_all=True)
+    g = torch.Generator().manual_seed(5)
+    msgs = [
+        [torch.randn(4, 3, generator=g)],
+        [torch.randn(2, 3, generator=g), torch.arange(6).reshape(2, 3)],
+        [torch.randn(1, 2, 2, generator=g) for _ in range(12)],
+    ]
+    assert [r[0] for r in received] == [4, 2, 1]
+    for (samples, acts, rg, passengers, nbytes), sent in zip(received, msgs):
+        assert len(acts) == len(sent)
+        for a, s in zip(acts, sent):
+            assert torch.equal(a, s) and a.dtype == s.dtype
+        assert rg == [s.is_floating_point() for s in sent]
+        assert nbytes == sum(s.numel() * s.element_size() for s in sent) + passengers[0].numel() * 8
+    assert torch.equal(received[0][3][0], torch.tensor([1, 2, 3, 4]))
+    # Gradients come back for the tensors that require grad only, in the sender's order.
+    for gr, sent in zip(grads, msgs):
+        floats = [s for s in sent if s.is_floating_point()]
+        assert len(gr) == len(floats)
+        for a, s in zip(gr, floats):
+            torch.testing.assert_close(a, s * 10)
+
+
+def failing_worker(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("bad thing on purpose")
+    time.sleep(30)
+
+
+def test_worker_exception_names_rank_and_kills_the_others():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"(?s)rank 1.*bad thing on purpose"):
+        launch(failing_worker, 2, timeout_s=60)
+    assert time.monotonic() - start < 20
+
+
+def starving_worker(rank: int) -> None:
+    """Rank 1 expects activations that rank 0 never sends."""
+    if rank == 1:
+        comm = P2P(1, _describe, act_order={0: [0]}, grad_order={}, device=torch.device("cpu"), timeout_s=2)
+        comm.recv_acts(0, 0)
+    else:
+        time.sleep(8)
+
+
+def test_missing_message_times_out_naming_the_peer():
+    with pytest.raises(LaunchError) as info:
+        launch(starving_worker, 2, timeout_s=60)
+    text = str(info.value)
+    assert CommTimeout.__name__ in text
+    assert "rank 1 (stage 1) waited more than 2 s" in text and "from rank 0 (stage 0)" in text
+
+
+def sleepy_worker(rank: int) -> None:
+    time.sleep(60)
+
+
+def test_launch_timeout_kills_workers():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="did not finish within 3 s"):
+        launch(sleepy_worker, 2, timeout_s=3)
+    assert time.monotonic() - start < 15

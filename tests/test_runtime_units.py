@@ -1,0 +1,203 @@
+"""Runtime pieces without processes: stage splitting, headers, weight versions, and the whole
+Pipeline on a one-worker plan (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipedream.actions import Kind
+from torchpipedream.plan import Plan
+from torchpipedream.runtime import Pipeline, PipelineError, StageSplitError, forward_only, split_stages
+from torchpipedream.runtime.comm import decode_header, encode_header
+from torchpipedream.runtime.weights import WeightVersions
+
+
+class Skip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        g = torch.relu(self.b(h))
+        return self.d(self.c(g) + h)
+
+
+class Untraceable(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum() > 0 else x - 1
+
+
+def run_stages(stages, *inputs):
+    out = stages[0](*inputs)
+    for st in stages[1:]:
+        out = st(*out)
+    return out
+
+
+# --------------------------------------------------------------------------- splitting
+def test_split_skip_model_relays_the_skip_tensor():
+    torch.manual_seed(0)
+    model = Skip()
+    plan = Plan.straight([["x", "a", "relu"], ["b", "relu_1"], ["c", "add", "d"]])
+    stages = split_stages(model, plan)
+    x = torch.randn(5, 4)
+    mid = stages[0](x)
+    assert isinstance(mid, tuple) and len(mid) == 1
+    mid = stages[1](*mid)
+    assert len(mid) == 2  # relu_1 and the relayed skip tensor relu
+    torch.testing.assert_close(stages[2](*mid), model(x))
+    keys = [k for st in stages for k in st.state_dict()]
+    assert sorted(keys) == sorted(model.state_dict())
+
+
+def test_split_sequential_by_fx_names_or_child_names():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(3, 4)
+    for groups in ([["input_1", "_0", "_1"], ["_2"]], [["0", "1"], ["2"]]):
+        stages = split_stages(model, Plan.straight(groups))
+        torch.testing.assert_close(run_stages(stages, x), model(x))
+
+
+def test_untraceable_sequential_is_split_by_children():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Untraceable(), nn.Linear(4, 2))
+    stages = split_stages(model, Plan.straight([["0"], ["1", "2"]]))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(run_stages(stages, x), model(x))
+    assert sorted(k for st in stages for k in st.state_dict()) == sorted(model.state_dict())
+    with pytest.raises(StageSplitError, match="in order"):
+        split_stages(model, Plan.straight([["1"], ["0", "2"]]))
+
+
+def test_user_given_stages():
+    torch.manual_seed(0)
+    s0, s1 = nn.Linear(4, 6), nn.Sequential(nn.ReLU(), nn.Linear(6, 2))
+    stages = split_stages([s0, s1], Plan.straight([["first"], ["second"]]))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(run_stages(stages, x), s1(s0(x)))
+    assert sorted(stages[1].state_dict()) == ["1.1.bias", "1.1.weight"]
+    with pytest.raises(StageSplitError, match="2 stage modules .* 3 stages"):
+        split_stages([s0, s1], Plan.straight([["a"], ["b"], ["c"]]))
+
+
+def test_split_errors_name_the_layer():
+    model = Skip()
+    with pytest.raises(StageSplitError, match="'nope'"):
+        split_stages(model, Plan.straight([["x", "a", "nope"], ["b", "relu", "relu_1", "c", "add", "d"]]))
+    with pytest.raises(StageSplitError, match="data flow"):
+        split_stages(model, Plan.straight([["x", "b", "relu_1"], ["a", "relu", "c", "add", "d"]]))
+    with pytest.raises(StageSplitError, match="cannot trace"):
+        split_stages(Untraceable(), Plan.straight([["x"]]))
+
+
+# --------------------------------------------------------------------------- headers, passes
+def test_header_round_trip():
+    ts = [torch.zeros(2, 3, requires_grad=True), torch.zeros(5, dtype=torch.int64)]
+    extra = [torch.zeros(2, dtype=torch.bool)]
+    samples, act, passengers = decode_header(encode_header(7, ts, extra))
+    assert samples == 7
+    assert [(m.shape, m.dtype, m.requires_grad) for m in act] == [((2, 3), torch.float32, True), ((5,), torch.int64, False)]
+    assert [(m.shape, m.dtype) for m in passengers] == [((2,), torch.bool)]
+
+
+def test_forward_only_keeps_forward_transfers():
+    from torchpipedream.schedules import build_schedule
+
+    sched = build_schedule(Plan.straight([["a"], ["b"]]), "pipedream", minibatches=3)
+    fwd = forward_only(sched)
+    for rank, acts in fwd.items():
+        assert {a.kind for a in acts} <= {Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT}
+        assert sum(a.kind == Kind.FORWARD for a in acts) == 3
+
+
+# --------------------------------------------------------------------------- weight versions
+def test_copy_on_update_only_when_a_version_is_still_needed():
+    lin = nn.Linear(2, 2)
+    wv = WeightVersions(lin, lambda p: torch.optim.SGD(p, lr=1.0))
+    before = lin.weight.detach().clone()
+    wv.expect({0: 2})  # one F and one B of version 0 still to run
+    v0 = wv.tensors(0)
+    wv.release(0)  # the F ran
+    wv.accumulate([torch.ones(2, 2), torch.ones(2)], samples=1)
+    assert wv.step() is True and wv.copies == 1
+    torch.testing.assert_close(wv.tensors(0)["weight"], before)  # the stash is untouched
+    assert wv.tensors(0)["weight"] is v0["weight"]
+    torch.testing.assert_close(lin.weight.detach(), before - 1.0)  # the live weights moved
+    wv.release(0)  # the B ran: the stash is dropped
+    with pytest.raises(RuntimeError, match="version 0"):
+        wv.tensors(0)
+    wv.expect({})
+    wv.accumulate([torch.ones(2, 2), torch.ones(2)], samples=2)
+    assert wv.step() is False and wv.copies == 1  # nobody needs version 1: in place
+    torch.testing.assert_close(lin.weight.detach(), before - 1.5)
+
+
+# --------------------------------------------------------------------------- one-worker pipeline
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(sizes):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(b, 4, generator=g), torch.randint(0, 3, (b,), generator=g)) for b in sizes]
+
+
+def test_single_worker_flush_equals_plain_training_with_partial_batch():
+    batches = _data([9, 9, 4])
+    plan = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="flush", microbatches=3)
+    pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5),
+                    loss_fn=nn.CrossEntropyLoss())
+    losses = pipe.train_step(batches)
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=0.5)
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    got = pipe.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-6)
+    ev = pipe.evaluate(_data([6]))
+    x, y = _data([6])[0]
+    with torch.no_grad():
+        assert ev["loss"] == pytest.approx(nn.functional.cross_entropy(ref(x), y).item(), abs=1e-6)
+    assert ev["samples"] == 6 and 0.0 <= ev["accuracy"] <= 1.0
+    trace = pipe.trace()
+    assert {e.kind for e in trace.events} == {"F"}  # the last run was the evaluation
+
+
+def test_fit_streams_an_epoch_through_one_schedule():
+    plan = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="pipedream")
+    pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=nn.CrossEntropyLoss())
+    loader = _data([8] * 6)
+    epochs = pipe.fit(loader, epochs=4)
+    assert len(epochs) == 4 and epochs[-1] < epochs[0]
+    assert pipe.last_schedule.minibatches == 6 and pipe.weights.version == 24
+
+
+def test_bad_arguments_give_clear_errors():
+    plan1 = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="flush", microbatches=4)
+    with pytest.raises(PipelineError, match="factory"):
+        Pipeline(_mlp(), plan1, optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1), loss_fn=nn.MSELoss())
+    with pytest.raises(PipelineError, match="loss_reduction"):
+        Pipeline(_mlp(), plan1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.MSELoss(),
+                 loss_reduction="avg")
+    pipe = Pipeline(_mlp(), plan1, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(PipelineError, match="3 samples, fewer than the 4 microbatches"):
+        pipe.train_step(_data([3])[0])
+    with pytest.raises(PipelineError, match=r"expected \(inputs, targets\)"):
+        pipe.train_step((torch.zeros(4, 4),))
+    plan2 = Plan.straight([["input_1", "_0"], ["_1", "_2"]])
+    with pytest.raises(PipelineError, match="torchrun --nproc-per-node 2"):
+        Pipeline(_mlp(), plan2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss())
