@@ -1,0 +1,366 @@
+"""Discrete-event simulation of a schedule: the same action lists the runtime runs, timed.
+
+``simulate(schedule, costs)`` interprets every rank's list in order, like the runtime:
+
+* F, B and U take their compute time and keep the rank busy;
+* a send (SA, SG) does not block its rank: the message occupies the directed link
+  (sender, receiver) from max(now, link free) for ``latency + bytes / bandwidth``; a busy link
+  delays the next message on it;
+* a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived;
+* AR starts when every replica of the stage has reached it and costs a ring all-reduce,
+  2(r−1)/r · |w| / B (+ 2(r−1) latencies), after which all replicas continue.
+
+It knows nothing about schedule kinds; the schedule is data. Costs default to the plan's
+profile (:meth:`Costs.from_plan`); the link bandwidth comes from the plan's topology spec when
+there is one. The result is a :class:`SimResult`: the :class:`~torchpipedream.trace.Trace` plus
+throughput (whole run and steady state), bubble fraction, utilisation and peak memory per stage.
+
+Example::
+
+    sched = build_schedule(plan, "pipedream", minibatches=64)
+    result = simulate(sched)
+    print(result.samples_per_s, result.bubble_fraction, result.peak_memory_bytes)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .actions import Kind, Schedule
+from .plan import Plan
+from .trace import Event, Trace
+from .validate import schedule_stats, validate_schedule
+
+__all__ = ["Costs", "SimResult", "simulate", "DEFAULT_BANDWIDTH_BPS", "DEFAULT_OPTIMIZER_STATE_FACTOR"]
+
+log = logging.getLogger(__name__)
+
+#: Link bandwidth when the plan names no topology (bytes/s): about one PCIe 3 x16 link.
+DEFAULT_BANDWIDTH_BPS = 10e9
+#: Optimizer state (+ gradient buffer) per worker in multiples of the stage's weights; the
+#: planner's default (momentum buffer + gradient), so simulated and planned memory agree.
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
+
+
+class SimulationError(ValueError):
+    """The schedule cannot be simulated (invalid or given bad costs); the message says why."""
+
+
+@dataclass
+class Costs:
+    """What the simulator charges, per microbatch of the schedule being simulated.
+
+    Attributes:
+        forward_s / backward_s: compute seconds of one microbatch, per stage.
+        output_bytes: bytes stage s sends to s+1 per microbatch (the gradient back is the same size).
+        parameter_bytes: weights of one replica of each stage (all-reduce size, memory).
+        activation_bytes: bytes stashed per in-flight microbatch on each stage (for memory).
+        step_s: seconds of one optimizer step (U).
+        bandwidth_Bps: link bandwidth when ``bandwidth_fn`` is None (bytes/s).
+        latency_s: per-message latency.
+        bandwidth_fn: ``(rank_a, rank_b) -> bytes/s``; e.g. ``Topology.bandwidth``.
+        optimizer_state_factor: optimizer state + gradient buffers as multiples of the weights.
+    """
+
+    forward_s: list[float]
+    backward_s: list[float]
+    output_bytes: list[float] = field(default_factory=list)
+    parameter_bytes: list[float] = field(default_factory=list)
+    activation_bytes: list[float] = field(default_factory=list)
+    step_s: float = 0.0
+    bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS
+    latency_s: float = 0.0
+    bandwidth_fn: Callable[[int, int], float] | None = None
+    optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+
+    @classmethod
+    def from_plan(cls, plan: Plan, microbatches: int = 1, **overrides: Any) -> "Costs":
+        """Costs from the plan's per-minibatch profile, divided by ``microbatches``.
+
+        Bandwidth and latency come from ``Topology.parse(plan.topology)`` when the plan has a
+        topology; keyword ``overrides`` replace any field.
+        """
+        m = max(1, int(microbatches))
+        n = plan.num_stages
+        kw: dict[str, Any] = dict(
+            forward_s=[st.forward_ms / 1e3 / m for st in plan.stages],
+            backward_s=[st.backward_ms / 1e3 / m for st in plan.stages],
+            output_bytes=[st.output_bytes / m for st in plan.stages],
+            parameter_bytes=[float(st.parameter_bytes) for st in plan.stages],
+            activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],
+        )
+        if plan.topology:
+            try:
+                from .topology import Topology
+
+                topo = Topology.parse(plan.topology)
+                if topo.num_workers >= plan.num_workers:
+                    kw["bandwidth_fn"] = topo.bandwidth
+                    kw["latency_s"] = topo.latency_s
+                else:
+                    log.warning("topology %r has fewer workers than the plan; using %g B/s links",
+                                plan.topology, DEFAULT_BANDWIDTH_BPS)
+            except ImportError:  # pragma: no cover - topology.py ships with the package
+                pass
+        kw.update(overrides)
+        return cls(**kw)
+
+    def bandwidth(self, a: int, b: int) -> float:
+        return self.bandwidth_fn(a, b) if self.bandwidth_fn is not None else self.bandwidth_Bps
+
+    def check(self, plan: Plan) -> None:
+        n = plan.num_stages
+        for name in ("forward_s", "backward_s", "output_bytes", "parameter_bytes", "activation_bytes"):
+            v = getattr(self, name)
+            if name in ("forward_s", "backward_s") or v:
+                if len(v) != n:
+                    raise SimulationError(f"costs.{name} has {len(v)} entries but the plan has {n} stages")
+                if any(not isinstance(x, (int, float)) or x != x or x < 0 for x in v):
+                    raise SimulationError(f"costs.{name} must be numbers >= 0, got {v}")
+        if self.bandwidth_fn is None and not self.bandwidth_Bps > 0:
+            raise SimulationError(f"costs.bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
+        if self.latency_s < 0 or self.step_s < 0:
+            raise SimulationError("costs.latency_s and costs.step_s must be >= 0")
+
+
+@dataclass
+class SimResult:
+    """A simulated run.
+
+    Attributes:
+        trace: every executed action with its simulated start and end.
+        makespan_s: first start to last end.
+        minibatches_per_s / samples_per_s: over the whole run (samples need plan.batch_size).
+        steady_minibatches_per_s / steady_samples_per_s: over the middle half of the minibatch
+            completions (warm-up and drain excluded).
+        bubble_fraction: idle share of all ranks over the whole run; steady_bubble_fraction over
+            the steady window.
+        utilisation: per rank, busy share of the makespan.
+        max_versions / max_inflight: per stage, peak live weight versions and stashed activations.
+        peak_memory_bytes: per stage, weights × versions + optimizer state + stashed activations.
+    """
+
+    trace: Trace
+    makespan_s: float
+    minibatches_per_s: float
+    samples_per_s: float | None
+    steady_minibatches_per_s: float
+    steady_samples_per_s: float | None
+    bubble_fraction: float
+    steady_bubble_fraction: float
+    utilisation: dict[int, float]
+    max_versions: list[int]
+    max_inflight: list[int]
+    peak_memory_bytes: list[float]
+
+    def summary(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "trace"}
+
+
+def _transfer_s(nbytes: float, bw: float, latency: float) -> float:
+    return latency + (nbytes / bw if bw != float("inf") else 0.0)
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None, validate: bool = True) -> SimResult:
+    """Run ``schedule`` against ``costs`` (default: :meth:`Costs.from_plan`) and report.
+
+    Args:
+        schedule: the schedule (validated first unless ``validate`` is False).
+        costs: per-microbatch costs; default from the plan and its topology.
+        validate: prove the schedule first (a deadlocking schedule would otherwise be reported
+            as stuck ranks).
+
+    Raises:
+        ScheduleError: the schedule is invalid (with the marked grid).
+        SimulationError: bad costs, or the schedule gets stuck (only when not validated).
+    """
+    plan = schedule.plan
+    if validate:
+        validate_schedule(schedule)
+    costs = costs or Costs.from_plan(plan, schedule.microbatches)
+    costs.check(plan)
+    events = _run(schedule, costs)
+    trace = Trace(events, meta={
+        "source": "simulate",
+        "schedule": schedule.kind,
+        "plan": plan.summary,
+        "config": plan.config,
+        "minibatches": schedule.minibatches,
+        "microbatches": schedule.microbatches,
+        "samples_per_minibatch": plan.batch_size,
+        "options": dict(schedule.options or {}),
+    })
+    return _report(schedule, costs, trace)
+
+
+def _run(schedule: Schedule, costs: Costs) -> list[Event]:
+    """The event loop: advance any rank that can run until all lists are done."""
+    plan = schedule.plan
+    fwd, bwd, outb = costs.forward_s, costs.backward_s, costs.output_bytes or [0.0] * plan.num_stages
+    params = costs.parameter_bytes or [0.0] * plan.num_stages
+    lat, step_s = costs.latency_s, costs.step_s
+    F, B, SA, RA, SG, RG, AR, U = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT,
+                                   Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.OPTIMIZER_STEP)
+    stage_of = {r: plan.stage_of_rank(r) for r in schedule.actions}
+    acts = schedule.actions
+    clock = {r: 0.0 for r in acts}
+    pc = {r: 0 for r in acts}
+    link_free: dict[tuple[int, int], float] = {}
+    arrivals: dict[tuple[int, int], deque[float]] = {}
+    link_cost: dict[tuple[int, int, int], float] = {}
+    waiting: dict[tuple[int, int], int] = {}
+    ar_state: dict[tuple[int, int], list[Any]] = {}
+    ar_cost: dict[int, float] = {}
+    events: list[Event] = []
+    emit = events.append
+    ready = deque(sorted(acts))
+    queued = set(ready)
+    for s, st in enumerate(plan.stages):
+        r = st.replicas
+        if r > 1:
+            bw = min(costs.bandwidth(a, b) for a in st.ranks for b in st.ranks if a != b)
+            ar_cost[s] = 2 * (r - 1) * lat + (2 * (r - 1) / r * params[s] / bw if bw != float("inf") else 0.0)
+
+    while ready:
+        r = ready.popleft()
+        queued.discard(r)
+        lst = acts[r]
+        s, q = stage_of[r]
+        t = clock[r]
+        p = pc[r]
+        n_acts = len(lst)
+        while p < n_acts:
+            a = lst[p]
+            k = a.kind
+            if k is F or k is B:
+                d = fwd[s] if k is F else bwd[s]
+                emit(Event(r, s, k.value, a.id, t, t + d, 0, str(a), q, a.version))
+                t += d
+            elif k is SA or k is SG:
+                dst = a.peer
+                ch = (r, dst)
+                key = (r, dst, s)
+                c = link_cost.get(key)
+                nbytes = outb[s] if k is SA else outb[s - 1]
+                if c is None:
+                    c = _transfer_s(nbytes, costs.bandwidth(r, dst), lat)  # type: ignore[arg-type]
+                    link_cost[key] = c
+                start = max(t, link_free.get(ch, 0.0))
+                end = start + c
+                link_free[ch] = end
+                arrivals.setdefault(ch, deque()).append(end)
+                emit(Event(r, s, k.value, a.id, start, end, int(nbytes), str(a), q, None))
+                w = waiting.pop(ch, None)
+                if w is not None and w not in queued:
+                    ready.append(w)
+                    queued.add(w)
+            elif k is RA or k is RG:
+                ch = (a.peer, r)  # type: ignore[assignment]
+                qd = arrivals.get(ch)
+                if not qd:
+                    waiting[ch] = r
+                    break
+                arr = qd.popleft()
+                start = t
+                if arr > t:
+                    t = arr
+                emit(Event(r, s, k.value, a.id, start, t, 0, str(a), q, None))
+            elif k is AR:
+                key2 = (s, a.id)
+                stt = ar_state.get(key2)
+                if stt is None:
+                    stt = ar_state[key2] = [set(), 0.0, []]
+                if r not in stt[0]:
+                    stt[0].add(r)
+                    stt[1] = max(stt[1], t)
+                    stt[2].append((r, t, a))
+                if len(stt[0]) < plan.stages[s].replicas:
+                    break
+                begin = stt[1]
+                end = begin + ar_cost.get(s, 0.0)
+                nbytes = int(2 * (plan.stages[s].replicas - 1) / plan.stages[s].replicas * params[s])
+                for o, arrived_at, act in stt[2]:
+                    oq = stage_of[o][1]
+                    emit(Event(o, s, "AR", act.id, arrived_at, end, nbytes, str(act), oq, None))
+                    if o != r:
+                        clock[o] = end
+                        pc[o] += 1
+                        if o not in queued:
+                            ready.append(o)
+                            queued.add(o)
+                t = end
+            else:  # U
+                emit(Event(r, s, "U", a.id, t, t + step_s, 0, str(a), q, a.version))
+                t += step_s
+            p += 1
+        pc[r] = p
+        clock[r] = t
+    stuck = [r for r in acts if pc[r] < len(acts[r])]
+    if stuck:
+        raise SimulationError(
+            "the schedule got stuck (deadlock): "
+            + "; ".join(f"rank {r} at {acts[r][pc[r]]}" for r in stuck[:8])
+            + " — run validate_schedule for the grid"
+        )
+    return events
+
+
+def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
+    plan = schedule.plan
+    m = schedule.microbatches
+    span = trace.makespan
+    nmb = schedule.minibatches
+    bs = plan.batch_size
+    # completion of minibatch t: the end of the last backward of its microbatches on stage 0
+    done: dict[int, float] = {}
+    for e in trace.events:
+        if e.kind == "B" and e.stage == 0:
+            t = e.id // m
+            if e.end_s > done.get(t, -1.0):
+                done[t] = e.end_s
+    comp = sorted(done.values())
+    mb_per_s = nmb / span if span > 0 else 0.0
+    steady = mb_per_s
+    window = (trace.start_s, trace.end_s)
+    if len(comp) >= 4:
+        k1, k2 = len(comp) // 4, len(comp) - 1 - len(comp) // 4
+        if k2 > k1 and comp[k2] > comp[k1]:
+            steady = (k2 - k1) / (comp[k2] - comp[k1])
+            window = (comp[k1], comp[k2])
+    stats = schedule_stats(schedule)
+    n = plan.num_stages
+    max_v = [max(stats.max_versions[r] for r in st.ranks) for st in plan.stages]
+    max_a = [max(stats.max_inflight[r] for r in st.ranks) for st in plan.stages]
+    params = costs.parameter_bytes or [0.0] * n
+    acts = costs.activation_bytes or [0.0] * n
+    mem = [params[s] * (max_v[s] + costs.optimizer_state_factor) + acts[s] * max_a[s] for s in range(n)]
+    return SimResult(
+        trace=trace,
+        makespan_s=span,
+        minibatches_per_s=mb_per_s,
+        samples_per_s=mb_per_s * bs if bs else None,
+        steady_minibatches_per_s=steady,
+        steady_samples_per_s=steady * bs if bs else None,
+        bubble_fraction=trace.bubble_fraction(),
+        steady_bubble_fraction=_window_bubble(trace, *window),
+        utilisation=trace.utilisation(),
+        max_versions=max_v,
+        max_inflight=max_a,
+        peak_memory_bytes=mem,
+    )
+
+
+def _window_bubble(trace: Trace, lo: float, hi: float) -> float:
+    """Idle share of all ranks inside [lo, hi]."""
+    if hi <= lo:
+        return 0.0
+    clipped = Trace([
+        Event(e.rank, e.stage, e.kind, e.id, max(e.start_s, lo), min(e.end_s, hi))
+        for e in trace.events if e.end_s > lo and e.start_s < hi and e.kind in ("F", "B", "U")
+    ])
+    ranks = trace.ranks
+    busy = clipped.busy_time()
+    return 1.0 - sum(busy.get(r, 0.0) for r in ranks) / (len(ranks) * (hi - lo))

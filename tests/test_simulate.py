@@ -1,0 +1,140 @@
+"""The simulator against closed forms: bubbles, steady-state throughput, transfers, all-reduce, memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchpipedream.actions import Kind, Schedule
+from torchpipedream.plan import Plan, Stage
+from torchpipedream.schedules import build_schedule
+from torchpipedream.simulate import Costs, SimulationError, simulate
+from torchpipedream.validate import ScheduleError
+
+F, B = 1.0, 2.0
+
+
+def straight(n: int, **kw) -> Plan:
+    return Plan.straight([[f"l{i}"] for i in range(n)], **kw)
+
+
+def equal(n: int, **kw) -> Costs:
+    return Costs(forward_s=[F] * n, backward_s=[B] * n, **kw)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "flush"])
+@pytest.mark.parametrize("p, m, batches", [(2, 1, 1), (4, 4, 1), (4, 8, 3), (3, 5, 2), (6, 2, 1)])
+def test_bubble_closed_form(kind: str, p: int, m: int, batches: int) -> None:
+    res = simulate(build_schedule(straight(p), kind, minibatches=batches, microbatches=m), equal(p))
+    assert res.makespan_s == pytest.approx(batches * (m + p - 1) * (F + B))
+    assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert res.max_versions == [1] * p
+
+
+@pytest.mark.parametrize("p", [2, 4, 5])
+def test_pipedream_no_steady_bubble_and_versions(p: int) -> None:
+    n_mb = 12 * p
+    res = simulate(build_schedule(straight(p, batch_size=8), "pipedream", minibatches=n_mb), equal(p))
+    assert res.steady_bubble_fraction == pytest.approx(0.0, abs=1e-9)
+    assert res.steady_minibatches_per_s == pytest.approx(1 / (F + B))
+    assert res.steady_samples_per_s == pytest.approx(8 / (F + B))
+    # fill + drain: every minibatch costs F+B on the slowest (every) stage, plus (p−1)(F+B)
+    assert res.makespan_s == pytest.approx((n_mb + p - 1) * (F + B))
+    assert res.max_versions == [p - s for s in range(p)]  # n − s + 1, 1-indexed
+    assert res.max_inflight == [p - s for s in range(p)]
+
+
+def test_2bw_no_steady_bubble_two_versions() -> None:
+    p, m = 4, 4
+    res = simulate(build_schedule(straight(p), "2bw", minibatches=16, microbatches=m), equal(p))
+    assert res.steady_bubble_fraction == pytest.approx(0.0, abs=1e-9)
+    assert res.steady_minibatches_per_s == pytest.approx(1 / (m * (F + B)))
+    assert res.max_versions == [2] * p
+
+
+def test_transfer_latency_and_bandwidth_on_the_critical_path() -> None:
+    plan = straight(2)
+    costs = Costs(forward_s=[1.0, 1.0], backward_s=[2.0, 2.0], output_bytes=[4e6, 0.0], bandwidth_Bps=1e6, latency_s=0.5)
+    res = simulate(build_schedule(plan, "pipedream", minibatches=1), costs)
+    hop = 0.5 + 4.0
+    assert res.makespan_s == pytest.approx(1 + hop + 1 + 2 + hop + 2)
+    sa = next(e for e in res.trace.events if e.kind == "SA")
+    assert (sa.start_s, sa.end_s, sa.bytes) == (pytest.approx(1.0), pytest.approx(1 + hop), 4_000_000)
+
+
+def test_busy_link_delays_next_message_but_not_the_sender() -> None:
+    plan = straight(2)
+    costs = Costs(forward_s=[0.1, 0.1], backward_s=[0.1, 0.1], output_bytes=[1e6, 0.0], bandwidth_Bps=1e6)
+    res = simulate(build_schedule(plan, "gpipe", minibatches=1, microbatches=4), costs)
+    ev = res.trace.events
+    f0 = sorted((e.start_s for e in ev if e.rank == 0 and e.kind == "F"))
+    assert f0 == pytest.approx([0.0, 0.1, 0.2, 0.3])  # sends do not block the sender's compute
+    arrivals = sorted(e.end_s for e in ev if e.kind == "SA")
+    assert arrivals == pytest.approx([1.1, 2.1, 3.1, 4.1])  # one message at a time on the link
+    f1 = sorted(e.start_s for e in ev if e.rank == 1 and e.kind == "F")
+    assert f1 == pytest.approx(arrivals)  # receiver waits for arrival
+
+
+def test_allreduce_ring_cost() -> None:
+    r, w, bw = 4, 8e6, 1e6
+    plan = Plan(stages=[Stage(layers=["a"], replicas=r, ranks=list(range(r)))])
+    costs = Costs(forward_s=[1.0], backward_s=[2.0], parameter_bytes=[w], bandwidth_Bps=bw, latency_s=0.01)
+    res = simulate(build_schedule(plan, "pipedream", minibatches=r), costs)
+    ring = 2 * (r - 1) / r * w / bw + 2 * (r - 1) * 0.01
+    assert res.makespan_s == pytest.approx(3.0 + ring)
+    ars = [e for e in res.trace.events if e.kind == "AR"]
+    assert len(ars) == r and all(e.end_s == pytest.approx(3.0 + ring) for e in ars)
+
+
+def test_allreduce_waits_for_slowest_replica() -> None:
+    plan = Plan(stages=[Stage(layers=["a"], replicas=2, ranks=[0, 1]), Stage(layers=["b"], ranks=[2])])
+    costs = Costs(forward_s=[1.0, 1.0], backward_s=[1.0, 1.0], bandwidth_Bps=float("inf"))
+    res = simulate(build_schedule(plan, "pipedream", minibatches=2), costs)
+    ar = {e.rank: e for e in res.trace.events if e.kind == "AR"}
+    assert ar[0].end_s == ar[1].end_s == max(e.end_s for e in res.trace.events if e.kind == "B" and e.stage == 0)
+
+
+def test_peak_memory_formula() -> None:
+    p = 3
+    costs = equal(p, parameter_bytes=[100.0] * p, activation_bytes=[0.0, 10.0, 10.0], optimizer_state_factor=2.0)
+    res = simulate(build_schedule(straight(p), "pipedream", minibatches=10), costs)
+    # weights × versions (3, 2, 1) + 2 × weights + stashed activations × in flight (3, 2, 1)
+    assert res.peak_memory_bytes == pytest.approx([100 * 5 + 0, 100 * 4 + 20, 100 * 3 + 10])
+    res = simulate(build_schedule(straight(p), "gpipe", minibatches=2, microbatches=4), costs)
+    assert res.peak_memory_bytes == pytest.approx([300, 300 + 40, 300 + 40])
+
+
+def test_costs_from_plan_and_topology() -> None:
+    plan = straight(2, batch_size=4)
+    plan.topology = "2:1MB/s~1ms"
+    plan.stages[0].forward_ms, plan.stages[0].backward_ms, plan.stages[0].output_bytes = 40.0, 80.0, 2000
+    plan.stages[1].forward_ms, plan.stages[1].backward_ms = 40.0, 80.0
+    c = Costs.from_plan(plan, microbatches=2)
+    assert c.forward_s == pytest.approx([0.02, 0.02]) and c.backward_s == pytest.approx([0.04, 0.04])
+    assert c.output_bytes[0] == 1000 and c.activation_bytes == [0.0, 1000]
+    assert c.bandwidth(0, 1) == pytest.approx(1e6) and c.latency_s == pytest.approx(1e-3)
+    res = simulate(build_schedule(plan, "pipedream", minibatches=1))
+    hop = 1e-3 + 2000 / 1e6
+    assert res.makespan_s == pytest.approx(0.04 + hop + 0.04 + 0.08 + hop + 0.08)
+    assert res.samples_per_s == pytest.approx(4 / res.makespan_s)
+
+
+def test_bad_costs_and_invalid_schedule() -> None:
+    sched = build_schedule(straight(2), "pipedream", minibatches=2)
+    with pytest.raises(SimulationError, match="forward_s has 1 entries but the plan has 2 stages"):
+        simulate(sched, Costs(forward_s=[1.0], backward_s=[1.0, 1.0]))
+    with pytest.raises(SimulationError, match="must be numbers >= 0"):
+        simulate(sched, Costs(forward_s=[1.0, -1.0], backward_s=[1.0, 1.0]))
+    acts = {r: [a for a in lst if a.kind is not Kind.SEND_ACT] for r, lst in sched.actions.items()}
+    broken = Schedule(sched.plan, sched.kind, 2, 1, acts)
+    with pytest.raises(ScheduleError):
+        simulate(broken, equal(2))
+    with pytest.raises(SimulationError, match="stuck"):
+        simulate(broken, equal(2), validate=False)
+
+
+def test_trace_summary_agrees_with_result() -> None:
+    res = simulate(build_schedule(straight(3), "flush", minibatches=2, microbatches=3), equal(3))
+    s = res.trace.summary()
+    assert s["makespan_s"] == pytest.approx(res.makespan_s)
+    assert s["events"]["F"] == s["events"]["B"] == 3 * 6
+    assert res.trace.meta["schedule"] == "flush"
