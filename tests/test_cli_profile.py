@@ -28,7 +28,7 @@ def _one_error_line(capsys) -> str:
 
 
 def test_profile_writes_a_graph_and_show_prints_it(tmp_path, capsys):
-    out = tmp_path / "cnn.json"
+    out = tmp_path / "runs" / "cnn.json"  # the directory is created, as the README's command needs
     code = main(["profile", "--model", "cnn", "--batch-size", "16", "--iters", "2", "--warmup", "1", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -63,7 +63,8 @@ def test_profile_a_user_model_by_module_function(tmp_path, capsys):
     [
         (["profile", "--model", "vgg99", "--out", "{tmp}/g.json"], "unknown model 'vgg99'"),
         (["profile", "--model", "cnn", "--batch-size", "0", "--out", "{tmp}/g.json"], "--batch-size"),
-        (["profile", "--model", "cnn", "--out", "{tmp}/no/such/dir/g.json"], "does not exist"),
+        (["profile", "--model", "cnn", "--out", "{tmp}/bad.json/g.json"], "cannot create directory"),
+        (["profile", "--model", "cnn", "--out", "{tmp}"], "is a directory"),
         (["show", "{tmp}/missing.json"], "no such file"),
         (["show", "{tmp}/bad.json"], "invalid JSON"),
         (["show", "{tmp}/wrong.json"], "format_version"),

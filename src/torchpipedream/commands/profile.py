@@ -65,6 +65,16 @@ def _user_sample(spec: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return sample, target, loss
 
 
+def _make_parent(path: Path, flag: str) -> None:
+    """Create ``path``'s directory (like ``mkdir -p``), or raise a CommandError saying why not."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"{flag} {path}: cannot create directory {path.parent} ({exc.strerror})") from None
+    if path.is_dir():
+        raise CommandError(f"{flag} {path}: is a directory; give a file name")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..models import MODELS, get_model, loss_fn, sample_input
     from ..profiler import profile
@@ -76,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise CommandError(f"--threads must be >= 1, got {args.threads}")
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise CommandError(f"--out {out}: directory {out.parent} does not exist")
+    _make_parent(out, "--out")
 
     model = get_model(args.model)
     if args.model in MODELS:

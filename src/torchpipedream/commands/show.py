@@ -8,6 +8,7 @@ from typing import Any
 
 from ..cli import CommandError
 from ..graph import LayerGraph
+from .profile import _make_parent
 
 DEFAULT_LIMIT = 60
 
@@ -55,7 +56,7 @@ def format_table(graph: LayerGraph, limit: int = DEFAULT_LIMIT, sort: str = "ord
         (
             str(index[l.name]),
             _clip(l.name, 32),
-            _clip(("[input] " if l.is_input else "") + l.kind, 40),
+            _clip(("[input] " if l.is_input else "") + l.kind, 52),
             f"{l.forward_ms:.3f}",
             f"{l.backward_ms:.3f}",
             human_bytes(l.activation_bytes),
@@ -124,10 +125,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(graph, args.limit, args.sort))
     if args.plot:
         path = Path(args.plot)
-        if not path.parent.is_dir():
-            raise CommandError(f"--plot {path}: directory {path.parent} does not exist")
         if path.suffix.lower() not in (".png", ".svg", ".pdf"):
             raise CommandError(f"--plot {path}: use a .png, .svg or .pdf file name")
+        _make_parent(path, "--plot")
         plot_graph(graph, path)
         print(f"wrote {path}")
     return 0
