@@ -310,6 +310,44 @@ def test_a_sample_that_does_not_fit_names_the_layer():
         profile(cnn(), torch.randn(4, 1, 8, 8), iters=0)
 
 
+def test_a_failing_or_non_scalar_loss_is_a_clear_error():
+    x, y = sample_input("mlp", 4)
+    with pytest.raises(ProfilerError, match="loss_fn failed"):
+        profile(mlp(), x, loss_fn=cross_entropy, target=y[:2], warmup=0, iters=1)
+    with pytest.raises(ProfilerError, match="scalar"):
+        profile(mlp(), x, loss_fn=lambda out: out, warmup=0, iters=1)
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("this op has no backward")
+
+
+def no_backward_op(x):
+    return _NoBackward.apply(x)
+
+
+torch.fx.wrap("no_backward_op")
+
+
+def test_a_failing_backward_names_the_layer():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return no_backward_op(self.lin(x))
+
+    with pytest.raises(ProfilerError, match="backward of layer 'no_backward_op'.*no backward"):
+        profile(Net(), torch.randn(2, 4), warmup=0, iters=1)
+
+
 def test_graph_round_trips_through_json(tmp_path):
     torch.manual_seed(0)
     x, _ = sample_input("resnet", 4)

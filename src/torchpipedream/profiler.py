@@ -366,7 +366,10 @@ def _backward_once(step: _Step, env: dict[str, Any], timer: _Timer) -> Any:
         p.grad = None
     timer.sync()
     start = timer.start()
-    torch.autograd.backward(roots, grads)
+    try:
+        torch.autograd.backward(roots, grads)
+    except RuntimeError as exc:
+        raise ProfilerError(f"profile: the backward of layer {step.name!r} ({step.kind}) failed: {_first_line(exc)}") from None
     pending = timer.stop(start)
     for p in step.own_params:
         p.grad = None
@@ -377,7 +380,13 @@ def _loss_once(loss_fn: Callable, output: Any, target: Any, timer: _Timer) -> tu
     """Time the loss's forward and backward on a detached copy of the model output."""
     out = _detached(output, clone=False)
     start = timer.start()
-    loss = loss_fn(out, target) if target is not None else loss_fn(out)
+    try:
+        loss = loss_fn(out, target) if target is not None else loss_fn(out)
+    except Exception as exc:
+        raise ProfilerError(
+            f"profile: loss_fn failed on the model's output: {_first_line(exc)}; "
+            "check the target matches the output (loss_fn(output, target))"
+        ) from None
     fwd = timer.stop(start)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise ProfilerError("profile: loss_fn must return a scalar tensor")
