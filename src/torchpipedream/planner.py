@@ -1,0 +1,680 @@
+"""The planner: split a layer graph into pipeline stages and replicate them over a topology.
+
+``plan(graph, topology)`` returns the :class:`~torchpipedream.plan.Plan` with the smallest
+predicted time per minibatch under the cost model below (docs/planner.md has the long form).
+
+Cost model (times in ms per minibatch, the profile's batch; sizes in bytes)
+--------------------------------------------------------------------------
+The graph is planned over ``graph.linearize()``: a chain of blocks i = 0..N-1 with compute
+C_i (forward + backward), parameters w_i and a_i, the bytes crossing the cut after block i.
+A stage holds blocks i..j on ``m`` consecutive ranks r..r+m-1 (ranks are given out stage by
+stage, in order). With B(X) the slowest link inside a rank set X (``Topology.span_bandwidth``):
+
+* stage time  = (C_ij + allreduce) / m,   allreduce = 2(m-1)/m · w_ij / B(stage ranks)
+  (ring all-reduce once per round of m minibatches, one per replica; **summed** with compute,
+  not overlapped as in the paper's max(): our schedules run ALLREDUCE as its own action);
+* cut time    = 2 · a_j / B(ranks of both stages)   (activation forward + gradient back;
+  overlapped with compute as in the paper, so a cut is its own term in the max);
+* time per minibatch = max over stages and cuts (the slowest pipeline element).
+
+Memory per worker of a stage, with d = ceil(workers from this stage to the end / m) minibatches
+in flight and ``f`` = ``optimizer_state_factor`` extra weight copies (gradient, momentum):
+``w·(versions + f) + stashed input activations`` with versions/stash per schedule
+(pipedream: d versions, d inputs; 2bw: 2 versions, d microbatch inputs; flush: 1 version,
+min(d, μ) microbatch inputs; gpipe: 1 version, all μ microbatch inputs; naive: 1 version,
+d inputs). A stage that does not fit is never chosen.
+
+Algorithms
+----------
+``method="fast"`` (default) is exact: a bisection on the bottleneck time T where each test is
+a reachability DP over (block boundary, rank) pairs. For a fixed T, a stage of blocks i..j
+needs at least mmin(i, j) replicas (closed form from the quadratic T·m² - (C+q)·m + q >= 0);
+that bound shrinks as i grows, so for every start rank only the latest reachable block boundary
+matters, and the feasible end ranks of a level-k span form a prefix-minimum within each level-k
+component. One test costs O(N · levels · W) vectorised steps (O(N² · W) with a memory budget).
+``method="hierarchical"`` is the paper's recurrence (A^k, T^k per level, bottom-up), exact for
+its own, smaller space of plans (stages confined to components, sub-pipelines replicated over
+whole components); it is O(levels · N³ · c²) and kept as a reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .graph import Block, LayerGraph
+from .plan import SCHEDULE_KINDS, Plan, PlanError, Stage
+from .topology import Topology, format_bytes
+
+__all__ = [
+    "plan",
+    "evaluate",
+    "best_split_for_replicas",
+    "allreduce_ms",
+    "transfer_ms",
+    "stage_time_ms",
+    "stage_memory_bytes",
+    "in_flight",
+    "Evaluation",
+    "DEFAULT_OPTIMIZER_STATE_FACTOR",
+]
+
+log = logging.getLogger(__name__)
+
+#: Extra copies of a stage's weights a worker holds besides its weight versions: the gradient
+#: buffer and one momentum buffer (SGD with momentum). Adam would be 3.
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
+
+_INF_M = 1 << 40  # "no replica count works"
+
+
+# ------------------------------------------------------------------ the cost model
+def transfer_ms(nbytes: float, bandwidth_Bps: float) -> float:
+    """Milliseconds to move ``nbytes`` over a link of ``bandwidth_Bps`` (0 on the same worker)."""
+    if nbytes == 0 or math.isinf(bandwidth_Bps):
+        return 0.0
+    return nbytes / bandwidth_Bps * 1e3
+
+
+def allreduce_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
+    """Ring all-reduce of a stage's gradients among its replicas: 2(m-1)/m · |w| / B."""
+    if replicas <= 1:
+        return 0.0
+    return 2.0 * (replicas - 1) / replicas * transfer_ms(parameter_bytes, bandwidth_Bps)
+
+
+def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
+    """Time per minibatch of a stage with ``replicas`` workers: (compute + all-reduce) / m."""
+    return (compute_ms + allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)) / replicas
+
+
+def in_flight(workers_to_end: int, replicas: int) -> int:
+    """Minibatches in flight on one replica of a stage: ceil(workers from it to the end / m)."""
+    return -(-workers_to_end // replicas)
+
+
+def _memory_terms(schedule: str, parameter_bytes: float, input_bytes: float, microbatches: int,
+                  f: float) -> tuple[float, float, float]:
+    """memory(d) = base + per · min(d, cap) for a stage holding d minibatches in flight."""
+    w, a, mu = parameter_bytes, input_bytes, microbatches
+    if schedule == "pipedream":
+        return f * w, w + a, math.inf
+    if schedule == "naive":
+        return (1 + f) * w, a, math.inf
+    if schedule == "2bw":
+        return (2 + f) * w, a / mu, math.inf
+    if schedule == "flush":
+        return (1 + f) * w, a / mu, float(mu)
+    if schedule == "gpipe":
+        return (1 + f) * w + a, 0.0, math.inf
+    raise PlanError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+
+
+def stage_memory_bytes(schedule: str, parameter_bytes: float, input_bytes: float, depth: int,
+                       microbatches: int = 1,
+                       optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR) -> float:
+    """Peak bytes on one worker of a stage: weight versions + optimizer state + stashed inputs."""
+    base, per, cap = _memory_terms(schedule, parameter_bytes, input_bytes, microbatches, optimizer_state_factor)
+    return base + per * min(depth, cap)
+
+
+# ------------------------------------------------------------------ evaluation
+@dataclass
+class Evaluation:
+    """The cost model applied to one placement: per-stage and per-cut times, memory, bottleneck."""
+
+    stage_ms: list[float]
+    allreduce_ms: list[float]
+    cut_ms: list[float]
+    memory_bytes: list[float]
+    time_ms: float
+    bottleneck: str
+    bottleneck_stage: int
+    ranks: list[list[int]] = field(default_factory=list)
+
+
+def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple[int, int, int]],
+             schedule: str = "pipedream", microbatches: int = 1,
+             optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR) -> Evaluation:
+    """Apply the cost model to stages given as (first block, last block, replicas), ranks in order."""
+    workers = sum(m for _, _, m in stages)
+    if workers > topology.num_workers:
+        raise PlanError(f"the stages use {workers} workers but the topology has {topology.num_workers}")
+    ranks, stage_ms, ar_ms, cut_ms, mem = [], [], [], [], []
+    r = 0
+    for i, j, m in stages:
+        ranks.append(list(range(r, r + m)))
+        r += m
+    for s, (i, j, m) in enumerate(stages):
+        compute = sum(b.compute_ms for b in blocks[i:j + 1])
+        params = sum(b.parameter_bytes for b in blocks[i:j + 1])
+        bw = topology.span_bandwidth(ranks[s])
+        ar_ms.append(allreduce_ms(params, m, bw))
+        stage_ms.append(stage_time_ms(compute, params, m, bw))
+        input_bytes = blocks[i - 1].cut_bytes if i > 0 else 0
+        depth = in_flight(workers - ranks[s][0], m)
+        mem.append(stage_memory_bytes(schedule, params, input_bytes, depth, microbatches, optimizer_state_factor))
+        if s + 1 < len(stages):
+            cut_ms.append(2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth(ranks[s] + ranks[s + 1])))
+    worst_stage = max(range(len(stages)), key=lambda s: stage_ms[s])
+    t, what, where = stage_ms[worst_stage], f"stage {worst_stage} compute+sync", worst_stage
+    for s, c in enumerate(cut_ms):
+        if c > t:
+            t, what, where = c, f"transfer between stages {s} and {s + 1}", s
+    return Evaluation(stage_ms, ar_ms, cut_ms, mem, t, what, where, ranks)
+
+
+# ------------------------------------------------------------------ the exact fast search
+class _Problem:
+    """Arrays of one planning problem, shared by every feasibility test."""
+
+    def __init__(self, blocks: Sequence[Block], topology: Topology, schedule: str, microbatches: int,
+                 memory: float | None, f: float, num_stages: int | None, straight: bool) -> None:
+        self.blocks = list(blocks)
+        self.N = len(blocks)
+        self.topology = topology
+        self.W = topology.num_workers
+        self.Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+        self.Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+        self.a = np.array([float(b.cut_bytes) for b in blocks])
+        self.a_in = np.concatenate([[0.0], self.a[:-1]])  # input bytes of a stage starting at i
+        self.sizes = topology.sizes
+        self.beff = topology.effective_bandwidths
+        self.classes = [0] if straight else list(range(len(self.sizes)))
+        self.schedule, self.mu, self.memory, self.f = schedule, microbatches, memory, f
+        self.num_stages = num_stages
+        # level crossed between ranks s-1 and s, for s = 1..W-1
+        self.lev_adj = np.zeros(self.W + 1, dtype=np.int64)
+        for s in range(1, self.W):
+            self.lev_adj[s] = next(k for k in range(len(self.sizes)) if (s - 1) // self.sizes[k] == s // self.sizes[k])
+        self.checks = 0
+
+    # minimal replicas of class k (k = 0: a single worker) for stages (i.., j) at bottleneck T
+    def mmin(self, k: int, comp: np.ndarray, w: np.ndarray, T: float) -> np.ndarray:
+        if k == 0:
+            return np.where(comp <= T, 1, _INF_M).astype(np.int64)
+        B = self.beff[k]
+        if math.isinf(T):
+            return np.full(comp.shape, 2, dtype=np.int64)
+        q = 2.0 * w / B * 1e3
+        bq = comp + q
+        disc = bq * bq - 4.0 * T * q
+        with np.errstate(invalid="ignore", divide="ignore"):
+            root = np.where(disc > 0, (bq + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * T) if T > 0 else np.inf, 0.0)
+        root = np.minimum(root, float(_INF_M))
+        m = np.maximum(2, np.ceil(root - 1e-9)).astype(np.int64)
+
+        def ok(mm: np.ndarray) -> np.ndarray:
+            mf = mm.astype(np.float64)
+            return (comp + 2.0 * (mf - 1) / mf * (w / B * 1e3)) / mf <= T
+
+        for _ in range(2):
+            down = (m > 2) & ok(m - 1)
+            m = np.where(down, m - 1, m)
+            up = ~ok(m) & (m < _INF_M)
+            m = np.where(up, m + 1, m)
+        return np.where(ok(m), m, _INF_M)
+
+    def max_depth(self, i: np.ndarray, j1: int) -> np.ndarray:
+        """Largest in-flight count d whose memory fits, for stages i..j1-1 (huge if any d fits)."""
+        w = self.Wp[j1] - self.Wp[i]
+        a = self.a_in[i]
+        f, mu = self.f, self.mu
+        s = self.schedule
+        if s == "pipedream":
+            base, per, cap = f * w, w + a, np.inf
+        elif s == "naive":
+            base, per, cap = (1 + f) * w, a, np.inf
+        elif s == "2bw":
+            base, per, cap = (2 + f) * w, a / mu, np.inf
+        elif s == "flush":
+            base, per, cap = (1 + f) * w, a / mu, float(mu)
+        else:  # gpipe
+            base, per, cap = (1 + f) * w + a, np.zeros_like(w), np.inf
+        M = self.memory
+        big = float(_INF_M)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = np.where(per > 0, np.floor((M - base) / np.where(per > 0, per, 1.0)), big)
+        d = np.where(base > M, -1.0, d)
+        d = np.minimum(d, big)
+        if not math.isinf(cap):
+            d = np.where(base + per * cap <= M, big, np.minimum(d, cap - 1))
+        d = d.astype(np.int64)
+        # exact fix-up against the evaluator's formula
+        def fits(dd: np.ndarray) -> np.ndarray:
+            return base + per * np.minimum(dd, cap) <= M
+        d = np.where((d >= 0) & (d < _INF_M) & ~fits(np.maximum(d, 1)), d - 1, d)
+        d = np.where((d >= 0) & (d < _INF_M - 1) & fits(d + 1), d + 1, d)
+        return np.maximum(d, 0)
+
+    def feasible(self, T: float, Wu: int, exact_end: bool, record: bool) -> tuple[bool, Any]:
+        """Can blocks 0..N-1 be placed on ranks 0..Wu-1 with every stage and cut ≤ T?"""
+        self.checks += 1
+        N, sizes, beff = self.N, self.sizes, self.beff
+        K1 = len(self.classes)
+        C = 1 if self.num_stages is None else self.num_stages + 1
+        Wp1 = Wu + 1
+        reach = np.zeros((N + 1, C, Wp1), dtype=bool)
+        reach[0, 0, 0] = True
+        if record:
+            par = np.full((N + 1, C, Wp1, 3), -1, dtype=np.int64)  # (i, r, c_prev)
+        use_matrix = self.memory is not None
+        ranks = np.arange(Wu, dtype=np.int64)
+        last = np.full((K1, C, Wu), -1, dtype=np.int64)
+        for ki in range(K1):
+            last[ki, 0, 0] = 0
+        pad = {k: (-Wu) % sizes[k] for k in self.classes}
+        for j in range(N):
+            j1 = j + 1
+            best = np.full((K1, C, Wu), _INF_M, dtype=np.int64)
+            besti = np.full((K1, C, Wu), -1, dtype=np.int64)
+            if not use_matrix:
+                valid = last >= 0
+                iv = np.where(valid, last, 0)
+                comp = self.Cp[j1] - self.Cp[iv]
+                w = self.Wp[j1] - self.Wp[iv]
+                for ki, k in enumerate(self.classes):
+                    mreq = self.mmin(k, comp[ki], w[ki], T)
+                    best[ki] = np.where(valid[ki], mreq, _INF_M)
+                besti = last
+            else:
+                I = np.nonzero(reach[:j1].any(axis=(1, 2)))[0]
+                comp = self.Cp[j1] - self.Cp[I]
+                w = self.Wp[j1] - self.Wp[I]
+                dmax = self.max_depth(I, j1)  # (nI,)
+                togo = (Wu - ranks)[None, :]  # workers from r to the end
+                with np.errstate(divide="ignore"):
+                    mmem = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
+                for ki, k in enumerate(self.classes):
+                    ok_in = self._in_ok(k, I, T)
+                    mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem)  # (nI, Wu)
+                    cand = np.where(reach[I][:, :, :Wu] & ok_in[:, None, None], mreq[:, None, :], _INF_M)
+                    arg = np.argmin(cand, axis=0)  # (C, Wu)
+                    best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
+                    besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
+            e = ranks[None, None, :] + best  # earliest end (exclusive) of a stage starting at r
+            new_any = np.zeros((C, Wp1), dtype=bool)
+            for ki, k in enumerate(self.classes):
+                S = sizes[k]
+                key = np.minimum(e[ki], 2 * _INF_M) * Wp1 + ranks[None, :]
+                if pad[k]:
+                    key = np.concatenate([key, np.full((C, pad[k]), np.iinfo(np.int64).max)], axis=1)
+                pm = np.minimum.accumulate(key.reshape(C, -1, S), axis=2).reshape(C, -1)[:, :Wu]
+                cond = (pm // Wp1) <= (ranks + 1)[None, :]  # target s = x + 1
+                if j < N - 1:
+                    lv = np.maximum(k, self.lev_adj[1:Wp1])  # for s = 1..Wu
+                    out_ok = 2.0 * self.a[j] / np.array(beff, dtype=np.float64)[lv] * 1e3 <= T
+                    out_ok[-1] = False  # s == Wu: no rank left for the next stage
+                    cond &= out_ok[None, :]
+                if C > 1:
+                    cond = np.concatenate([np.zeros((1, Wu), dtype=bool), cond[:-1]], axis=0)
+                fresh = cond & ~new_any[:, 1:]
+                if record and fresh.any():
+                    cs, xs = np.nonzero(fresh)
+                    cprev = cs - 1 if C > 1 else cs
+                    r = pm[cprev, xs] % Wp1
+                    par[j1, cs, xs + 1, 0] = besti[ki, cprev, r]
+                    par[j1, cs, xs + 1, 1] = r
+                    par[j1, cs, xs + 1, 2] = cprev
+                new_any[:, 1:] |= cond
+            reach[j1] = new_any
+            if j1 < N and not use_matrix:
+                for ki, k in enumerate(self.classes):
+                    if self._in_ok(k, np.array([j1]), T)[0]:
+                        hit = new_any[:, :Wu]
+                        last[ki][hit] = j1
+        cfinal = C - 1 if self.num_stages is not None else 0
+        ends = reach[N, cfinal]
+        if exact_end:
+            s_end = Wu if ends[Wu] else -1
+        else:
+            hits = np.nonzero(ends)[0]
+            s_end = int(hits[0]) if len(hits) else -1
+        if s_end < 0:
+            return False, None
+        if not record:
+            return True, None
+        stages = []
+        jj, c, s = N, cfinal, s_end
+        while jj > 0:
+            i, r, cp = (int(v) for v in par[jj, c, s])
+            stages.append((i, jj - 1, s - r))
+            jj, c, s = i, cp, r
+        stages.reverse()
+        return True, stages
+
+    def _in_ok(self, k: int, I: np.ndarray, T: float) -> np.ndarray:
+        """Can a class-k stage start at block boundary i (the cut before it fits in T)?"""
+        if k == 0 or math.isinf(T):
+            return np.ones(len(I), dtype=bool)
+        return (I == 0) | (2.0 * self.a_in[I] / self.beff[k] * 1e3 <= T)
+
+
+def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float) -> tuple[float, list[tuple[int, int, int]]] | None:
+    """Bisection on the bottleneck; returns (time, stages) of the best plan or None if none fits."""
+    ok, stages = prob.feasible(math.inf, Wu, exact_end, record=True)
+    if not ok:
+        return None
+
+    def cost(st: list[tuple[int, int, int]]) -> float:
+        return evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f).time_ms
+
+    best = cost(stages)
+    hi = best
+    lo = (prob.Cp[-1] / Wu) * (1 - 1e-9)
+    while hi > 0 and hi - lo > rtol * hi:
+        mid = 0.5 * (lo + hi)
+        ok, st = prob.feasible(mid, Wu, exact_end, record=True)
+        if ok:
+            c = cost(st)
+            if c < best:
+                best, stages = c, st
+            hi = min(mid, c)
+        else:
+            lo = mid
+    return best, stages
+
+
+# ------------------------------------------------------------------ the paper's recurrence
+def _hierarchical(blocks: Sequence[Block], topology: Topology, allow_fewer: bool) -> list[tuple[int, int, int]]:
+    """PipeDream's A^k/T^k dynamic programme (our cost terms), bottom-up over the levels."""
+    N = len(blocks)
+    Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+    Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+    a = np.array([float(b.cut_bytes) for b in blocks])
+    ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+    valid = ii <= jj
+    comp = np.where(valid, Cp[np.minimum(jj + 1, N)] - Cp[ii], np.inf)
+    wts = np.where(valid, Wp[np.minimum(jj + 1, N)] - Wp[ii], 0.0)
+    beff = topology.effective_bandwidths
+    below_full = None  # A^{k-1}(i→j, full component), (N, N)
+    levels_choice = []
+    for k, lv in enumerate(topology.levels, start=1):
+        c, B = lv.count, beff[k]
+        Tk = np.full((c + 1, N, N), np.inf)
+        for m in range(1, c + 1):
+            inner = comp if below_full is None else below_full
+            ar = 2.0 * (m - 1) / m * wts / B * 1e3
+            Tk[m] = np.where(valid, (inner + ar) / m, np.inf)
+        cut = 2.0 * a[:-1] / B * 1e3  # cut after block s, s = 0..N-2
+        Ak = np.full((c + 1, N, N), np.inf)
+        choice = np.full((c + 1, N, N, 2), -1, dtype=np.int64)  # (split s, m') or -1: no split
+        for m in range(1, c + 1):
+            Ak[m] = Tk[m]
+            for mp in range(1, m if N > 1 else 1):
+                # X[i, s, j] = max(A(i→s, m-mp), cut_s, T(s+1→j, mp)), s = 0..N-2
+                left = Ak[m - mp][:, :-1, None]
+                right = Tk[mp][None, 1:, :]
+                X = np.maximum(np.maximum(left, cut[None, :, None]), right)
+                sbest = np.argmin(X, axis=1)
+                xbest = np.take_along_axis(X, sbest[:, None, :], axis=1)[:, 0, :]
+                better = xbest < Ak[m]
+                Ak[m] = np.where(better, xbest, Ak[m])
+                choice[m, :, :, 0] = np.where(better, sbest, choice[m, :, :, 0])
+                choice[m, :, :, 1] = np.where(better, mp, choice[m, :, :, 1])
+        levels_choice.append((Ak, Tk, choice))
+        below_full = Ak[c]
+    L = len(topology.levels)
+    top_c = topology.levels[-1].count
+    Atop = levels_choice[-1][0]
+    m_top = top_c
+    if allow_fewer:
+        m_top = min(range(1, top_c + 1), key=lambda m: (Atop[m][0, N - 1], -m))
+
+    def recon_A(k: int, m: int, i: int, j: int, mult: int) -> list[tuple[int, int, int]]:
+        Ak, Tk, choice = levels_choice[k - 1]
+        s, mp = (int(v) for v in choice[m, i, j])
+        if s < 0:
+            return recon_T(k, m, i, j, mult)
+        return recon_A(k, m - mp, i, s, mult) + recon_T(k, mp, s + 1, j, mult)
+
+    def recon_T(k: int, m: int, i: int, j: int, mult: int) -> list[tuple[int, int, int]]:
+        if k == 1:
+            return [(i, j, m * mult)]
+        return recon_A(k - 1, topology.levels[k - 2].count, i, j, mult * m)
+
+    return recon_A(L, m_top, 0, N - 1, 1)
+
+
+# ------------------------------------------------------------------ fixed replica counts
+def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replicas: Sequence[int],
+                            schedule: str = "pipedream", microbatches: int = 1,
+                            optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+                            ) -> tuple[float, list[tuple[int, int, int]]]:
+    """Best contiguous split for a fixed replica configuration (e.g. the paper's "15-1")."""
+    K, N = len(replicas), len(blocks)
+    if K > N:
+        raise PlanError(f"{K} stages but the graph has only {N} blocks to split")
+    starts = np.concatenate([[0], np.cumsum(replicas)])
+    if starts[-1] > topology.num_workers:
+        raise PlanError(f"config {'-'.join(map(str, replicas))} needs {starts[-1]} workers; topology has "
+                        f"{topology.num_workers}")
+    Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+    Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+    # best[s][j]: min bottleneck of stages 0..s covering blocks 0..j
+    best = np.full((K, N), np.inf)
+    arg = np.full((K, N), -1, dtype=np.int64)
+    for s in range(K):
+        m, r0 = int(replicas[s]), int(starts[s])
+        bw = topology.span_bandwidth(range(r0, r0 + m))
+        for j in range(s, N - (K - 1 - s)):
+            for i in range(s, j + 1):
+                t = stage_time_ms(Cp[j + 1] - Cp[i], Wp[j + 1] - Wp[i], m, bw)
+                if s > 0:
+                    prev = best[s - 1][i - 1]
+                    cutbw = topology.span_bandwidth(range(int(starts[s - 1]), r0 + m))
+                    t = max(t, prev, 2 * transfer_ms(blocks[i - 1].cut_bytes, cutbw))
+                elif i > 0:
+                    continue
+                if t < best[s][j]:
+                    best[s][j], arg[s][j] = t, i
+    stages, j = [], N - 1
+    for s in range(K - 1, -1, -1):
+        i = int(arg[s][j])
+        stages.append((i, j, int(replicas[s])))
+        j = i - 1
+    stages.reverse()
+    ev = evaluate(blocks, topology, stages, schedule, microbatches, optimizer_state_factor)
+    return ev.time_ms, stages
+
+
+# ------------------------------------------------------------------ the public entry point
+def plan(
+    graph: LayerGraph,
+    topology: Topology | str,
+    *,
+    schedule: str = "pipedream",
+    straight: bool = False,
+    num_stages: int | None = None,
+    allow_fewer_workers: bool = False,
+    memory_bytes: int | None = None,
+    microbatches: int = 1,
+    optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
+    method: str = "fast",
+    rtol: float = 1e-10,
+) -> Plan:
+    """Choose stages, replica counts and ranks that minimise the predicted time per minibatch.
+
+    Args:
+        graph: the profiled layer graph (a DAG is planned over ``graph.linearize()``).
+        topology: a :class:`Topology`, a compact spec such as ``"4x4:10GB/s,1.25GB/s"``, a
+            preset name (``"A"``) or a JSON file path.
+        schedule: the schedule family (decides the memory model): one of SCHEDULE_KINDS.
+        straight: one worker per stage (no replication).
+        num_stages: exactly this many stages.
+        allow_fewer_workers: the plan may leave workers idle when that is not slower.
+        memory_bytes: per-worker budget; None takes the topology's (None there = unlimited).
+        microbatches: microbatches per minibatch (2bw, flush, gpipe memory model).
+        optimizer_state_factor: extra weight-sized buffers per worker (gradient, momentum).
+        method: "fast" (exact bisection, default) or "hierarchical" (the paper's DP).
+        rtol: the bisection stops when the bracket is within this relative width.
+
+    Raises:
+        PlanError: impossible requests (more stages than blocks or workers, nothing fits in
+            memory — the message names the smallest budget that would fit).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(graph, LayerGraph):
+        raise PlanError(f"plan() needs a LayerGraph, got {type(graph).__name__}")
+    topo = Topology.from_any(topology)
+    if schedule not in SCHEDULE_KINDS:
+        raise PlanError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if method not in ("fast", "hierarchical"):
+        raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
+    if optimizer_state_factor < 0:
+        raise PlanError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}")
+    blocks = graph.linearize()
+    N, W = len(blocks), topo.num_workers
+    if num_stages is not None:
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise PlanError(f"num_stages must be a positive integer, got {num_stages!r}")
+        if num_stages > N:
+            raise PlanError(
+                f"{num_stages} stages requested but the graph has only {N} places to cut between "
+                f"({len(graph)} layers, {N} blocks after merging layers without compute or weights); "
+                f"ask for at most {N} stages"
+            )
+        if num_stages > W:
+            raise PlanError(f"{num_stages} stages need at least {num_stages} workers; the topology has {W}")
+    if straight and not allow_fewer_workers and W > N:
+        raise PlanError(
+            f"a straight pipeline on {W} workers needs {W} stages but the graph has only {N} blocks; "
+            "use fewer workers or allow_fewer_workers (--allow-fewer-workers)"
+        )
+    if straight and num_stages is not None and not allow_fewer_workers and num_stages != W:
+        raise PlanError(f"a straight pipeline of {num_stages} stages uses {num_stages} workers, not {W}; "
+                        "use allow_fewer_workers (--allow-fewer-workers) or --stages "
+                        f"{W}")
+    memory = memory_bytes if memory_bytes is not None else topo.memory_bytes
+    if memory is not None and (not isinstance(memory, (int, float)) or memory <= 0):
+        raise PlanError(f"memory budget must be a positive number of bytes, got {memory!r}")
+    if method == "hierarchical":
+        if straight or num_stages is not None:
+            raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
+                            "use method='fast'")
+        stages = _hierarchical(blocks, topo, allow_fewer_workers)
+        checks = 0
+    else:
+        prob = _Problem(blocks, topo, schedule, microbatches, memory, optimizer_state_factor, num_stages, straight)
+        result = None
+        if allow_fewer_workers and memory is not None:
+            best: tuple[float, list[tuple[int, int, int]]] | None = None
+            for Wu in range(1, W + 1):
+                r = _search(prob, Wu, True, rtol)
+                if r is not None and (best is None or r[0] < best[0] * (1 - 1e-12)):
+                    best = r
+            result = best
+        else:
+            result = _search(prob, W, not allow_fewer_workers, rtol)
+        if result is None:
+            raise _nothing_fits(prob, memory, W, allow_fewer_workers, num_stages, straight)
+        stages = result[1]
+        checks = prob.checks
+    elapsed = time.perf_counter() - t0
+    return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
+                       elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
+                                             allow_fewer_workers=allow_fewer_workers, memory_bytes=memory,
+                                             microbatches=microbatches,
+                                             optimizer_state_factor=optimizer_state_factor))
+
+
+def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: bool, num_stages: int | None,
+                  straight: bool) -> PlanError:
+    """The error for an infeasible request; with a memory budget it names the smallest that fits."""
+    if memory is None:
+        return PlanError(f"no plan exists for {prob.N} blocks on {W} workers with these options "
+                         f"(num_stages={num_stages}, straight={straight})")
+    hi = 1.0
+    prob.memory = hi
+    while not _any_fit(prob, W, allow_fewer):
+        hi *= 2
+        prob.memory = hi
+        if hi > 1e18:
+            return PlanError("no plan exists even with unlimited memory; check num_stages/straight options")
+    lo = hi / 2
+    while hi - lo > max(1.0, hi * 1e-6):
+        mid = (lo + hi) / 2
+        prob.memory = mid
+        if _any_fit(prob, W, allow_fewer):
+            hi = mid
+        else:
+            lo = mid
+    prob.memory = hi
+    # the exact peak of a plan that fits in hi (every plan's peak is >= the infeasible lo)
+    Wus = range(1, W + 1) if allow_fewer else [W]
+    peaks = []
+    for Wu in Wus:
+        ok, st = prob.feasible(math.inf, Wu, True, True)
+        if ok:
+            ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f)
+            peaks.append(max(ev.memory_bytes))
+    hi = min(peaks)
+    prob.memory = memory
+    return PlanError(
+        f"no plan fits in {format_bytes(memory)} per worker ({int(memory)} bytes); the smallest budget any "
+        f"plan of this model fits in is {format_bytes(math.ceil(hi))} ({math.ceil(hi)} bytes) "
+        f"with schedule {prob.schedule!r}: raise --memory, add workers, or pick a schedule that keeps fewer "
+        "weight versions (2bw, flush)"
+    )
+
+
+def _any_fit(prob: _Problem, W: int, allow_fewer: bool) -> bool:
+    if allow_fewer:
+        return any(prob.feasible(math.inf, Wu, True, False)[0] for Wu in range(1, W + 1))
+    return prob.feasible(math.inf, W, True, False)[0]
+
+
+def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stages: list[tuple[int, int, int]],
+                schedule: str, microbatches: int, f: float, memory: float | None, elapsed: float, checks: int,
+                options: dict[str, Any]) -> Plan:
+    ev = evaluate(blocks, topo, stages, schedule, microbatches, f)
+    out: list[Stage] = []
+    for s, (i, j, m) in enumerate(stages):
+        bl = blocks[i:j + 1]
+        names = [n for b in bl for n in b.layers]
+        out_bytes = blocks[j].cut_bytes if s + 1 < len(stages) else 0
+        comm = ev.allreduce_ms[s] / m + (ev.cut_ms[s] if s < len(ev.cut_ms) else 0.0)
+        out.append(Stage(
+            layers=names, replicas=m, ranks=ev.ranks[s],
+            forward_ms=sum(b.forward_ms for b in bl), backward_ms=sum(b.backward_ms for b in bl),
+            parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
+            output_tensors=list(blocks[j].cut_tensors) if s + 1 < len(stages) else [],
+            comm_ms=comm, memory_bytes=int(math.ceil(ev.memory_bytes[s])),
+        ))
+    workers = sum(m for _, _, m in stages)
+    dp = evaluate(blocks, topo, [(0, len(blocks) - 1, topo.num_workers)], schedule, microbatches, f)
+    t_s = ev.time_ms / 1e3
+    predicted: dict[str, Any] = {
+        "time_per_minibatch_s": t_s,
+        "minibatches_per_s": (1.0 / t_s) if t_s > 0 else None,
+        "samples_per_s": (graph.batch_size / t_s) if (graph.batch_size and t_s > 0) else None,
+        "speedup_over_data_parallel": (dp.time_ms / ev.time_ms) if ev.time_ms > 0 else None,
+        "data_parallel_time_per_minibatch_s": dp.time_ms / 1e3,
+        "bottleneck_stage": ev.bottleneck_stage,
+        "bottleneck": ev.bottleneck,
+        "peak_memory_bytes": int(math.ceil(max(ev.memory_bytes))),
+    }
+    meta = {
+        "planner": options,
+        "planning_time_s": elapsed,
+        "feasibility_checks": checks,
+        "graph_source": graph.meta.get("source", ""),
+        "model": graph.meta.get("model", graph.meta.get("name", "")),
+        "blocks": [[i, j] for i, j, _ in stages],
+        "stage_time_ms": ev.stage_ms,
+        "cut_time_ms": ev.cut_ms,
+        "workers_available": topo.num_workers,
+    }
+    p = Plan(stages=out, schedule=schedule, batch_size=graph.batch_size, microbatches=microbatches,
+             noam=in_flight(workers, stages[0][2]), topology=topo.to_spec(), predicted=predicted, meta=meta)
+    p.validate(layer_names=graph.names, world_size=workers)
+    log.info("planned %s in %.3f s: %s, %.3f ms per minibatch", graph.meta.get("source", "graph"), elapsed,
+             p.summary, ev.time_ms)
+    return p
