@@ -35,9 +35,9 @@ statistics), the RNG state, the device (when ``device`` moved it) and the thread
 restored afterwards.
 
 If fx cannot trace the model and it is an ``nn.Sequential`` (or a list of modules), its
-children are profiled as the layers instead (names ``"0"``, ``"1"``, ...; a chain), with
-``meta["split"] = "sequential"``; the graph then also starts with an input layer named
-``"input"``.
+children are profiled as the layers instead (names ``"0"``, ``"1"``, ...; a chain, exactly
+the child names, with no input layer, so the runtime can split by them), with
+``meta["split"] = "sequential"``.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ class _Program:
     output: Callable[[dict[str, Any]], Any]
     output_producers: list[str]
     split: str
+    input_layers: bool = True  # emit placeholders as is_input layers
 
 
 _NO_DEFAULT = object()
@@ -248,7 +249,7 @@ def _fx_step(
 
 def _sequential_program(seq: nn.Sequential) -> _Program:
     names = list(seq._modules)
-    input_name = "input"
+    input_name = "input"  # only a key in the environment: no layer of this name is emitted
     while input_name in names:
         input_name = "_" + input_name
     steps = []
@@ -264,13 +265,15 @@ def _sequential_program(seq: nn.Sequential) -> _Program:
             return m(*a, **k)
 
         params = list(child.parameters())
+        edges_in = [] if prev == input_name else [prev]
         steps.append(
-            _Step(child_name, _module_kind(child), [prev], resolve, invoke, params, params,
+            _Step(child_name, _module_kind(child), edges_in, resolve, invoke, params, params,
                   bool(getattr(child, "inplace", False)))
         )
         prev = child_name
     last = prev
-    return _Program([(input_name, _NO_DEFAULT)], steps, {}, lambda env: env[last], [last], "sequential")
+    return _Program([(input_name, _NO_DEFAULT)], steps, {}, lambda env: env[last], [last], "sequential",
+                    input_layers=False)
 
 
 def _build_program(module: nn.Module | Sequence[nn.Module]) -> tuple[_Program, nn.Module]:
@@ -521,7 +524,7 @@ def _measure(
 
     layers: list[Layer] = []
     edges: list[tuple[str, str]] = []
-    for input_name, _ in program.inputs:
+    for input_name, _ in program.inputs if program.input_layers else []:
         value = env.get(input_name)
         layers.append(_layer(input_name, "Input", value, 0.0, 0.0, 0, is_input=True))
     seen: set[int] = set()
