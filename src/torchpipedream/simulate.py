@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from .actions import Kind, Schedule
 from .plan import Plan
-from .trace import Event, Trace
+from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
 
 __all__ = ["Costs", "SimResult", "simulate", "DEFAULT_BANDWIDTH_BPS", "DEFAULT_OPTIMIZER_STATE_FACTOR"]
@@ -160,6 +160,19 @@ class SimResult:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "trace"}
 
 
+_KV = {k: k.value for k in Kind}
+
+
+def _text(a: Any) -> str:
+    """``str(action)`` without the enum lookups (the simulator formats every action)."""
+    t = f"s{a.stage}r{a.replica}{_KV[a.kind]}{a.id}" if a.replica else f"s{a.stage}{_KV[a.kind]}{a.id}"
+    if a.version is not None:
+        t += f"v{a.version}"
+    if a.peer is not None:
+        t += f"@{a.peer}"
+    return t
+
+
 def _transfer_s(nbytes: float, bw: float, latency: float) -> float:
     return latency + (nbytes / bw if bw != float("inf") else 0.0)
 
@@ -237,7 +250,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
             k = a.kind
             if k is F or k is B:
                 d = fwd[s] if k is F else bwd[s]
-                emit(Event(r, s, k.value, a.id, t, t + d, 0, str(a), q, a.version))
+                emit(Event(r, s, _KV[k], a.id, t, t + d, 0, _text(a), q, a.version))
                 t += d
             elif k is SA or k is SG:
                 dst = a.peer
@@ -248,11 +261,13 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 if c is None:
                     c = _transfer_s(nbytes, costs.bandwidth(r, dst), lat)  # type: ignore[arg-type]
                     link_cost[key] = c
-                start = max(t, link_free.get(ch, 0.0))
+                start = link_free.get(ch, 0.0)
+                if start < t:
+                    start = t
                 end = start + c
                 link_free[ch] = end
                 arrivals.setdefault(ch, deque()).append(end)
-                emit(Event(r, s, k.value, a.id, start, end, int(nbytes), str(a), q, None))
+                emit(Event(r, s, _KV[k], a.id, start, end, int(nbytes), _text(a), q, None))
                 w = waiting.pop(ch, None)
                 if w is not None and w not in queued:
                     ready.append(w)
@@ -267,7 +282,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 start = t
                 if arr > t:
                     t = arr
-                emit(Event(r, s, k.value, a.id, start, t, 0, str(a), q, None))
+                emit(Event(r, s, _KV[k], a.id, start, t, 0, _text(a), q, None))
             elif k is AR:
                 key2 = (s, a.id)
                 stt = ar_state.get(key2)
@@ -284,7 +299,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 nbytes = int(2 * (plan.stages[s].replicas - 1) / plan.stages[s].replicas * params[s])
                 for o, arrived_at, act in stt[2]:
                     oq = stage_of[o][1]
-                    emit(Event(o, s, "AR", act.id, arrived_at, end, nbytes, str(act), oq, None))
+                    emit(Event(o, s, "AR", act.id, arrived_at, end, nbytes, _text(act), oq, None))
                     if o != r:
                         clock[o] = end
                         pc[o] += 1
@@ -293,7 +308,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                             queued.add(o)
                 t = end
             else:  # U
-                emit(Event(r, s, "U", a.id, t, t + step_s, 0, str(a), q, a.version))
+                emit(Event(r, s, "U", a.id, t, t + step_s, 0, _text(a), q, a.version))
                 t += step_s
             p += 1
         pc[r] = p
@@ -311,7 +326,9 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
 def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     plan = schedule.plan
     m = schedule.microbatches
-    span = trace.makespan
+    t_lo = min((e.start_s for e in trace.events), default=0.0)
+    t_hi = max((e.end_s for e in trace.events), default=0.0)
+    span = t_hi - t_lo
     nmb = schedule.minibatches
     bs = plan.batch_size
     # completion of minibatch t: the end of the last backward of its microbatches on stage 0
@@ -324,13 +341,14 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     comp = sorted(done.values())
     mb_per_s = nmb / span if span > 0 else 0.0
     steady = mb_per_s
-    window = (trace.start_s, trace.end_s)
+    window = (t_lo, t_hi)
     if len(comp) >= 4:
         k1, k2 = len(comp) // 4, len(comp) - 1 - len(comp) // 4
         if k2 > k1 and comp[k2] > comp[k1]:
             steady = (k2 - k1) / (comp[k2] - comp[k1])
             window = (comp[k1], comp[k2])
     stats = schedule_stats(schedule)
+    busy = trace.busy_time()
     n = plan.num_stages
     max_v = [max(stats.max_versions[r] for r in st.ranks) for st in plan.stages]
     max_a = [max(stats.max_inflight[r] for r in st.ranks) for st in plan.stages]
@@ -344,9 +362,9 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
         samples_per_s=mb_per_s * bs if bs else None,
         steady_minibatches_per_s=steady,
         steady_samples_per_s=steady * bs if bs else None,
-        bubble_fraction=trace.bubble_fraction(),
+        bubble_fraction=1.0 - sum(busy.values()) / (len(busy) * span) if span > 0 and busy else 0.0,
         steady_bubble_fraction=_window_bubble(trace, *window),
-        utilisation=trace.utilisation(),
+        utilisation={r: (b / span if span > 0 else 0.0) for r, b in busy.items()},
         max_versions=max_v,
         max_inflight=max_a,
         peak_memory_bytes=mem,
@@ -357,10 +375,11 @@ def _window_bubble(trace: Trace, lo: float, hi: float) -> float:
     """Idle share of all ranks inside [lo, hi]."""
     if hi <= lo:
         return 0.0
-    clipped = Trace([
-        Event(e.rank, e.stage, e.kind, e.id, max(e.start_s, lo), min(e.end_s, hi))
-        for e in trace.events if e.end_s > lo and e.start_s < hi and e.kind in ("F", "B", "U")
-    ])
-    ranks = trace.ranks
-    busy = clipped.busy_time()
-    return 1.0 - sum(busy.get(r, 0.0) for r in ranks) / (len(ranks) * (hi - lo))
+    per_rank: dict[int, list[tuple[float, float]]] = {}
+    for e in trace.events:
+        if e.rank not in per_rank:
+            per_rank[e.rank] = []
+        if e.end_s > lo and e.start_s < hi and e.kind in COMPUTE_KINDS:
+            per_rank[e.rank].append((e.start_s if e.start_s > lo else lo, e.end_s if e.end_s < hi else hi))
+    busy = sum(_union_length(iv) for iv in per_rank.values())
+    return 1.0 - busy / (len(per_rank) * (hi - lo))

@@ -74,8 +74,9 @@ class Event:
     version: int | None = None
 
     def __post_init__(self) -> None:
-        # Accept a Kind enum as well as its text.
-        self.kind = str(getattr(self.kind, "value", self.kind))
+        # Accept a Kind enum (a str subclass) as well as its text.
+        if type(self.kind) is not str:
+            self.kind = str(getattr(self.kind, "value", self.kind))
 
     @property
     def duration_s(self) -> float:
@@ -114,35 +115,40 @@ class Trace:
     def busy_time(self, kinds: Iterable[str] = COMPUTE_KINDS) -> dict[int, float]:
         """Per rank, seconds spent in events of ``kinds`` (overlaps on one rank counted once)."""
         kinds = frozenset(kinds)
-        per_rank: dict[int, list[tuple[float, float]]] = {r: [] for r in self.ranks}
+        per_rank: dict[int, list[tuple[float, float]]] = {}
         for e in self.events:
+            lst = per_rank.get(e.rank)
+            if lst is None:
+                lst = per_rank[e.rank] = []
             if e.kind in kinds:
-                per_rank[e.rank].append((e.start_s, e.end_s))
+                lst.append((e.start_s, e.end_s))
         return {r: _union_length(iv) for r, iv in per_rank.items()}
 
-    def utilisation(self, kinds: Iterable[str] = COMPUTE_KINDS) -> dict[int, float]:
-        """Per rank, busy time / makespan (0..1)."""
+    def utilisation(self, kinds: Iterable[str] = COMPUTE_KINDS, busy: dict[int, float] | None = None) -> dict[int, float]:
+        """Per rank, busy time / makespan (0..1); ``busy`` reuses a ``busy_time`` result."""
         span = self.makespan
-        return {r: (b / span if span > 0 else 0.0) for r, b in self.busy_time(kinds).items()}
+        busy = self.busy_time(kinds) if busy is None else busy
+        return {r: (b / span if span > 0 else 0.0) for r, b in busy.items()}
 
-    def bubble_fraction(self, kinds: Iterable[str] = COMPUTE_KINDS) -> float:
+    def bubble_fraction(self, kinds: Iterable[str] = COMPUTE_KINDS, busy: dict[int, float] | None = None) -> float:
         """1 − (total busy time over all ranks) / (ranks × makespan): the idle share."""
         span = self.makespan
-        ranks = self.ranks
-        if span <= 0 or not ranks:
+        busy = self.busy_time(kinds) if busy is None else busy
+        if span <= 0 or not busy:
             return 0.0
-        return 1.0 - sum(self.busy_time(kinds).values()) / (len(ranks) * span)
+        return 1.0 - sum(busy.values()) / (len(busy) * span)
 
     def summary(self) -> dict[str, Any]:
         """Makespan, bubble fraction, per-rank busy seconds and utilisation, event counts."""
         counts: dict[str, int] = {}
         for e in self.events:
             counts[e.kind] = counts.get(e.kind, 0) + 1
+        busy = self.busy_time()
         out: dict[str, Any] = {
             "makespan_s": self.makespan,
-            "bubble_fraction": self.bubble_fraction(),
-            "busy_s": self.busy_time(),
-            "utilisation": self.utilisation(),
+            "bubble_fraction": self.bubble_fraction(busy=busy),
+            "busy_s": busy,
+            "utilisation": self.utilisation(busy=busy),
             "events": counts,
         }
         mb = self.meta.get("minibatches")

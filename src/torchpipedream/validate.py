@@ -132,6 +132,12 @@ def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: 
         return plan.stages[stage].ranks[replica_of(plan, kind, stage, mb, m)]
 
     mine = {i for i in range(total) if replica_of(plan, kind, s, i, m) == q}
+    by_update: dict[int, list[int]] = {}
+    per_batch: dict[int, int] = {}
+    if check:
+        for j in sorted(mine):
+            by_update.setdefault(update_of(plan, kind, s, j, m), []).append(j)
+            per_batch[j // m] = per_batch.get(j // m, 0) + 1
     fwd_ver: dict[int, int] = {}
     done_b: set[int] = set()
     got_act: set[int] = set()
@@ -139,6 +145,7 @@ def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: 
     sent_act: set[int] = set()
     sent_grad: set[int] = set()
     inflight: dict[int, int] = {}  # mb -> version its stash holds
+    held: dict[int, int] = {}  # version -> number of in-flight microbatches stashing it
     steps = 0
     reduced = -1
     peak_v = peak_a = 0
@@ -168,7 +175,9 @@ def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: 
                     raise err(k, f"forward before its activations arrived (no RA{i} earlier on this rank)")
                 _check_version(schedule, a, steps, v0, st.replicas, err, k, forward=True, fwd_version=None)
             fwd_ver[i] = a.version  # type: ignore[assignment]
-            inflight[i] = a.version  # type: ignore[assignment]
+            if i not in inflight:
+                inflight[i] = a.version  # type: ignore[assignment]
+                held[a.version] = held.get(a.version, 0) + 1  # type: ignore[index]
             b = i // m
             batch_fwds[b] = batch_fwds.get(b, 0) + 1
         elif a.kind is Kind.BACKWARD:
@@ -180,12 +189,16 @@ def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: 
                 if s < n - 1 and i not in got_grad:
                     raise err(k, f"backward before its gradient arrived (no RG{i} earlier on this rank)")
                 if kind == "gpipe":
-                    want = sum(1 for j in mine if j // m == i // m)
-                    if batch_fwds.get(i // m, 0) < want:
+                    if batch_fwds.get(i // m, 0) < per_batch[i // m]:
                         raise err(k, f"gpipe runs every forward of batch {i // m} before its first backward")
                 _check_version(schedule, a, steps, v0, st.replicas, err, k, forward=False, fwd_version=fwd_ver[i])
             done_b.add(i)
-            inflight.pop(i, None)
+            hv = inflight.pop(i, None)
+            if hv is not None:
+                if held[hv] == 1:
+                    del held[hv]
+                else:
+                    held[hv] -= 1
         elif a.kind is Kind.SEND_ACT or a.kind is Kind.RECV_ACT or a.kind is Kind.SEND_GRAD or a.kind is Kind.RECV_GRAD:
             if check:
                 _check_transfer(a, k, s, n, i, peer_rank, fwd_ver, done_b, sent_act, sent_grad, got_act, got_grad, err)
@@ -196,7 +209,7 @@ def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: 
                     raise err(k, f"stage {s} has one replica; there is nothing to all-reduce")
                 if a.id != steps or reduced == a.id:
                     raise err(k, f"expected the all-reduce of update {steps} here")
-                missing = [j for j in sorted(mine) if update_of(plan, kind, s, j, m) == a.id and j not in done_b]
+                missing = [j for j in by_update.get(a.id, ()) if j not in done_b]
                 if missing:
                     raise err(k, f"the all-reduce of update {a.id} runs before the backward of microbatch {missing[0]} it must include")
             reduced = a.id
@@ -208,13 +221,15 @@ def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: 
                     raise err(k, f"U{a.id} produces version {a.id + 1}, not {a.version}")
                 if st.replicas > 1 and reduced != a.id:
                     raise err(k, f"stage {s} is replicated: AR{a.id} must come before U{a.id}")
-                missing = [j for j in sorted(mine) if update_of(plan, kind, s, j, m) == a.id and j not in done_b]
+                missing = [j for j in by_update.get(a.id, ()) if j not in done_b]
                 if missing:
                     raise err(k, f"update {a.id} runs before the backward of microbatch {missing[0]} that it must include")
             steps += 1
-        live_versions = len(set(inflight.values()) | {steps}) if kind != "naive" else 1
-        peak_v = max(peak_v, live_versions)
-        peak_a = max(peak_a, len(inflight))
+        live_versions = (len(held) + (steps not in held)) if kind != "naive" else 1
+        if live_versions > peak_v:
+            peak_v = live_versions
+        if len(inflight) > peak_a:
+            peak_a = len(inflight)
         if check:
             if live_versions > ver_bound:
                 raise err(k, f"{live_versions} weight versions alive on stage {s}; a {kind} schedule keeps at most {ver_bound}")
