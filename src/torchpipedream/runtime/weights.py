@@ -105,7 +105,7 @@ class WeightVersions:
             if g is None:
                 continue
             if self._grads[i] is None:
-                self._grads[i] = g.detach().clone()
+                self._grads[i] = g.detach()  # autograd.grad returns fresh tensors: no copy
             else:
                 self._grads[i].add_(g)
         self._samples += samples
@@ -155,7 +155,9 @@ class WeightVersions:
                     raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
                 scale = 1.0 / self._samples
             for p, g in zip(self.params, self._grads):
-                p.grad = None if g is None else g * scale
+                if g is not None and scale != 1.0:
+                    g.mul_(scale)  # our own buffer (or the all-reduce's): scale in place
+                p.grad = g
             self.optimizer.step()
             for p in self.params:
                 p.grad = None

@@ -1,0 +1,175 @@
+"""Measured 2-stage pipeline throughput vs the simulator's prediction for the same plan.
+
+For each schedule kind: profile the model (one CPU thread), plan it on 2 local workers
+(straight, 2 stages), simulate the schedule with the profile's costs, then run the same
+schedule with the runtime on 2 local processes (gloo) and compare minibatches per second.
+The ratio measured / predicted is the figure of merit (target >= 0.85). Also measures the
+cost of the per-transfer activation header (a 256-byte message) against a whole transfer.
+
+    .venv/bin/python benchmarks/runtime_vs_sim.py [--kinds pipedream,flush] [--minibatches 24]
+
+Writes benchmarks/results/runtime_vs_sim.json. Needs 2 free cores: on a busy machine the
+measured side loses, the prediction does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpipedream.planner import plan as make_plan
+from torchpipedream.profiler import profile
+from torchpipedream.runtime import Pipeline, launch
+from torchpipedream.runtime.comm import HEADER_LEN
+from torchpipedream.schedules import build_schedule
+from torchpipedream.simulate import Costs, simulate
+from torchpipedream.topology import Topology, measure_loopback_bandwidth
+
+BATCH = 64
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(64, 512), nn.ReLU()]
+    for _ in range(6):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    layers += [nn.Linear(512, 10)]
+    return nn.Sequential(*layers)
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(BATCH, 64, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(n)]
+
+
+def step_seconds(plan, stage: int, iters: int = 20) -> float:
+    """Median seconds of one SGD step over the stage's parameters (not part of the profile)."""
+    from torchpipedream.runtime import split_stages
+
+    module = split_stages(model(), plan)[stage]
+    params = list(module.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.SGD(params, lr=0.01)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def header_cost(rank: int, nbytes: int, iters: int = 200) -> tuple[float, float]:
+    """One-way seconds of a header-sized message and of an activation-sized one (ping-pong / 2)."""
+    out = []
+    for size in (HEADER_LEN * 8, nbytes):
+        buf = torch.zeros(max(1, size // 4))
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        out.append((time.perf_counter() - t0) / iters / 2)
+    return out[0], out[1]
+
+
+def worker(rank: int, plan, kind: str, n: int, m: int, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    pipe = Pipeline(model(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), loss_fn=nn.CrossEntropyLoss(),
+                    schedule=kind, microbatches=m if kind not in ("pipedream", "naive") else None, timeout_s=120)
+    data = batches(n)
+    pipe.train_step(data)  # warm-up run (allocator, gloo connections)
+    spans, traces = [], []
+    for _ in range(repeats):
+        pipe.train_step(data)
+        trace = pipe.trace(dst=None)
+        spans.append(trace.makespan)
+        traces.append(trace)
+    act_bytes = plan.stages[0].output_bytes // max(1, m)
+    hdr_s, act_s = header_cost(rank, int(act_bytes))
+    best = min(range(repeats), key=lambda i: spans[i])
+    return {"makespan_s": spans[best], "all_makespans_s": spans, "trace": traces[best],
+            "header_s": hdr_s, "activation_transfer_s": act_s, "activation_bytes": int(act_bytes)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default="pipedream,flush,gpipe")
+    ap.add_argument("--minibatches", type=int, default=24)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "runtime_vs_sim.json"))
+    ap.add_argument("--trace-dir", default=None, help="save each measured trace here as <kind>.json")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    x, y = batches(1)[0]
+    graph = profile(model(), x, nn.CrossEntropyLoss(), y, iters=20, name="mlp512x7")
+    bw = measure_loopback_bandwidth()
+    topo = Topology.local(2)
+    rows = []
+    print(f"model: {len(graph.layers)} layers, batch {BATCH}; loopback bandwidth {bw / 1e9:.2f} GB/s")
+    print(f"{'kind':10} {'m':>2} {'N':>3} {'predicted mb/s':>15} {'measured mb/s':>14} {'ratio':>6}  split")
+    for kind in args.kinds.split(","):
+        m = 1 if kind in ("pipedream", "naive") else args.microbatches
+        plan = make_plan(graph, topo, schedule=kind, straight=True, num_stages=2, microbatches=m)
+        sched = build_schedule(plan, kind, minibatches=args.minibatches)
+        # Per-microbatch compute from a profile at the microbatch's own size (small GEMMs are
+        # less efficient than 1/m of a large one), summed over each stage's layers.
+        g_mb = graph if m == 1 else profile(model(), x[: BATCH // m], nn.CrossEntropyLoss(), y[: BATCH // m],
+                                            iters=20, name="mlp512x7")
+        by_name = {layer.name: layer for layer in g_mb.layers}
+        fwd = [sum(by_name[n].forward_ms for n in st.layers) / 1e3 for st in plan.stages]
+        bwd = [sum(by_name[n].backward_ms for n in st.layers) / 1e3 for st in plan.stages]
+        step_s = max(step_seconds(plan, st) for st in range(plan.num_stages))
+        costs = Costs.from_plan(plan, sched.microbatches, bandwidth_fn=None, bandwidth_Bps=bw, latency_s=0.0,
+                                forward_s=fwd, backward_s=bwd, step_s=step_s)
+        sim = simulate(sched, costs)
+        res = launch(worker, 2, plan, kind, args.minibatches, m, args.repeats, timeout_s=600)
+        predicted = args.minibatches / sim.makespan_s
+        measured = args.minibatches / res["makespan_s"]
+        split = [len(s.layers) for s in plan.stages]
+        rows.append({
+            "kind": kind, "microbatches": m, "minibatches": args.minibatches, "split_layers": split,
+            "predicted_minibatches_per_s": predicted, "measured_minibatches_per_s": measured,
+            "ratio": measured / predicted, "predicted_makespan_s": sim.makespan_s,
+            "measured_makespans_s": res["all_makespans_s"],
+            "microbatch_forward_ms": [f * 1e3 for f in fwd], "microbatch_backward_ms": [b * 1e3 for b in bwd],
+            "step_ms": step_s * 1e3,
+            "header_one_way_us": res["header_s"] * 1e6,
+            "activation_one_way_us": res["activation_transfer_s"] * 1e6,
+            "activation_bytes": res["activation_bytes"],
+        })
+        print(f"{kind:10} {m:>2} {args.minibatches:>3} {predicted:>15.1f} {measured:>14.1f} {measured / predicted:>6.2f}  {split}")
+        trace = res["trace"]
+        for st in range(2):
+            for k, planned in (("F", costs.forward_s[st] * 1e3), ("B", costs.backward_s[st] * 1e3)):
+                d = [e.duration_s * 1e3 for e in trace.events if e.stage == st and e.kind == k]
+                print(f"    stage {st} {k}: measured {statistics.median(d):6.2f} ms, profiled {planned:6.2f} ms")
+            u = [e.duration_s * 1e3 for e in trace.events if e.stage == st and e.kind == "U"]
+            print(f"    stage {st} U: measured {statistics.median(u):6.2f} ms, predicted {step_s * 1e3:6.2f} ms")
+        if args.trace_dir:
+            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+            res["trace"].save(Path(args.trace_dir) / f"{kind}.json")
+    for r in rows:
+        print(f"{r['kind']}: activation header {r['header_one_way_us']:.0f} us one way vs "
+              f"{r['activation_one_way_us']:.0f} us for the {r['activation_bytes'] / 1024:.0f} KiB activation itself")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "loopback_Bps": bw, "threads": 1,
+                                          "cpu_count": __import__("os").cpu_count()}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
