@@ -94,3 +94,146 @@ def test_bad_trace_files(tmp_path, content: str, needle: str) -> None:
     p.write_text(content)
     with pytest.raises(TraceFormatError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         Trace.load(p)
+
+
+# --------------------------------------------------------------------------- pictures and CLI
+def _simulated(kind: str = "pipedream", **kw):
+    from torchpipedream.plan import Plan
+    from torchpipedream.schedules import build_schedule
+    from torchpipedream.simulate import Costs, simulate
+
+    plan = Plan.straight([["a"], ["b"], ["c"]])
+    sched = build_schedule(plan, kind, minibatches=4, **kw)
+    return simulate(sched, Costs(forward_s=[0.01] * 3, backward_s=[0.02] * 3, output_bytes=[1e5, 1e5, 0], bandwidth_Bps=1e8))
+
+
+def test_draw_timeline_png_and_svg(tmp_path) -> None:
+    from torchpipedream.viz import draw_timeline
+
+    res = _simulated()
+    png = draw_timeline(res.trace, tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = draw_timeline(res.trace, tmp_path / "t.svg", title="my title")
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "my title" in text
+
+
+def test_gantt_draws_a_numbered_box_per_compute_event() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from torchpipedream.viz import COLOURS, _plot
+
+    res = _simulated()
+    fig, ax = plt.subplots()
+    _plot(ax, res.trace, "t", 1.0, "s")
+    boxes = {"F": 0, "B": 0}
+    for coll in ax.collections:
+        colour = matplotlib.colors.to_hex(coll.get_facecolor()[0])
+        for k in boxes:
+            if colour == COLOURS[k].lower():
+                boxes[k] += len(coll.get_paths())
+    assert boxes == {"F": 12, "B": 12}  # 3 stages × 4 minibatches
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == sorted(str(i) for i in range(4) for _ in range(6))
+    sends = [c for c in ax.collections if matplotlib.colors.to_hex(c.get_facecolor()[0]) == COLOURS["SA"].lower()]
+    assert sum(len(c.get_paths()) for c in sends) == 8  # 2 boundaries × 4 minibatches
+    plt.close(fig)
+
+
+def test_draw_timelines_stacks_panels(tmp_path) -> None:
+    from matplotlib import image
+
+    from torchpipedream.viz import draw_timelines
+
+    one = draw_timelines([("a", _simulated().trace)], tmp_path / "one.png")
+    two = draw_timelines([("a", _simulated().trace), ("b", _simulated("gpipe", microbatches=2).trace)], tmp_path / "two.png")
+    assert image.imread(two).shape[0] > image.imread(one).shape[0]
+
+
+def test_viz_errors(tmp_path) -> None:
+    from torchpipedream.viz import VizError, draw_timeline
+
+    res = _simulated()
+    with pytest.raises(VizError, match="suffix"):
+        draw_timeline(res.trace, tmp_path / "t.jpg2")
+    with pytest.raises(VizError, match="does not exist"):
+        draw_timeline(res.trace, tmp_path / "missing" / "t.png")
+    with pytest.raises(VizError, match="no events"):
+        draw_timeline(Trace([]), tmp_path / "t.png")
+
+
+def _plan_file(tmp_path, **kw):
+    from torchpipedream.plan import Plan
+
+    plan = Plan.straight([["a"], ["b"], ["c"], ["d"]], batch_size=16, microbatches=4, **kw)
+    for st in plan.stages:
+        st.forward_ms, st.backward_ms, st.output_bytes, st.parameter_bytes = 1.0, 2.0, 1000, 10_000
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return path
+
+
+def test_cli_simulate_all_and_timeline(tmp_path, capsys) -> None:
+    from torchpipedream.cli import main
+
+    plan = _plan_file(tmp_path)
+    rc = main(["simulate", str(plan), "--schedule", "all", "--minibatches", "8",
+               "--trace", str(tmp_path / "tr.json"), "--timeline", str(tmp_path / "all.png")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in
+            ("pipedream", "2bw", "flush", "gpipe", "naive")}
+    assert set(rows) == {"pipedream", "2bw", "flush", "gpipe", "naive"}
+    assert "42.9%" in rows["flush"]  # (p−1)/(m+p−1) = 3/7 with 4 stages, 4 microbatches (tiny comm)
+    assert (tmp_path / "all.png").exists()
+    trace = Trace.load(tmp_path / "tr.gpipe.json")
+    assert trace.meta["schedule"] == "gpipe" and len([e for e in trace.events if e.kind == "F"]) == 4 * 32
+    rc = main(["timeline", str(tmp_path / "tr.pipedream.json"), "--out", str(tmp_path / "pd.svg"),
+               "--chrome", str(tmp_path / "c.json")])
+    assert rc == 0 and (tmp_path / "pd.svg").exists()
+    assert json.loads((tmp_path / "c.json").read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["simulate", "PLAN", "--schedule", "zigzag"], "--schedule 'zigzag'"),
+        (["simulate", "PLAN", "--minibatches", "0"], "--minibatches must be a positive"),
+        (["simulate", "PLAN", "--timeline", "x.bmp"], "--timeline x.bmp"),
+        (["simulate", "NOPE.json"], "no such file"),
+        (["timeline", "NOPE.json", "--out", "x.png"], "no such file"),
+        (["timeline", "PLAN", "--out", "x.png"], "not a torchpipedream trace"),
+        (["timeline", "PLAN"], "nothing to do"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, needle) -> None:
+    from torchpipedream.cli import main
+
+    plan = _plan_file(tmp_path)
+    argv = [str(plan) if a == "PLAN" else str(tmp_path / a) if a.startswith("NOPE") else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_cli_simulate_plan_without_costs(tmp_path, capsys) -> None:
+    from torchpipedream.cli import main
+    from torchpipedream.plan import Plan
+
+    path = tmp_path / "p.json"
+    Plan.straight([["a"], ["b"]]).save(path)
+    assert main(["simulate", str(path)]) == 2
+    assert "no compute costs" in capsys.readouterr().err
+
+
+def test_readme_schedules_figure(tmp_path) -> None:
+    from matplotlib import image
+
+    from torchpipedream.viz import schedules_figure
+
+    out = schedules_figure(tmp_path / "s.png")
+    h, w = image.imread(out).shape[:2]
+    assert w > 1500 and h > 1000

@@ -1,0 +1,117 @@
+"""`torchpipedream simulate`: build, prove and time schedules for a plan; one row per schedule."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..cli import CommandError
+
+_ALL = ("pipedream", "2bw", "flush", "gpipe", "naive")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="prove and simulate a plan's schedules; print samples/s, bubble and peak memory",
+        description="Build the schedule(s) for a plan, validate them (dependencies, versions, no "
+        "deadlock, memory bounds) and simulate them with the plan's profiled costs and its "
+        "topology's links. Prints one row per schedule: throughput over the whole run and in "
+        "steady state, idle (bubble) fraction, and peak memory per stage.",
+    )
+    p.add_argument("plan", help="plan JSON (from `torchpipedream plan`)")
+    p.add_argument("--schedule", default=None,
+                   help="pipedream, 2bw, flush, gpipe, naive, a comma-separated list, or all "
+                   "(default: the plan's schedule)")
+    p.add_argument("--minibatches", type=int, default=32,
+                   help="minibatches (pipedream, naive) or batches (2bw, flush, gpipe) to simulate (default 32)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per batch for 2bw, flush, gpipe (default: the plan's)")
+    p.add_argument("--vertical-sync", action="store_true", help="pipedream with vertical sync")
+    p.add_argument("--trace", default=None,
+                   help="write the simulated trace JSON here (with several schedules: NAME.<schedule>.json)")
+    p.add_argument("--chrome", default=None, help="write Chrome/Perfetto trace JSON here (same naming)")
+    p.add_argument("--timeline", default=None, help="draw the timeline(s) here (.png, .svg or .pdf), stacked")
+    p.set_defaults(handler=run)
+
+
+def _kinds(text: str | None, plan_kind: str) -> list[str]:
+    if text is None:
+        return [plan_kind]
+    if text.strip().lower() == "all":
+        return list(_ALL)
+    kinds = [k.strip().lower() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in _ALL]
+    if bad or not kinds:
+        raise CommandError(f"--schedule {text!r}: expected {', '.join(_ALL)}, a comma-separated list, or all")
+    return kinds
+
+
+def _named(path: str, kind: str, several: bool) -> Path:
+    p = Path(path)
+    return p.with_name(f"{p.stem}.{kind}{p.suffix}") if several else p
+
+
+def _fmt_rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plan import Plan
+    from ..schedules import ScheduleBuildError, build_schedule
+    from ..simulate import simulate
+    from ..topology import format_bytes
+    from ..viz import draw_timelines
+
+    plan = Plan.load(args.plan)
+    if args.minibatches < 1:
+        raise CommandError(f"--minibatches must be a positive integer, got {args.minibatches}")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise CommandError(f"--microbatches must be a positive integer, got {args.microbatches}")
+    if all(st.forward_ms == 0 and st.backward_ms == 0 for st in plan.stages):
+        raise CommandError(
+            f"{args.plan}: the plan has no compute costs (forward_ms and backward_ms are 0 in every stage); "
+            "make it with `torchpipedream plan` from a profiled graph"
+        )
+    for flag in ("trace", "chrome", "timeline"):
+        value = getattr(args, flag)
+        if value and not Path(value).parent.exists():
+            raise CommandError(f"--{flag} {value}: directory {Path(value).parent} does not exist")
+    if args.timeline and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise CommandError(f"--timeline {args.timeline}: use a .png, .svg or .pdf file name")
+    kinds = _kinds(args.schedule, plan.schedule)
+    several = len(kinds) > 1
+    unit = "samples/s" if plan.batch_size else "minibatches/s"
+    print(f"plan {args.plan}: {plan.summary} (config {plan.config}), batch size {plan.batch_size or 'unknown'}, "
+          f"topology {plan.topology or 'default links'}, {args.minibatches} minibatches")
+    header = f"{'schedule':<10} {'m':>3} {unit:>14} {'steady ' + unit:>21} {'bubble':>7} {'steady':>7}  peak memory per stage"
+    print(header)
+    print("-" * len(header))
+    panels = []
+    for kind in kinds:
+        m = args.microbatches if kind not in ("pipedream", "naive") else None
+        try:
+            sched = build_schedule(plan, kind, minibatches=args.minibatches, microbatches=m,
+                                   vertical_sync=args.vertical_sync and kind == "pipedream")
+        except ScheduleBuildError as exc:
+            if not several:
+                raise
+            print(f"{kind:<10} skipped: {exc}")
+            continue
+        res = simulate(sched)
+        rate = res.samples_per_s if plan.batch_size else res.minibatches_per_s
+        steady = res.steady_samples_per_s if plan.batch_size else res.steady_minibatches_per_s
+        mem = " ".join(format_bytes(b) for b in res.peak_memory_bytes)
+        name = kind + (" (vsync)" if sched.options else "")
+        print(f"{name:<10} {sched.microbatches:>3} {_fmt_rate(rate):>14} {_fmt_rate(steady):>21} "
+              f"{res.bubble_fraction:>7.1%} {res.steady_bubble_fraction:>7.1%}  {mem}")
+        if args.trace:
+            res.trace.save(_named(args.trace, kind, several))
+        if args.chrome:
+            res.trace.to_chrome(_named(args.chrome, kind, several))
+        panels.append((f"{name}: {_fmt_rate(rate)} {unit}, bubble {res.bubble_fraction:.0%}", res.trace))
+    if args.timeline and panels:
+        draw_timelines(panels, args.timeline)
+        print(f"timeline: {args.timeline}")
+    return 0

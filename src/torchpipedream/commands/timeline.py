@@ -1,0 +1,50 @@
+"""`torchpipedream timeline`: draw a trace (simulated or measured) as a Gantt chart."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..cli import CommandError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "timeline",
+        help="draw a trace as a workers × time picture, or export it for Perfetto",
+        description="Draw a trace JSON (from `torchpipedream simulate --trace` or a training run) "
+        "as a Gantt chart: a row per rank, forward and backward boxes numbered by microbatch, "
+        "transfers, all-reduces and optimizer steps. --chrome writes the Chrome trace format that "
+        "https://ui.perfetto.dev opens.",
+    )
+    p.add_argument("trace", help="trace JSON")
+    p.add_argument("--out", default=None, help="picture file (.png, .svg or .pdf)")
+    p.add_argument("--chrome", default=None, help="write Chrome/Perfetto trace JSON here")
+    p.add_argument("--title", default=None, help="title above the chart (default: schedule and plan)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..trace import Trace
+    from ..viz import draw_timeline
+
+    if not args.out and not args.chrome:
+        raise CommandError("nothing to do: give --out PICTURE.png|svg and/or --chrome OUT.json")
+    for flag in ("out", "chrome"):
+        value = getattr(args, flag)
+        if value and not Path(value).parent.exists():
+            raise CommandError(f"--{flag} {value}: directory {Path(value).parent} does not exist")
+    trace = Trace.load(args.trace)
+    if not trace.events:
+        raise CommandError(f"{args.trace}: the trace has no events")
+    s = trace.summary()
+    print(f"{args.trace}: {len(trace.events)} events on {len(trace.ranks)} ranks, makespan "
+          f"{s['makespan_s'] * 1e3:.3f} ms, bubble {s['bubble_fraction']:.1%}")
+    if args.out:
+        draw_timeline(trace, args.out, title=args.title)
+        print(f"timeline: {args.out}")
+    if args.chrome:
+        trace.to_chrome(args.chrome)
+        print(f"chrome trace: {args.chrome} (open in https://ui.perfetto.dev)")
+    return 0
