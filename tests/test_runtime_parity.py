@@ -40,6 +40,22 @@ class Skip(nn.Module):
         return self.d(self.c(g) + h)
 
 
+class Flat(nn.Module):
+    """Shape arithmetic: ``x.size(0)`` is computed in stage 0 and used in stages 1 and 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.size(0)
+        h = torch.tanh(self.a(x)).view(n, 2, 4)
+        h = torch.tanh(self.b(h.reshape(n, 8)))
+        return self.c(h) * (1.0 + 0.0 * n)
+
+
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -50,12 +66,20 @@ def skip() -> nn.Module:
     return Skip()
 
 
-MODELS = {"mlp": mlp, "skip": skip}
+def flat() -> nn.Module:
+    torch.manual_seed(0)
+    return Flat()
+
+
+MODELS = {"mlp": mlp, "skip": skip, "flat": flat}
 # Stage of every parameter, by name prefix (written by hand, independent of the splitter).
-PARAM_STAGE = {"mlp": {"0": 0, "2": 1, "4": 2}, "skip": {"a": 0, "b": 1, "c": 2, "d": 2}}
+PARAM_STAGE = {"mlp": {"0": 0, "2": 1, "4": 2}, "skip": {"a": 0, "b": 1, "c": 2, "d": 2},
+               "flat": {"a": 0, "b": 1, "c": 2}}
 LAYERS = {
     "mlp": [["input_1", "_0", "_1"], ["_2", "_3"], ["_4"]],
     "skip": [["x", "a", "tanh"], ["b", "tanh_1"], ["c", "add", "d"]],
+    # An int (size) crosses both cuts, relayed through stage 1.
+    "flat": [["x", "size", "a", "tanh"], ["view", "reshape", "b", "tanh_1"], ["c", "mul", "add", "mul_1"]],
 }
 
 
@@ -87,6 +111,7 @@ SCENARIOS: dict[str, dict] = {
     "gpipe_mlp": dict(model="mlp", kind="gpipe", m=4, n=3),
     "flush_skip": dict(model="skip", kind="flush", m=2, n=3),
     "gpipe_skip": dict(model="skip", kind="gpipe", m=2, n=3),
+    "flush_int_cut": dict(model="flat", kind="flush", m=2, n=3),
     "flush_partial_adam": dict(model="mlp", kind="flush", m=3, n=3, last=5, opt="adam"),
     "flush_sum": dict(model="mlp", kind="flush", m=2, n=2, reduction="sum", lr=0.01),
     "pipedream": dict(model="mlp", kind="pipedream", n=12),
@@ -191,7 +216,7 @@ def differs(got: dict, want: dict) -> float:
 
 
 # --------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("name", ["flush_mlp", "gpipe_mlp", "flush_skip", "gpipe_skip"])
+@pytest.mark.parametrize("name", ["flush_mlp", "gpipe_mlp", "flush_skip", "gpipe_skip", "flush_int_cut"])
 def test_flush_and_gpipe_equal_gradient_accumulation(results, name):
     sc = SCENARIOS[name]
     batches = data(sc["n"])

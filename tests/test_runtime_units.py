@@ -10,7 +10,7 @@ from torch import nn
 from torchpipedream.actions import Kind
 from torchpipedream.plan import Plan
 from torchpipedream.runtime import Pipeline, PipelineError, StageSplitError, forward_only, split_stages
-from torchpipedream.runtime.comm import decode_header, encode_header
+from torchpipedream.runtime.comm import CommError, decode_header, encode_header
 from torchpipedream.runtime.weights import WeightVersions
 
 
@@ -104,6 +104,13 @@ def test_header_round_trip():
     assert samples == 7
     assert [(m.shape, m.dtype, m.requires_grad) for m in act] == [((2, 3), torch.float32, True), ((5,), torch.int64, False)]
     assert [(m.shape, m.dtype) for m in passengers] == [((2,), torch.bool)]
+    # Python values produced by shape arithmetic travel inside the header.
+    values = [3, -2.5, True, None, torch.Size([4, 5])]
+    _, act, _ = decode_header(encode_header(1, values, []))
+    assert [m.value for m in act] == values and not any(m.is_tensor for m in act)
+    assert isinstance(act[4].value, torch.Size)
+    with pytest.raises(CommError, match="dict crosses a stage boundary"):
+        encode_header(1, [{"a": 1}], [])
 
 
 def test_forward_only_keeps_forward_transfers():

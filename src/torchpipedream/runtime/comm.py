@@ -13,7 +13,8 @@ direction uses its own tags, so prefetching on one never steals a message of ano
   the header says, so the user never types a shape and a shape change costs nothing extra.
   (Cost of always sending it: one 256-byte message per transfer; measured in
   ``benchmarks/runtime_vs_sim.py``.) A header that does not fit in ``HEADER_LEN`` words
-  announces an extension message with the rest.
+  announces an extension message with the rest. Python values a cut separates from their
+  use (``x.size(0)``, a ``torch.Size``, a float) travel inside the header, with no payload.
 * **Gradients** (``SG``/``RG``, tag ``_TAG_GRAD``): no header. The receiver of a gradient
   is the stage that sent the activations, so it already knows the shapes (one gradient
   per activation that requires grad); it posts the ``irecv`` as soon as it has sent the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -63,21 +65,52 @@ class CommTimeout(CommError):
     """A blocking wait passed its deadline; the message names the peer rank and stage."""
 
 
-def encode_header(samples: int, tensors: list[torch.Tensor], passengers: list[torch.Tensor]) -> list[int]:
-    """The header words for one activation message (see the module docstring)."""
+# Python values that may cross a cut travel inside the header (no payload message).
+_PY_INT, _PY_FLOAT, _PY_BOOL, _PY_INTS, _PY_NONE = 100, 101, 102, 103, 104
+
+
+def _encode_value(v: Any) -> list[int]:
+    if isinstance(v, torch.Tensor):
+        if v.dtype not in _CODE:
+            raise CommError(f"cannot send a tensor of dtype {v.dtype}; supported: {[str(d) for d in _DTYPES]}")
+        return [_CODE[v.dtype], int(v.requires_grad), v.dim(), *v.shape]
+    if v is None:
+        return [_PY_NONE, 0, 0]
+    if isinstance(v, bool):
+        return [_PY_BOOL, 0, 1, int(v)]
+    if isinstance(v, int):
+        return [_PY_INT, 0, 1, v]
+    if isinstance(v, float):
+        return [_PY_FLOAT, 0, 1, struct.unpack("<q", struct.pack("<d", v))[0]]
+    if isinstance(v, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return [_PY_INTS, 0, len(v), *v]  # e.g. a torch.Size
+    raise CommError(
+        f"a value of type {type(v).__name__} crosses a stage boundary; only tensors, Python numbers, "
+        "None and tuples of ints can (move the cut)"
+    )
+
+
+def encode_header(samples: int, tensors: list[Any], passengers: list[Any]) -> list[int]:
+    """The header words for one activation message (see the module docstring).
+
+    ``tensors`` may also hold Python ints, floats, bools, None and tuples of ints (shape
+    arithmetic that a cut separates from its use); their values are in the header itself.
+    """
     words = [samples, len(tensors), len(passengers)]
-    for t in list(tensors) + list(passengers):
-        if t.dtype not in _CODE:
-            raise CommError(f"cannot send a tensor of dtype {t.dtype}; supported: {[str(d) for d in _DTYPES]}")
-        words += [_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    for v in list(tensors) + list(passengers):
+        words += _encode_value(v)
     return words
 
 
 @dataclass
 class TensorMeta:
+    """A tensor to receive (``value`` is None), or a Python value carried by the header."""
+
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     requires_grad: bool
+    value: Any = None
+    is_tensor: bool = True
 
 
 def decode_header(words: list[int]) -> tuple[int, list[TensorMeta], list[TensorMeta]]:
@@ -87,9 +120,25 @@ def decode_header(words: list[int]) -> tuple[int, list[TensorMeta], list[TensorM
     pos = 3
     for _ in range(n_act + n_pass):
         code, rg, ndim = words[pos], words[pos + 1], words[pos + 2]
-        shape = tuple(words[pos + 3: pos + 3 + ndim])
-        metas.append(TensorMeta(shape, _DTYPES[code], bool(rg)))
+        body = words[pos + 3: pos + 3 + ndim]
         pos += 3 + ndim
+        if code < len(_DTYPES):
+            metas.append(TensorMeta(tuple(body), _DTYPES[code], bool(rg)))
+            continue
+        value: Any
+        if code == _PY_INT:
+            value = body[0]
+        elif code == _PY_FLOAT:
+            value = struct.unpack("<d", struct.pack("<q", body[0]))[0]
+        elif code == _PY_BOOL:
+            value = bool(body[0])
+        elif code == _PY_INTS:
+            value = torch.Size(body)
+        elif code == _PY_NONE:
+            value = None
+        else:
+            raise CommError(f"corrupt activation header (value code {code}); are both ranks the same version?")
+        metas.append(TensorMeta((), None, False, value=value, is_tensor=False))
     return samples, metas[:n_act], metas[n_act:]
 
 
@@ -191,11 +240,13 @@ class P2P:
         rec.samples, act, passengers = decode_header(words)
         rec.metas = act + passengers
         rec.n_act = len(act)
-        rec.tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in rec.metas]
-        rec.data_works = [dist.irecv(t, src=peer, tag=_TAG_ACT_DATA) for t in rec.tensors]
+        rec.tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) if m.is_tensor else m.value
+                       for m in rec.metas]
+        rec.data_works = [dist.irecv(t, src=peer, tag=_TAG_ACT_DATA)
+                          for t, m in zip(rec.tensors, rec.metas) if m.is_tensor]
         if not rec.data_works:  # a message without tensors: mark as posted
             rec.data_works = [None]
-        rec.nbytes = sum(t.numel() * t.element_size() for t in rec.tensors)
+        rec.nbytes = sum(t.numel() * t.element_size() for t, m in zip(rec.tensors, rec.metas) if m.is_tensor)
 
     # ------------------------------------------------------------------ activations
     def send_acts(self, peer: int, mb: int, samples: int, tensors: list[torch.Tensor],
@@ -205,13 +256,10 @@ class P2P:
         Remembers which activations require grad, so the matching gradient receive can be
         posted right away.
         """
-        for t in list(tensors) + list(passengers):
-            if not isinstance(t, torch.Tensor):
-                raise CommError(
-                    f"{self.describe(self.rank)}: a value of type {type(t).__name__} crosses the cut to "
-                    f"{self.describe(peer)}; only tensors can cross a stage boundary (move the cut)"
-                )
-        words = encode_header(samples, tensors, passengers)
+        try:
+            words = encode_header(samples, tensors, passengers)
+        except CommError as exc:
+            raise CommError(f"{self.describe(self.rank)} -> {self.describe(peer)}: {exc}") from None
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         if len(words) <= HEADER_LEN:
             header[: len(words)] = torch.tensor(words, dtype=torch.int64)
@@ -225,11 +273,13 @@ class P2P:
             self._sends.append((dist.isend(ext, dst=peer, tag=_TAG_ACT_EXT), ext, "header"))
         nbytes = 0
         for t in list(tensors) + list(passengers):
+            if not isinstance(t, torch.Tensor):
+                continue  # carried by the header
             data = t.detach().contiguous()
             self._sends.append((dist.isend(data, dst=peer, tag=_TAG_ACT_DATA), data, f"activations of microbatch {mb}"))
             nbytes += data.numel() * data.element_size()
         self._grad_meta[mb] = [
-            TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if t.requires_grad
+            TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         return nbytes
 
@@ -258,7 +308,7 @@ class P2P:
         posted.popleft()
         self.pump()
         for t, m in zip(rec.tensors, rec.metas):
-            if m.requires_grad:
+            if m.is_tensor and m.requires_grad:
                 t.requires_grad_(True)
         return rec.samples, rec.tensors[: rec.n_act], rec.tensors[rec.n_act:], rec.nbytes
 

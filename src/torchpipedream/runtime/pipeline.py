@@ -19,7 +19,8 @@ rank owns only its stage's parameters, which exist only after the split, so the 
 must be built per rank on those.
 
 Restrictions: dim 0 of every input and target tensor is the batch dimension (minibatches
-are split along it into microbatches); only tensors cross stage boundaries; ``loss_fn`` is
+are split along it into microbatches); tensors, Python numbers and tuples of ints (shape
+arithmetic) may cross stage boundaries, nothing else; ``loss_fn`` is
 called as ``loss_fn(output, *targets)`` and returns a scalar, the mean over the microbatch's
 samples (``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
 (``loss_reduction="sum"``). Reported losses are per minibatch, in the same reduction.
