@@ -138,3 +138,113 @@ def test_trace_summary_agrees_with_result() -> None:
     assert s["makespan_s"] == pytest.approx(res.makespan_s)
     assert s["events"]["F"] == s["events"]["B"] == 3 * 6
     assert res.trace.meta["schedule"] == "flush"
+
+
+# ----------------------------------------------------------------- against an independent reference
+def _reference_makespan(sched: Schedule, costs: Costs) -> dict[tuple[int, int], float]:
+    """Finish time of every action as a longest path over its dependencies, by memoised recursion.
+
+    ready(r, k): when rank r is free after its k-th action. Sends do not occupy the rank; a
+    message leaves at max(issue, previous message on the same directed link) and arrives after
+    latency + bytes / bandwidth; a receive finishes at max(ready, arrival); an all-reduce ends at
+    the latest replica's arrival plus the ring cost.
+    """
+    plan = sched.plan
+    acts = sched.actions
+    sends: dict[tuple[int, int], list[int]] = {}
+    recvs: dict[tuple[int, int, int], int] = {}  # (src, dst, k on dst) -> index in that link's sequence
+    ars: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for r, lst in acts.items():
+        for k, a in enumerate(lst):
+            if a.kind.is_send:
+                sends.setdefault((r, a.peer), []).append(k)
+            elif a.kind.is_recv:
+                recvs[(a.peer, r, k)] = sum(1 for j in range(k) if lst[j].kind.is_recv and lst[j].peer == a.peer)
+            elif a.kind is Kind.ALLREDUCE:
+                ars.setdefault((a.stage, a.id), []).append((r, k))
+    memo: dict[tuple[int, int], float] = {}
+    arrive_memo: dict[tuple[int, int, int], float] = {}
+
+    def ready(r: int, k: int) -> float:
+        if k < 0:
+            return 0.0
+        if (r, k) in memo:
+            return memo[(r, k)]
+        a = acts[r][k]
+        s = a.stage
+        before = ready(r, k - 1)
+        if a.kind is Kind.FORWARD:
+            out = before + costs.forward_s[s]
+        elif a.kind is Kind.BACKWARD:
+            out = before + costs.backward_s[s]
+        elif a.kind is Kind.OPTIMIZER_STEP:
+            out = before + costs.step_s
+        elif a.kind.is_send:
+            out = before
+        elif a.kind.is_recv:
+            out = max(before, arrival(a.peer, r, recvs[(a.peer, r, k)]))
+        else:
+            group = ars[(s, a.id)]
+            rr = plan.stages[s].replicas
+            ring = 2 * (rr - 1) * costs.latency_s + 2 * (rr - 1) / rr * costs.parameter_bytes[s] / costs.bandwidth_Bps
+            out = max(ready(o, j - 1) for o, j in group) + ring
+        memo[(r, k)] = out
+        return out
+
+    def arrival(src: int, dst: int, j: int) -> float:
+        if (src, dst, j) in arrive_memo:
+            return arrive_memo[(src, dst, j)]
+        k = sends[(src, dst)][j]
+        a = acts[src][k]
+        nbytes = costs.output_bytes[a.stage] if a.kind is Kind.SEND_ACT else costs.output_bytes[a.stage - 1]
+        start = ready(src, k - 1)
+        if j > 0:
+            start = max(start, arrival(src, dst, j - 1))
+        out = start + costs.latency_s + nbytes / costs.bandwidth_Bps
+        arrive_memo[(src, dst, j)] = out
+        return out
+
+    import sys
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 50000))
+    try:
+        ends = [ready(r, len(lst) - 1) for r, lst in acts.items() if lst]
+        last_msgs = [arrival(s, d, len(ks) - 1) for (s, d), ks in sends.items()]
+    finally:
+        sys.setrecursionlimit(old)
+    return {"makespan": max(ends + last_msgs)}
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    reps=hst.lists(hst.sampled_from([1, 1, 2, 3]), min_size=1, max_size=4),
+    kind=hst.sampled_from(["pipedream", "flush", "gpipe", "naive", "2bw"]),
+    minibatches=hst.integers(1, 10),
+    m=hst.integers(1, 4),
+    fw=hst.lists(hst.integers(1, 9), min_size=4, max_size=4),
+    bw=hst.lists(hst.integers(1, 9), min_size=4, max_size=4),
+    out=hst.lists(hst.integers(0, 5), min_size=4, max_size=4),
+    lat=hst.sampled_from([0.0, 0.5]),
+)
+def test_simulator_matches_longest_path_reference(reps, kind, minibatches, m, fw, bw, out, lat) -> None:
+    import math
+
+    stages, r = [], 0
+    for i, k in enumerate(reps):
+        stages.append(Stage(layers=[f"l{i}"], replicas=k, ranks=list(range(r, r + k))))
+        r += k
+    plan = Plan(stages=stages)
+    n = len(reps)
+    if kind == "2bw":
+        m = math.lcm(*reps)
+    sched = build_schedule(plan, kind, minibatches=minibatches, microbatches=None if kind in ("pipedream", "naive") else m)
+    costs = Costs(forward_s=[float(x) for x in fw[:n]], backward_s=[float(x) for x in bw[:n]],
+                  output_bytes=[float(x) for x in out[:n]], parameter_bytes=[3.0] * n, bandwidth_Bps=2.0,
+                  latency_s=lat, step_s=0.25)
+    res = simulate(sched, costs)
+    assert res.makespan_s == pytest.approx(_reference_makespan(sched, costs)["makespan"])

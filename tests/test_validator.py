@@ -31,7 +31,7 @@ def schedules(draw) -> Schedule:
     n = draw(st.integers(1, 8))
     reps = draw(st.lists(st.sampled_from([1, 1, 1, 2, 3]), min_size=n, max_size=n))
     kind = draw(st.sampled_from(KINDS))
-    minibatches = draw(st.integers(1, 64 if kind in ("pipedream", "naive") else 12))
+    minibatches = draw(st.integers(1, 64))
     if kind == "2bw":
         m = math.lcm(*reps) * draw(st.integers(1, 2))
     elif kind in ("flush", "gpipe"):
