@@ -243,11 +243,11 @@ class Engine:
             roots, grad_outputs = ctx.outputs, grads
         wrt = params + ctx.leaves
         if wrt and roots:
-            got = torch.autograd.grad(roots, wrt, grad_outputs=grad_outputs, allow_unused=True)
-        else:
-            got = (None,) * len(wrt)
-        self.weights.accumulate(got[: len(params)], ctx.samples)
+            # Accumulates into the weight aliases' .grad (the stage's persistent buffers, in
+            # place) and into the received activations' .grad (sent back by SG).
+            torch.autograd.backward(roots, grad_tensors=grad_outputs, inputs=wrt)
+        self.weights.add_samples(ctx.samples)
         if not self.is_first:
-            self._in_grads[mb] = [g if g is not None else torch.zeros_like(t) for g, t in zip(got[len(params):], ctx.leaves)]
+            self._in_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ctx.leaves]
         if version is not None:
             self.weights.release(version)

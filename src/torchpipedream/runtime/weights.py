@@ -68,7 +68,7 @@ class WeightVersions:
         self.version = 0
         self._uses: dict[int, int] = {}
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        self._grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self._flat, self._grads = self._grad_buffers()
         self._samples = 0.0
         self.copies = 0  # number of copy-on-update events (for tests and reports)
         self.max_versions_alive = 1
@@ -87,7 +87,11 @@ class WeightVersions:
                     f"weight version {version} was requested but this stage holds version {self.version} "
                     f"and stashes {sorted(self._views)}; the schedule's versions are inconsistent"
                 )
-            views = {n: p.data.requires_grad_(True) for n, p in zip(self.names, self.params)}
+            views = {}
+            for n, p, g in zip(self.names, self.params, self._grads):
+                alias = p.data.requires_grad_(True)
+                alias.grad = g  # backward accumulates in place into the persistent buffer
+                views[n] = alias
             self._views[version] = views
         return views
 
@@ -99,38 +103,56 @@ class WeightVersions:
             self._views.pop(version, None)
 
     # ------------------------------------------------------------------ gradients
+    def _grad_buffers(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Persistent gradient buffers, allocated once: views into one flat tensor (plus one
+        slot for the sample count) when all parameters share a dtype, so the replicas'
+        all-reduce needs no copy and no update allocates (or frees) gradient memory."""
+        if not self.params:
+            return None, []
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            return None, [torch.zeros_like(p) for p in self.params]
+        total = sum(p.numel() for p in self.params)
+        flat = torch.zeros(total + 1, dtype=dtypes.pop(), device=self.params[0].device)
+        views, pos = [], 0
+        for p in self.params:
+            views.append(flat[pos: pos + p.numel()].view_as(p))
+            pos += p.numel()
+        return flat, views
+
+    def add_samples(self, samples: int) -> None:
+        """Count the samples of one microbatch whose backward accumulated into the buffers."""
+        self._samples += samples
+
     def accumulate(self, grads: Iterable[torch.Tensor | None], samples: int) -> None:
-        """Add one microbatch's parameter gradients (of the summed or user-reduced loss)."""
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if self._grads[i] is None:
-                self._grads[i] = g.detach()  # autograd.grad returns fresh tensors: no copy
-            else:
-                self._grads[i].add_(g)
+        """Add one microbatch's parameter gradients by hand (the engine's backward instead
+        accumulates into the aliases' ``.grad``, which are these same buffers)."""
+        with torch.no_grad():
+            for buf, g in zip(self._grads, grads):
+                if g is not None:
+                    buf.add_(g)
         self._samples += samples
 
     def allreduce(self, group: dist.ProcessGroup | None, timeout_s: float) -> int:
         """Sum gradients and sample counts over the stage's replicas; returns bytes reduced."""
         if group is None:
             return 0
-        flat_parts = []
-        for g, p in zip(self._grads, self.params):
-            flat_parts.append((g if g is not None else torch.zeros_like(p)).reshape(-1).to(torch.float64 if p.dtype == torch.float64 else torch.float32))
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        flat = torch.cat([t.to(dtype) for t in flat_parts] + [torch.tensor([self._samples], dtype=dtype, device=self._device())])
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as exc:
-            raise RuntimeError(f"gradient all-reduce did not complete within {timeout_s:g} s: {str(exc)[:200]}") from None
-        pos = 0
-        for i, p in enumerate(self.params):
-            n = p.numel()
-            self._grads[i] = flat[pos: pos + n].view_as(p).to(p.dtype)
-            pos += n
-        self._samples = float(flat[-1].item())
-        return flat.numel() * flat.element_size()
+        if self._flat is not None:
+            tensors = [self._flat]
+            self._flat[-1] = self._samples
+        else:  # mixed dtypes: one all-reduce per buffer, plus the count
+            count = torch.tensor([self._samples], dtype=torch.float64, device=self._device())
+            tensors = list(self._grads) + [count]
+        for t in tensors:
+            work = dist.all_reduce(t, group=group, async_op=True)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"gradient all-reduce did not complete within {timeout_s:g} s: {str(exc).splitlines()[0][:200]}"
+                ) from None
+        self._samples = float(tensors[-1][-1].item())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
@@ -154,14 +176,20 @@ class WeightVersions:
                 if self._samples <= 0:
                     raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
                 scale = 1.0 / self._samples
-            for p, g in zip(self.params, self._grads):
-                if g is not None and scale != 1.0:
-                    g.mul_(scale)  # our own buffer (or the all-reduce's): scale in place
-                p.grad = g
+            with torch.no_grad():
+                for p, g in zip(self.params, self._grads):
+                    if scale != 1.0:
+                        g.mul_(scale)
+                    p.grad = g
             self.optimizer.step()
-            for p in self.params:
+            for p, g in zip(self.params, self._grads):
                 p.grad = None
-        self._grads = [None] * len(self.params)
+            with torch.no_grad():
+                if self._flat is not None:
+                    self._flat.zero_()
+                else:
+                    for g in self._grads:
+                        g.zero_()
         self._samples = 0.0
         self.version += 1
         self.max_versions_alive = max(self.max_versions_alive, len(self._views) + 1)
