@@ -55,6 +55,13 @@ def test_free_layers_merge_into_the_previous_block() -> None:
     assert [b.layers for b in g.linearize(merge_free_cuts=False)] == [["a"], ["view"], ["fc"]]
 
 
+def test_leading_inputs_join_the_first_real_block() -> None:
+    layers = [Layer("x", "input", 0, 0, 64, 0, is_input=True), Layer("a", "fc", 1, 1, 8, 4), Layer("b", "fc", 1, 1, 4, 4)]
+    g = LayerGraph(layers, [("x", "a"), ("a", "b")])
+    assert [b.layers for b in g.linearize()] == [["x", "a"], ["b"]]
+    assert g.linearize()[0].cut_bytes == 8
+
+
 @st.composite
 def random_dags(draw):
     n = draw(st.integers(1, 9))

@@ -244,7 +244,9 @@ class LayerGraph:
         is what the stage boundary transfers (PipeDream's antichain at that cut).
 
         With ``merge_free_cuts`` a layer with no compute and no parameters is merged into the
-        block before it (a cut after a reshape or a view is never better than before it), which
+        block before it, and free layers at the start (the inputs) into the first real block:
+        a cut after a reshape or a view is never better than before it, and a stage holding
+        only the data input would be a worker with nothing to do. This
         keeps imported profiles small without changing any optimum.
         """
         order = self.topological_order()
@@ -254,6 +256,7 @@ class LayerGraph:
             last_use[a] = max(last_use.get(a, -1), pos[b])
         # live[i]: producers at or before i whose output is consumed after i.
         blocks: list[Block] = []
+        leading: list[str] = []
         open_producers: dict[str, int] = {}
         for i, name in enumerate(order):
             layer = self._by_name[name]
@@ -265,20 +268,19 @@ class LayerGraph:
             cut_bytes = sum(self._by_name[p].activation_bytes for p in crossing)
             fwd = 0.0 if layer.is_input else layer.forward_ms
             bwd = 0.0 if layer.is_input else layer.backward_ms
-            mergeable = (
-                merge_free_cuts
-                and blocks
-                and fwd == 0.0
-                and bwd == 0.0
-                and layer.parameter_bytes == 0
-            )
-            if mergeable:
+            free = merge_free_cuts and fwd == 0.0 and bwd == 0.0 and layer.parameter_bytes == 0
+            if free and not blocks:
+                leading.append(name)  # inputs and shape arithmetic before any real layer
+            elif free:
                 prev = blocks[-1]
                 prev.layers.append(name)
                 prev.cut_bytes = cut_bytes
                 prev.cut_tensors = crossing
             else:
-                blocks.append(Block([name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing))
+                blocks.append(Block(leading + [name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing))
+                leading = []
+        if leading:  # a graph of free layers only
+            blocks.append(Block(leading, 0.0, 0.0, 0, 0, []))
         return blocks
 
     # -------------------------------------------------------------- JSON I/O
