@@ -321,6 +321,11 @@ def test_trace_and_evaluate(results, tmp_path):
     trace.save(tmp_path / "t.json")
     again = Trace.load(tmp_path / "t.json")
     assert len(again.events) == len(trace.events)
+    # The measured trace renders with `torchpipedream timeline`.
+    from torchpipedream.cli import main
+
+    assert main(["timeline", str(tmp_path / "t.json"), "--out", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 1000
     # evaluate: forward only with the final weights = the reference model's loss/accuracy.
     module = MODELS["mlp"]()
     module.load_state_dict(out["full"])
