@@ -47,7 +47,7 @@ def category_of(kind: str) -> str:
     return _CATEGORY.get(kind, "sync")
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     """One executed action.
 

@@ -476,8 +476,41 @@ def validate_schedule(schedule: Schedule) -> None:
 
 
 def schedule_stats(schedule: Schedule) -> ScheduleStats:
-    """Peak live weight versions and peak stashed activations per rank (no checking)."""
+    """Peak live weight versions and peak stashed activations per rank (no checking).
+
+    Live versions = the newest version plus every version an in-flight microbatch stashed
+    (1 for naive, which stashes none); in flight = forwarded, not yet backpropagated.
+    """
     mv, ma = {}, {}
-    for r in schedule.actions:
-        mv[r], ma[r] = _walk_rank(schedule, r, None, check=False)
+    naive = schedule.kind == "naive"
+    F, B, U = Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER_STEP
+    for r, acts in schedule.actions.items():
+        inflight: dict[int, int] = {}
+        held: dict[int, int] = {}
+        steps = peak_v = peak_a = 0
+        for a in acts:
+            k = a.kind
+            if k is F:
+                if a.id not in inflight:
+                    v = a.version
+                    inflight[a.id] = v  # type: ignore[assignment]
+                    held[v] = held.get(v, 0) + 1  # type: ignore[index]
+                    if len(inflight) > peak_a:
+                        peak_a = len(inflight)
+            elif k is B:
+                v = inflight.pop(a.id, None)  # type: ignore[assignment]
+                if v is not None:
+                    if held[v] == 1:
+                        del held[v]
+                    else:
+                        held[v] -= 1
+                continue
+            elif k is U:
+                steps += 1
+            else:
+                continue
+            live = 1 if naive else len(held) + (steps not in held)
+            if live > peak_v:
+                peak_v = live
+        mv[r], ma[r] = max(peak_v, 1 if acts else 0), peak_a
     return ScheduleStats(max_versions=mv, max_inflight=ma)
