@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     unit = "samples/s" if plan.batch_size else "minibatches/s"
     print(f"plan {args.plan}: {plan.summary} (config {plan.config}), batch size {plan.batch_size or 'unknown'}, "
           f"topology {plan.topology or 'default links'}, {args.minibatches} minibatches")
+    pred = plan.predicted.get("samples_per_s")
+    if pred:
+        print(f"planner's prediction for {plan.schedule}: {pred:,.1f} samples/s (steady state, no bubbles)")
     header = f"{'schedule':<10} {'m':>3} {unit:>14} {'steady ' + unit:>21} {'bubble':>7} {'steady':>7}  peak memory per stage"
     print(header)
     print("-" * len(header))
