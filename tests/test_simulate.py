@@ -248,3 +248,15 @@ def test_simulator_matches_longest_path_reference(reps, kind, minibatches, m, fw
                   latency_s=lat, step_s=0.25)
     res = simulate(sched, costs)
     assert res.makespan_s == pytest.approx(_reference_makespan(sched, costs)["makespan"])
+
+
+@pytest.mark.parametrize("r0, c0, c1, expect_period", [(2, 4.0, 2.0, 2.5), (3, 6.0, 1.0, (6.0 + 4 / 3) / 3), (2, 2.0, 3.0, 3.0)])
+def test_replicated_steady_throughput_is_the_slowest_stage(r0: int, c0: float, c1: float, expect_period: float) -> None:
+    # PipeDream's cost model: a stage with r replicas delivers a minibatch every (C + allreduce) / r
+    plan = Plan(stages=[Stage(layers=["a"], replicas=r0, ranks=list(range(r0))), Stage(layers=["b"], ranks=[r0])])
+    costs = Costs(forward_s=[c0 / 4, c1 / 4], backward_s=[3 * c0 / 4, 3 * c1 / 4], parameter_bytes=[1.0, 0.0],
+                  bandwidth_Bps=1.0)  # allreduce = 2(r−1)/r · 1 / 1
+    res = simulate(build_schedule(plan, "pipedream", minibatches=30 * r0), costs)
+    ar = 2 * (r0 - 1) / r0
+    assert expect_period == pytest.approx(max((c0 + ar) / r0, c1))
+    assert res.steady_minibatches_per_s == pytest.approx(1 / expect_period)

@@ -369,13 +369,14 @@ def _check_2bw_shares(plan: Plan, m: int) -> None:
     validator reports); flush and gpipe drain between batches and have no such restriction.
     """
     bad = [(i, st.replicas) for i, st in enumerate(plan.stages) if m % st.replicas]
+    lcm = math.lcm(*(st.replicas for st in plan.stages))
     if bad:
         s_i, r = bad[0]
         raise ScheduleBuildError(
             f"2bw needs microbatches to be a multiple of every stage's replica count (stage {s_i} has "
             f"{r} replicas, microbatches is {m}): every replica must take the same share of each batch, "
             "or the replicas' all-reduces interlock with the pipeline and deadlock. Choose microbatches "
-            f"= {m + (-m) % r} or another multiple"
+            f"= {m + (-m) % lcm} or another multiple of {lcm}"
         )
 
 

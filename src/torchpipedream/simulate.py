@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -343,7 +344,11 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     steady = mb_per_s
     window = (t_lo, t_hi)
     if len(comp) >= 4:
-        k1, k2 = len(comp) // 4, len(comp) - 1 - len(comp) // 4
+        # Measure between equivalent points of the periodic steady state: whole periods of
+        # lcm(replica counts) minibatches (replicas complete their rounds in bursts).
+        period = math.lcm(*(st.replicas for st in plan.stages))
+        k1 = len(comp) // 4
+        k2 = k1 + period * ((len(comp) - 1 - len(comp) // 4 - k1) // period)
         if k2 > k1 and comp[k2] > comp[k1]:
             steady = (k2 - k1) / (comp[k2] - comp[k1])
             window = (comp[k1], comp[k2])
