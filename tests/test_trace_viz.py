@@ -87,6 +87,11 @@ def test_chrome_export(tmp_path) -> None:
             '"kind": "F", "id": 0, "start_s": 2, "end_s": 1}]}',
             "end_s >= start_s",
         ),
+        (
+            '{"format": "torchpipedream.Trace", "format_version": 1, "events": [{"rank": "0", "stage": 0, '
+            '"kind": "F", "id": 0, "start_s": 0, "end_s": 1}]}',
+            "rank must be integers",
+        ),
     ],
 )
 def test_bad_trace_files(tmp_path, content: str, needle: str) -> None:

@@ -195,6 +195,10 @@ class Trace:
                 e = Event(**ev)
             except TypeError as exc:
                 raise TraceFormatError(f"{source}: events[{i}]: {exc}") from None
+            bad = [f for f in ("rank", "stage", "id", "replica", "bytes")
+                   if not isinstance(getattr(e, f), int) or isinstance(getattr(e, f), bool) or getattr(e, f) < 0]
+            if bad:
+                raise TraceFormatError(f"{source}: events[{i}]: {', '.join(bad)} must be integers >= 0")
             if e.kind not in _KINDS:
                 raise TraceFormatError(
                     f"{source}: events[{i}]: unknown kind {e.kind!r}; expected one of {sorted(_KINDS)}"
