@@ -199,6 +199,9 @@ def test_cli_simulate_all_and_timeline(tmp_path, capsys) -> None:
     rc = main(["timeline", str(tmp_path / "tr.pipedream.json"), "--out", str(tmp_path / "pd.svg"),
                "--chrome", str(tmp_path / "c.json")])
     assert rc == 0 and (tmp_path / "pd.svg").exists()
+    rc = main(["timeline", str(tmp_path / "tr.pipedream.json"), str(tmp_path / "tr.flush.json"),
+               "--out", str(tmp_path / "two.png")])
+    assert rc == 0 and (tmp_path / "two.png").exists()
     assert json.loads((tmp_path / "c.json").read_text())["traceEvents"]
 
 
