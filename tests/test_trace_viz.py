@@ -245,3 +245,21 @@ def test_readme_schedules_figure(tmp_path) -> None:
     out = schedules_figure(tmp_path / "s.png")
     h, w = image.imread(out).shape[:2]
     assert w > 1500 and h > 1000
+
+
+def test_cli_rejects_hand_edited_schedule_with_grid(tmp_path, capsys) -> None:
+    from torchpipedream.cli import main
+
+    plan = _plan_file(tmp_path)
+    sched = tmp_path / "s.json"
+    assert main(["simulate", str(plan), "--schedule", "flush", "--minibatches", "2", "--save-schedule", str(sched)]) == 0
+    capsys.readouterr()
+    data = json.loads(sched.read_text())
+    assert main(["simulate", str(sched)]) == 0  # unedited: validates and simulates
+    assert "flush" in capsys.readouterr().out
+    # stage 2 waits for microbatch 1's activations before microbatch 0's: FIFO order broken
+    data["actions"]["2"] = data["actions"]["2"].replace("s2RA0@1", "TMP").replace("s2RA1@1", "s2RA0@1").replace("TMP", "s2RA1@1")
+    sched.write_text(json.dumps(data))
+    assert main(["simulate", str(sched)]) == 2
+    err = capsys.readouterr().err
+    assert "forward before its activations arrived" in err and ">>s2F0v0<<" in err and "rank 3" in err

@@ -20,7 +20,8 @@ def register(subparsers: Any) -> None:
         "topology's links. Prints one row per schedule: throughput over the whole run and in "
         "steady state, idle (bubble) fraction, and peak memory per stage.",
     )
-    p.add_argument("plan", help="plan JSON (from `torchpipedream plan`)")
+    p.add_argument("plan", help="plan JSON (from `torchpipedream plan`), or a schedule JSON (from "
+                   "--save-schedule, possibly edited by hand: it is validated, then simulated)")
     p.add_argument("--schedule", default=None,
                    help="pipedream, 2bw, flush, gpipe, naive, a comma-separated list, or all "
                    "(default: the plan's schedule)")
@@ -33,6 +34,8 @@ def register(subparsers: Any) -> None:
                    help="write the simulated trace JSON here (with several schedules: NAME.<schedule>.json)")
     p.add_argument("--chrome", default=None, help="write Chrome/Perfetto trace JSON here (same naming)")
     p.add_argument("--timeline", default=None, help="draw the timeline(s) here (.png, .svg or .pdf), stacked")
+    p.add_argument("--save-schedule", default=None,
+                   help="write the generated schedule JSON here (same naming); edit it and pass it back as PLAN")
     p.set_defaults(handler=run)
 
 
@@ -53,6 +56,21 @@ def _named(path: str, kind: str, several: bool) -> Path:
     return p.with_name(f"{p.stem}.{kind}{p.suffix}") if several else p
 
 
+def _load_schedule(path: str) -> Any:
+    """The Schedule in ``path`` if it is a schedule file, else None (it is then read as a plan)."""
+    import json
+
+    from ..actions import Schedule
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None  # Plan.load reports missing files and bad JSON
+    if isinstance(data, dict) and data.get("format") == "torchpipedream.Schedule":
+        return Schedule.from_dict(data, source=path)
+    return None
+
+
 def _fmt_rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
@@ -64,7 +82,15 @@ def run(args: argparse.Namespace) -> int:
     from ..topology import format_bytes
     from ..viz import draw_timelines
 
-    plan = Plan.load(args.plan)
+    given = _load_schedule(args.plan)
+    plan = given.plan if given is not None else Plan.load(args.plan)
+    if given is not None:
+        if args.schedule or args.vertical_sync or args.microbatches:
+            raise CommandError(f"{args.plan} is a schedule file: --schedule, --microbatches and --vertical-sync "
+                               "apply to plans only")
+        from ..validate import validate_schedule
+
+        validate_schedule(given)  # a hand-edited file fails here with the marked grid
     if args.minibatches < 1:
         raise CommandError(f"--minibatches must be a positive integer, got {args.minibatches}")
     if args.microbatches is not None and args.microbatches < 1:
@@ -74,17 +100,18 @@ def run(args: argparse.Namespace) -> int:
             f"{args.plan}: the plan has no compute costs (forward_ms and backward_ms are 0 in every stage); "
             "make it with `torchpipedream plan` from a profiled graph"
         )
-    for flag in ("trace", "chrome", "timeline"):
+    for flag in ("trace", "chrome", "timeline", "save_schedule"):
         value = getattr(args, flag)
         if value and not Path(value).parent.exists():
-            raise CommandError(f"--{flag} {value}: directory {Path(value).parent} does not exist")
+            raise CommandError(f"--{flag.replace('_', '-')} {value}: directory {Path(value).parent} does not exist")
     if args.timeline and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise CommandError(f"--timeline {args.timeline}: use a .png, .svg or .pdf file name")
-    kinds = _kinds(args.schedule, plan.schedule)
+    kinds = [given.kind] if given is not None else _kinds(args.schedule, plan.schedule)
     several = len(kinds) > 1
     unit = "samples/s" if plan.batch_size else "minibatches/s"
     print(f"plan {args.plan}: {plan.summary} (config {plan.config}), batch size {plan.batch_size or 'unknown'}, "
-          f"topology {plan.topology or 'default links'}, {args.minibatches} minibatches")
+          f"topology {plan.topology or 'default links'}, "
+          f"{given.minibatches if given is not None else args.minibatches} minibatches")
     pred = plan.predicted.get("samples_per_s")
     if pred:
         print(f"planner's prediction for {plan.schedule}: {pred:,.1f} samples/s (steady state, no bubbles)")
@@ -95,13 +122,16 @@ def run(args: argparse.Namespace) -> int:
     for kind in kinds:
         m = args.microbatches if kind not in ("pipedream", "naive") else None
         try:
-            sched = build_schedule(plan, kind, minibatches=args.minibatches, microbatches=m,
-                                   vertical_sync=args.vertical_sync and kind == "pipedream")
+            sched = given if given is not None else build_schedule(
+                plan, kind, minibatches=args.minibatches, microbatches=m,
+                vertical_sync=args.vertical_sync and kind == "pipedream")
         except ScheduleBuildError as exc:
             if not several:
                 raise
             print(f"{kind:<10} skipped: {exc}")
             continue
+        if args.save_schedule:
+            sched.save(_named(args.save_schedule, kind, several))
         res = simulate(sched)
         rate = res.samples_per_s if plan.batch_size else res.minibatches_per_s
         steady = res.steady_samples_per_s if plan.batch_size else res.steady_minibatches_per_s
