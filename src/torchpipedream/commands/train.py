@@ -1,0 +1,65 @@
+"""`torchpipedream train`: the main job (profile, plan, launch, train, report)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..plan import SCHEDULE_KINDS
+
+_EPILOG = """\
+With no options: the default CNN on scikit-learn's digits, one worker per core, PipeDream's
+1F1B schedule with weight stashing. Outputs (plan, profile, measured timeline picture, Chrome
+trace, checkpoint, report.json) go to --out. Under torchrun the same command runs one worker per
+process: torchrun --nproc-per-node 4 -m torchpipedream train --model cnn
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model with pipeline parallelism on this computer's cores (the main job)",
+        description="Profile the model, plan its stages for the workers, launch them, train on the "
+        "bundled data with a progress bar, and report measured against predicted time.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from ..train import OPTIMIZERS, TrainConfig
+
+    d = TrainConfig()
+    p.add_argument("--model", default=d.model,
+                   help="mlp, cnn, resnet, transformer (a character LM on Python's own sources), or a "
+                        "user's module:function returning an nn.Module for (N,1,8,8) digits (default: %(default)s)")
+    p.add_argument("--schedule", default=d.schedule, choices=SCHEDULE_KINDS,
+                   help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe or naive (default: %(default)s)")
+    p.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")
+    p.add_argument("--workers", type=int, default=d.workers, help="number of worker processes (default: one per core)")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training data (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per minibatch (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=d.microbatches,
+                   help="microbatches per minibatch for 2bw, flush, gpipe (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default: %(default)s)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS,
+                   help="sgd, momentum (SGD with momentum 0.9) or adam (default: %(default)s)")
+    p.add_argument("--stages", type=int, default=None, help="plan exactly this many stages (default: the planner's choice)")
+    p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
+    p.add_argument("--plan", dest="plan_file", default=None, help="use this plan.json instead of planning")
+    p.add_argument("--topology", default=None, help="topology spec for the planner (default: local, one level)")
+    p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed (default: %(default)s)")
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
+                   help="seconds any worker waits for a peer before failing (default: %(default)s)")
+    p.add_argument("--max-minibatches", type=int, default=None, help="cap minibatches per epoch (quick runs)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(handler=_handle)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from ..train import TrainConfig, format_report, run
+
+    fields = TrainConfig.__dataclass_fields__
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    logging.getLogger("torchpipedream").setLevel(logging.WARNING)
+    report = run(cfg)
+    print(format_report(report))
+    return 0

@@ -1,0 +1,372 @@
+"""The main job: profile → plan → launch → train → report, on this computer or under torchrun.
+
+`torchpipedream train` with no arguments profiles the default example model (a CNN whose
+weights sit mostly in its wide fully-connected head), plans it for one worker per core,
+launches the workers, trains on scikit-learn's bundled digits images (a fixed split) with a
+progress bar, and writes a report, the measured timeline picture, a Chrome trace and the final
+checkpoint into the output directory.
+
+All option checking happens in :func:`prepare` before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .graph import LayerGraph
+from .plan import SCHEDULE_KINDS, Plan, PlanError
+
+__all__ = ["TrainConfig", "TrainError", "prepare", "run", "explain_plan"]
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+class TrainError(ValueError):
+    """An option or input of `torchpipedream train` cannot be used; the message says what to do."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; the CLI fills it from its options."""
+
+    model: str = "cnn"
+    schedule: str = "pipedream"
+    workers: int = 0  # 0: one per core
+    epochs: int = 8
+    batch_size: int = 32
+    lr: float = 0.02
+    optimizer: str = "momentum"
+    microbatches: int = 4
+    stages: int | None = None  # planner: exactly this many stages
+    straight: bool = False  # planner: no replication
+    plan_file: str | None = None
+    topology: str | None = None
+    out: str = "runs/train"
+    seed: int = 0
+    timeout_s: float = 120.0
+    vertical_sync: bool = False
+    progress: bool = True
+    max_minibatches: int | None = None  # per epoch, for quick runs and tests
+
+    def resolved_workers(self) -> int:
+        return self.workers if self.workers > 0 else (os.cpu_count() or 1)
+
+
+@dataclass
+class Prepared:
+    """What the parent process computed before launching workers (picklable)."""
+
+    config: TrainConfig
+    plan: Plan
+    graph: LayerGraph
+    predicted: dict[str, float] = field(default_factory=dict)
+    why: str = ""
+
+
+# ---------------------------------------------------------------------------- data and model
+def _is_text_model(name: str) -> bool:
+    return name == "transformer"
+
+
+def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Digits images for the vision models (and a user's model), stdlib text for the LM."""
+    from .models import digits_data, text_data
+
+    if _is_text_model(cfg.model):
+        return text_data(context=64, max_bytes=120_000)
+    return digits_data(seed=0)
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    from .models import get_model
+
+    torch.manual_seed(cfg.seed)
+    return get_model(cfg.model)
+
+
+def loss_for(cfg: TrainConfig) -> Callable[..., torch.Tensor]:
+    from .models import cross_entropy
+
+    return cross_entropy
+
+
+def optimizer_factory(cfg: TrainConfig) -> Callable[[Any], torch.optim.Optimizer]:
+    lr, kind = cfg.lr, cfg.optimizer
+    if kind == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr)
+    if kind == "momentum":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return lambda params: torch.optim.Adam(params, lr=lr)
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, limit: int | None, shuffle_seed: int | None) -> list:
+    """Minibatches as a list (deterministic order; reshuffled per epoch by ``shuffle_seed``)."""
+    idx = torch.arange(len(x))
+    if shuffle_seed is not None:
+        idx = idx[torch.randperm(len(x), generator=torch.Generator().manual_seed(shuffle_seed))]
+    out = [(x[idx[i:i + batch_size]], y[idx[i:i + batch_size]]) for i in range(0, len(x), batch_size)]
+    return out[:limit] if limit else out
+
+
+# ---------------------------------------------------------------------------- preparation
+def _check_options(cfg: TrainConfig) -> None:
+    from .models import MODELS
+
+    if cfg.schedule not in SCHEDULE_KINDS:
+        raise TrainError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise TrainError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    for name in ("epochs", "batch_size", "microbatches"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if cfg.stages is not None and cfg.stages < 1:
+        raise TrainError(f"--stages must be a positive integer, got {cfg.stages}")
+    if cfg.workers < 0:
+        raise TrainError(f"--workers must be >= 1 (or 0 for one per core), got {cfg.workers}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise TrainError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.model not in MODELS and ":" not in cfg.model:
+        raise TrainError(
+            f"unknown model {cfg.model!r}: use one of {', '.join(MODELS)} or 'module:function' for your own "
+            "(it must take (N, 1, 8, 8) digit images and return 10 logits)"
+        )
+    if cfg.schedule in ("flush", "gpipe", "2bw") and cfg.batch_size < cfg.microbatches:
+        raise TrainError(
+            f"--batch-size {cfg.batch_size} cannot be split into --microbatches {cfg.microbatches}"
+        )
+
+
+def explain_plan(plan: Plan, graph: LayerGraph) -> str:
+    """One line on why the planner chose this plan (the trade it made)."""
+    from .topology import format_bytes
+
+    total_w = sum(s.parameter_bytes for s in plan.stages)
+    t = plan.predicted.get("time_per_minibatch_s")
+    speedup = plan.predicted.get("speedup_over_data_parallel")
+    if plan.num_stages == 1:
+        if plan.stages[0].replicas == 1:
+            return "one worker: nothing to split."
+        return (
+            f"data parallelism: the {format_bytes(total_w)} of weights are cheap to all-reduce next to "
+            f"the compute, and every cut would send more than it saves."
+        )
+    heavy = max(range(plan.num_stages), key=lambda s: plan.stages[s].parameter_bytes)
+    share = plan.stages[heavy].parameter_bytes / max(total_w, 1)
+    cut_bytes = sum(s.output_bytes for s in plan.stages[:-1])
+    line = (
+        f"{plan.summary}: stage {heavy} holds {share:.0%} of the {format_bytes(total_w)} of weights; "
+        f"pipelining sends {format_bytes(cut_bytes)} of activations per minibatch across its cuts "
+        f"instead of all-reducing weights"
+    )
+    if speedup:
+        line += f", predicted {speedup:.2f}x the throughput of data parallelism"
+    if t:
+        line += f" ({t * 1e3:.2f} ms per minibatch)"
+    return line + "."
+
+
+def prepare(cfg: TrainConfig) -> Prepared:
+    """Check options, profile the model, plan (or load and check a plan) and predict its time."""
+    from .profiler import profile
+    from .schedules import build_schedule
+    from .simulate import Costs, simulate
+    from .topology import Topology
+
+    _check_options(cfg)
+    workers = cfg.resolved_workers()
+    model = build_model(cfg)
+    x, y, _, _ = load_data(cfg)
+    graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
+                    name=cfg.model)
+    if cfg.plan_file:
+        plan = Plan.load(cfg.plan_file)
+        try:
+            plan.validate(layer_names=graph.names, world_size=workers)
+        except PlanError as exc:
+            raise TrainError(f"plan file {cfg.plan_file}: {exc}") from None
+        plan.schedule = cfg.schedule
+    else:
+        from .planner import plan as make_plan
+
+        topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
+        if topo.num_workers != workers:
+            raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
+        plan = make_plan(graph, topo, schedule=cfg.schedule, microbatches=_microbatches(cfg),
+                         num_stages=cfg.stages, straight=cfg.straight)
+    n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, None))
+    sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=_microbatches(cfg),
+                           **({"vertical_sync": True} if cfg.vertical_sync else {}))
+    sim = simulate(sched, Costs.from_plan(plan, microbatches=_microbatches(cfg)))
+    predicted = {
+        "time_per_minibatch_s": sim.makespan_s / n,
+        "samples_per_s": cfg.batch_size * n / sim.makespan_s if sim.makespan_s > 0 else float("inf"),
+        "steady_samples_per_s": (sim.steady_minibatches_per_s or 0.0) * cfg.batch_size,
+        "bubble_fraction": sim.bubble_fraction,
+    }
+    return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph))
+
+
+def _microbatches(cfg: TrainConfig) -> int:
+    return cfg.microbatches if cfg.schedule in ("flush", "gpipe", "2bw") else 1
+
+
+# ---------------------------------------------------------------------------- the workers
+def _worker(rank: int, prep: Prepared) -> dict[str, Any] | None:
+    """One rank of the run: build the pipeline, train, evaluate, and gather results on rank 0."""
+    from .runtime import Pipeline
+
+    cfg = prep.config
+    model = build_model(cfg)
+    x, y, xt, yt = load_data(cfg)
+    pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
+                    schedule=cfg.schedule, microbatches=_microbatches(cfg), vertical_sync=cfg.vertical_sync,
+                    timeout_s=cfg.timeout_s, seed=cfg.seed)
+    test = _batches(xt, yt, 256, None, None)
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, None))
+        bar = tqdm(total=cfg.epochs * n, unit="mb", desc=f"train {cfg.model} [{prep.plan.summary}, {cfg.schedule}]",
+                   dynamic_ncols=True)
+    history = []
+    trace = None
+    for epoch in range(cfg.epochs):
+        batches = _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch)
+        t0 = time.perf_counter()
+        loss = pipe.fit(batches, epochs=1)[0]
+        seconds = time.perf_counter() - t0
+        if epoch == cfg.epochs - 1:
+            trace = pipe.trace(dst=0)  # collective: the measured trace of the last epoch
+        metrics = pipe.evaluate(test)
+        samples = sum(len(b[1]) for b in batches)
+        row = {"epoch": epoch + 1, "train_loss": loss, "test_loss": metrics["loss"],
+               "test_accuracy": metrics["accuracy"], "seconds": seconds, "minibatches": len(batches),
+               "samples_per_s": samples / seconds}
+        history.append(row)
+        if bar is not None:
+            bar.update(len(batches))
+            acc = row["test_accuracy"]
+            bar.set_postfix(loss=f"{loss:.3f}", acc="-" if acc is None else f"{acc:.3f}",
+                            samples_s=f"{row['samples_per_s']:.0f}")
+    if bar is not None:
+        bar.close()
+    state = pipe.state_dict(dst=0)
+    if rank != 0:
+        return None
+    return {"history": history, "trace": trace, "state": state}
+
+
+# ---------------------------------------------------------------------------- outputs
+def _write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str, Any]:
+    from .viz import draw_timeline
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, plan = prep.config, prep.plan
+    paths = {
+        "plan": out / "plan.json",
+        "graph": out / "graph.json",
+        "trace": out / "trace.json",
+        "chrome_trace": out / "trace.chrome.json",
+        "timeline": out / "timeline.png",
+        "checkpoint": out / "checkpoint.pt",
+        "report": out / "report.json",
+    }
+    plan.save(paths["plan"])
+    prep.graph.save(paths["graph"])
+    trace = result["trace"]
+    trace.save(paths["trace"])
+    trace.to_chrome(paths["chrome_trace"])
+    draw_timeline(trace, paths["timeline"], title=f"{cfg.model}: {plan.summary}, {cfg.schedule} (last epoch, measured)")
+    tmp = paths["checkpoint"].with_suffix(".pt.tmp")
+    torch.save({"model": cfg.model, "plan": plan.to_dict(), "state_dict": result["state"],
+                "config": asdict(cfg)}, tmp)
+    os.replace(tmp, paths["checkpoint"])
+    last = result["history"][-1]
+    measured_t = last["seconds"] / last["minibatches"]
+    report = {
+        "config": asdict(cfg),
+        "plan": plan.summary,
+        "plan_config": plan.config,
+        "why": prep.why,
+        "measured": {"time_per_minibatch_s": measured_t, "samples_per_s": last["samples_per_s"]},
+        "predicted": prep.predicted,
+        "final_test_accuracy": last["test_accuracy"],
+        "final_test_loss": last["test_loss"],
+        "history": result["history"],
+        "files": {k: str(v) for k, v in paths.items()},
+    }
+    paths["report"].write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable end-of-run report."""
+    m, p = report["measured"], report["predicted"]
+    acc = report["final_test_accuracy"]
+    ratio = p["time_per_minibatch_s"] / m["time_per_minibatch_s"] if m["time_per_minibatch_s"] else float("nan")
+    lines = [
+        f"plan        {report['plan']} ({report['plan_config']}), schedule {report['config']['schedule']}",
+        f"why         {report['why']}",
+        f"time/mb     measured {m['time_per_minibatch_s'] * 1e3:.2f} ms, predicted {p['time_per_minibatch_s'] * 1e3:.2f} ms "
+        f"(measured reaches {ratio:.0%} of the predicted throughput; last epoch, warm-up and drain included)",
+        f"throughput  measured {m['samples_per_s']:.0f} samples/s, predicted {p['samples_per_s']:.0f} samples/s",
+        f"test        accuracy {'-' if acc is None else f'{acc:.2%}'}, loss {report['final_test_loss']:.4f}",
+    ]
+    for key, label in (("timeline", "timeline"), ("chrome_trace", "trace"), ("checkpoint", "checkpoint"),
+                       ("report", "report")):
+        lines.append(f"{label:<11} {report['files'][key]}")
+    return "\n".join(lines)
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Prepare, launch one worker per plan rank on this computer, train, and write the outputs.
+
+    Under torchrun (RANK and WORLD_SIZE set) each process is one worker: rank 0 prepares and
+    broadcasts the plan, and writes the outputs.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_under_torchrun(cfg)
+    from .runtime import launch
+
+    prep = prepare(cfg)
+    log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
+    result = launch(_worker, prep.plan.num_workers, prep, timeout_s=max(cfg.timeout_s * 4, 600.0))
+    return _write_outputs(prep, result, Path(cfg.out))
+
+
+def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg.workers = world
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = prepare(cfg)
+        except Exception as exc:  # tell the other ranks, then fail here
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    prep: Prepared = box[0]
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    result = _worker(rank, prep)
+    if rank != 0:
+        return {}
+    return _write_outputs(prep, result, Path(cfg.out))
