@@ -90,16 +90,24 @@ def worker(rank: int, plan, kind: str, n: int, m: int, repeats: int) -> dict:
                     schedule=kind, microbatches=m if kind not in ("pipedream", "naive") else None, timeout_s=120)
     data = batches(n)
     pipe.train_step(data)  # warm-up run (allocator, gloo connections)
-    spans, traces = [], []
+    spans, traces, shares = [], [], []
     for _ in range(repeats):
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         pipe.train_step(data)
+        shares.append((time.process_time() - cpu0) / (time.perf_counter() - wall0))
         trace = pipe.trace(dst=None)
         spans.append(trace.makespan)
         traces.append(trace)
+    # CPU seconds per wall second of each rank (all its threads): well below the busy share
+    # the trace shows means other processes took the cores.
+    all_shares: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(all_shares, shares)
     act_bytes = plan.stages[0].output_bytes // max(1, m)
     hdr_s, act_s = header_cost(rank, int(act_bytes))
     best = min(range(repeats), key=lambda i: spans[i])
+    busy = traces[best].utilisation()
     return {"makespan_s": spans[best], "all_makespans_s": spans, "trace": traces[best],
+            "cpu_share": [sh[best] for sh in all_shares], "busy_share": [busy[r] for r in sorted(busy)],
             "header_s": hdr_s, "activation_transfer_s": act_s, "activation_bytes": int(act_bytes)}
 
 
@@ -147,11 +155,14 @@ def main() -> None:
             "measured_makespans_s": res["all_makespans_s"],
             "microbatch_forward_ms": [f * 1e3 for f in fwd], "microbatch_backward_ms": [b * 1e3 for b in bwd],
             "step_ms": step_s * 1e3,
+            "cpu_share": res["cpu_share"], "busy_share": res["busy_share"],
             "header_one_way_us": res["header_s"] * 1e6,
             "activation_one_way_us": res["activation_transfer_s"] * 1e6,
             "activation_bytes": res["activation_bytes"],
         })
         print(f"{kind:10} {m:>2} {args.minibatches:>3} {predicted:>15.1f} {measured:>14.1f} {measured / predicted:>6.2f}  {split}")
+        print(f"    CPU share per rank {['%.2f' % c for c in res['cpu_share']]}, compute share per rank "
+              f"{['%.2f' % b for b in res['busy_share']]}, predicted {['%.2f' % u for u in sim.utilisation.values()]}")
         trace = res["trace"]
         for st in range(2):
             for k, planned in (("F", costs.forward_s[st] * 1e3), ("B", costs.backward_s[st] * 1e3)):
@@ -167,6 +178,7 @@ def main() -> None:
               f"{r['activation_one_way_us']:.0f} us for the {r['activation_bytes'] / 1024:.0f} KiB activation itself")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "loopback_Bps": bw, "threads": 1,
+                                          "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
                                           "cpu_count": __import__("os").cpu_count()}, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -135,6 +135,8 @@ class Pipeline:
             backend = dist.get_backend() if self.distributed else "gloo"
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL point-to-point uses the current device
         if seed is not None:
             torch.manual_seed(seed + self.rank)
         modules = split_stages(module_or_stages, plan)

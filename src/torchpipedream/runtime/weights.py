@@ -18,6 +18,14 @@ of a pipedream pipeline), the step is in place and nothing is copied. Stashes ar
 when their last use has run, so a pipedream stage holds at most one version per in-flight
 minibatch and 2BW at most two.
 
+Gradient buffers. Every parameter has one persistent gradient buffer (views into a single
+flat tensor with a slot for the sample count), set as the ``.grad`` of every alias, so each
+backward accumulates in place, the replicas' all-reduce runs on the flat tensor without a
+copy, and no update allocates or frees gradient memory (on this project's VMs a 7 MB
+allocation costs ~3 ms of page faults; a memset ~0.2 ms). Consequence: a parameter that got
+no gradient in an update is stepped with a zero gradient (plain PyTorch would skip it; this
+matters only for weight decay or momentum on unused parameters).
+
 Optimizer. Any ``torch.optim`` optimizer works: it is built by the user's factory on this
 stage's own parameters (each rank owns only its stage), keeps its state keyed by the
 parameter objects, and steps them with the accumulated gradient: the gradient computed with
