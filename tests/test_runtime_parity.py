@@ -143,7 +143,7 @@ def run_scenario(name: str) -> dict:
                     timeout_s=30)
     losses = pipe.train_step(data(sc["n"], last=sc.get("last")))
     out = {"losses": losses, "stage": pipe.stage_state_dict(), "full": pipe.state_dict(dst=0),
-           "copies": pipe.weights.copies}
+           "copies": pipe.weights.copies, "versions": pipe.weights.max_versions_alive}
     if name == "pipedream":
         out["trace"] = pipe.trace(dst=0)
         out["eval"] = pipe.evaluate(data(2, seed=7))
@@ -265,6 +265,8 @@ def test_pipedream_stashing_matches_paper_rule(results):
     assert differs(got, reference_sync("mlp", data(12))) > 1e-4
     # Stages 0 and 1 stash (copy on update); the last stage never needs a copy.
     assert results[0]["pipedream"]["copies"] > 0 and results[2]["pipedream"]["copies"] == 0
+    # Stage s (0-indexed, n = 3) holds at most n − s weight versions (stashes + live).
+    assert [r["pipedream"]["versions"] for r in results] == [3, 2, 1]
 
 
 def test_pipedream_momentum_on_skip_model(results):
@@ -284,6 +286,7 @@ def test_2bw_rule(results):
     got = results[0]["2bw"]["full"]
     assert_close(got, reference_versions("mlp", data(sc["n"]), lambda s, t: t - 1))
     assert differs(got, reference_sync("mlp", data(sc["n"]))) > 1e-5
+    assert max(r["2bw"]["versions"] for r in results) == 2  # double buffering
 
 
 def test_naive_differs_from_stashing(results):

@@ -129,7 +129,9 @@ class Engine:
             version = None if action.version is None else action.version + version_base
             kind = action.kind
             if kind == Kind.FORWARD:
-                self._forward(action.id, version if train else self.weights.version, comm, get_microbatch, train, results)
+                if not train:
+                    version = self.weights.version  # evaluation: always the current weights
+                self._forward(action.id, version, comm, get_microbatch, train, results)
             elif kind == Kind.BACKWARD:
                 self._backward(action.id, version)
             elif kind == Kind.SEND_ACT:
@@ -150,9 +152,9 @@ class Engine:
                 version = self.weights.version
             else:  # pragma: no cover - Kind is closed
                 raise RuntimeError(f"unknown action {action}")
-            if comm is not None:
-                comm.pump()
             end = time.perf_counter()
+            if comm is not None:
+                comm.pump()  # post the receives that became possible (outside the timed action)
             events.append(Event(
                 rank=self.rank, stage=self.stage, kind=kind.value, id=action.id,
                 start_s=start - t0, end_s=end - t0, bytes=int(nbytes), action=str(action),
