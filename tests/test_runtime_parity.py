@@ -71,7 +71,14 @@ def flat() -> nn.Module:
     return Flat()
 
 
-MODELS = {"mlp": mlp, "skip": skip, "flat": flat}
+def tiny_transformer() -> nn.Module:
+    from torchpipedream.models import get_model
+
+    torch.manual_seed(0)
+    return get_model("transformer", context=16, d_model=32, heads=2, layers=2)
+
+
+MODELS = {"mlp": mlp, "skip": skip, "flat": flat, "transformer": tiny_transformer}
 # Stage of every parameter, by name prefix (written by hand, independent of the splitter).
 PARAM_STAGE = {"mlp": {"0": 0, "2": 1, "4": 2}, "skip": {"a": 0, "b": 1, "c": 2, "d": 2},
                "flat": {"a": 0, "b": 1, "c": 2}}
@@ -81,6 +88,16 @@ LAYERS = {
     # An int (size) crosses both cuts, relayed through stage 1.
     "flat": [["x", "size", "a", "tanh"], ["view", "reshape", "b", "tanh_1"], ["c", "mul", "add", "mul_1"]],
 }
+
+
+def token_data(n: int, size: int = 6, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 96, (size, 16), generator=g), torch.randint(0, 96, (size, 16), generator=g))
+            for _ in range(n)]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 def data(n: int, size: int = 8, last: int | None = None, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -112,6 +129,8 @@ SCENARIOS: dict[str, dict] = {
     "flush_skip": dict(model="skip", kind="flush", m=2, n=3),
     "gpipe_skip": dict(model="skip", kind="gpipe", m=2, n=3),
     "flush_int_cut": dict(model="flat", kind="flush", m=2, n=3),
+    # Planned from a real profile: buffers read via get_attr, ints and several tensors per cut.
+    "flush_transformer": dict(model="transformer", kind="flush", m=2, n=2, plan="profiled"),
     "flush_partial_adam": dict(model="mlp", kind="flush", m=3, n=3, last=5, opt="adam"),
     "flush_sum": dict(model="mlp", kind="flush", m=2, n=2, reduction="sum", lr=0.01),
     "pipedream": dict(model="mlp", kind="pipedream", n=12),
@@ -132,16 +151,22 @@ def make_opt(name: str, lr: float):
     return lambda p: torch.optim.Adam(p, lr=lr)
 
 
-def run_scenario(name: str) -> dict:
+def run_scenario(name: str, profiled: dict | None = None) -> dict:
     sc = SCENARIOS[name]
     kind, m = sc["kind"], sc.get("m", 1)
-    plan = two_one(kind, m) if sc.get("plan") == "2-1" else straight(sc["model"], kind, m)
+    if sc.get("plan") == "2-1":
+        plan = two_one(kind, m)
+    elif sc.get("plan") == "profiled":
+        plan = profiled[sc["model"]]
+    else:
+        plan = straight(sc["model"], kind, m)
     reduction = sc.get("reduction", "mean")
-    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    loss_fn = lm_loss if sc["model"] == "transformer" else nn.CrossEntropyLoss(reduction=reduction)
     pipe = Pipeline(MODELS[sc["model"]](), plan, optimizer=make_opt(sc.get("opt", "sgd"), sc.get("lr", LR)),
                     loss_fn=loss_fn, loss_reduction=reduction, vertical_sync=sc.get("vertical_sync", False),
-                    timeout_s=30)
-    losses = pipe.train_step(data(sc["n"], last=sc.get("last")))
+                    microbatches=m if kind in ("flush", "gpipe", "2bw") else None, timeout_s=30)
+    batches = token_data(sc["n"]) if sc["model"] == "transformer" else data(sc["n"], last=sc.get("last"))
+    losses = pipe.train_step(batches)
     out = {"losses": losses, "stage": pipe.stage_state_dict(), "full": pipe.state_dict(dst=0),
            "copies": pipe.weights.copies, "versions": pipe.weights.max_versions_alive}
     if name == "pipedream":
@@ -150,14 +175,26 @@ def run_scenario(name: str) -> dict:
     return out
 
 
-def worker(rank: int) -> dict:
+def worker(rank: int, profiled: dict) -> dict:
     torch.set_num_threads(1)
-    return {name: run_scenario(name) for name in SCENARIOS}
+    return {name: run_scenario(name, profiled) for name in SCENARIOS}
+
+
+def profiled_plans() -> dict:
+    """A 3-stage plan for the tiny transformer from its real profile (profiler + planner)."""
+    from torchpipedream.planner import plan as make_plan
+    from torchpipedream.profiler import profile
+    from torchpipedream.topology import Topology
+
+    x, y = token_data(1)[0]
+    graph = profile(tiny_transformer(), x, lm_loss, y, warmup=0, iters=1)
+    return {"transformer": make_plan(graph, Topology.local(N_PROCS), schedule="flush", straight=True,
+                                     num_stages=N_PROCS, microbatches=2)}
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return launch(worker, N_PROCS, timeout_s=240, comm_timeout_s=60, return_all=True)
+    return launch(worker, N_PROCS, profiled_plans(), timeout_s=240, comm_timeout_s=60, return_all=True)
 
 
 # --------------------------------------------------------------------------- references
@@ -176,7 +213,10 @@ def reference_sync(model: str, batches, opt: str = "sgd", reduction: str = "mean
     optim = make_opt(opt, lr)(module.parameters())
     for x, y in batches:
         optim.zero_grad()
-        nn.functional.cross_entropy(module(x), y, reduction=reduction).backward()
+        if model == "transformer":
+            lm_loss(module(x), y).backward()
+        else:
+            nn.functional.cross_entropy(module(x), y, reduction=reduction).backward()
         optim.step()
     return {k: v.detach() for k, v in module.state_dict().items()}
 
@@ -233,6 +273,12 @@ def test_flush_and_gpipe_equal_gradient_accumulation(results, name):
     assert results[0][name]["losses"] == pytest.approx(losses, abs=1e-5)
     # Flush and gpipe keep one version: an update never needs a copy.
     assert all(r[name]["copies"] == 0 for r in results)
+
+
+def test_transformer_from_a_real_profile_and_plan(results):
+    out = results[0]["flush_transformer"]
+    assert_close(out["full"], reference_sync("transformer", token_data(2)))
+    assert sorted(out["full"]) == sorted(tiny_transformer().state_dict())  # no non-persistent buffers
 
 
 def test_losses_reach_every_rank(results):

@@ -208,3 +208,25 @@ def test_bad_arguments_give_clear_errors():
     plan2 = Plan.straight([["input_1", "_0"], ["_1", "_2"]])
     with pytest.raises(PipelineError, match="torchrun --nproc-per-node 2"):
         Pipeline(_mlp(), plan2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss())
+
+
+# --------------------------------------------------------------------------- profiler + planner
+@pytest.mark.parametrize("name", ["cnn", "resnet", "transformer"])
+def test_profiled_and_planned_models_split_exactly(name):
+    """The plan's layer names (from the profiler, cut by the planner) split the model into
+    stages that compose back to it, with the original state-dict keys."""
+    from torchpipedream.models import get_model, loss_fn, sample_input
+    from torchpipedream.planner import plan as make_plan
+    from torchpipedream.profiler import profile
+    from torchpipedream.topology import Topology
+
+    torch.manual_seed(0)
+    model = get_model(name)
+    x, y = sample_input(name, 2)
+    graph = profile(model, x, loss_fn(name), y, warmup=0, iters=1)
+    for n in (2, 4):
+        plan = make_plan(graph, Topology.local(n), straight=True, num_stages=n)
+        stages = split_stages(model, plan)
+        with torch.no_grad():
+            torch.testing.assert_close(run_stages(stages, x), model(x))
+        assert sorted(k for st in stages for k in st.state_dict()) == sorted(model.state_dict())

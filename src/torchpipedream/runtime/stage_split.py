@@ -153,10 +153,23 @@ def _split_graph(module: nn.Module, gm: fx.GraphModule, plan: Plan) -> list[nn.M
             g.output(tuple(env[v] for v in boundary[s]))
         g.lint()
         stage = fx.GraphModule(module, g, class_name=f"Stage{s}")
+        _keep_non_persistent(module, stage)
         stages.append(stage)
         if s < n - 1:
             log.debug("stage %d -> %d carries %s", s, s + 1, [v.name for v in boundary[s]])
     return stages
+
+
+def _keep_non_persistent(original: nn.Module, stage: nn.Module) -> None:
+    """GraphModule re-registers buffers read through get_attr as persistent; restore the
+    original's choice so stage state dicts hold exactly the original's keys."""
+    stage_buffers = dict(stage.named_buffers())
+    for path, mod in original.named_modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", ()):
+            key = f"{path}.{name}" if path else name
+            if key in stage_buffers:
+                owner = stage.get_submodule(path) if path else stage
+                owner._non_persistent_buffers_set.add(name)
 
 
 # --------------------------------------------------------------------------- nn.Sequential
