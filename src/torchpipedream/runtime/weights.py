@@ -12,8 +12,8 @@ Copy on update, only where needed. The schedule is known in advance, so for ever
 we count the ``F``/``B`` actions that will still use it. At an optimizer step, if the
 current version is still needed (an in-flight minibatch has run ``F`` but not ``B``, or a
 later ``F`` is scheduled with it, as in vertical sync or 2BW), every parameter is moved to a
-fresh copy (``p.data = p.data.clone()``) *before* the optimizer updates it in place; the old
-storage then belongs to the stash alone. When no one needs it (flush, gpipe, the last stage
+copy *before* the optimizer updates it in place (into the storage of a stash dropped earlier
+when there is one, else ``p.data.clone()``); the old storage then belongs to the stash alone. When no one needs it (flush, gpipe, the last stage
 of a pipedream pipeline), the step is in place and nothing is copied. Stashes are dropped
 when their last use has run, so a pipedream stage holds at most one version per in-flight
 minibatch and 2BW at most two.
@@ -78,6 +78,7 @@ class WeightVersions:
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._flat, self._grads = self._grad_buffers()
         self._samples = 0.0
+        self._spare: list[list[torch.Tensor]] = []
         self.copies = 0  # number of copy-on-update events (for tests and reports)
         self.max_versions_alive = 1
 
@@ -108,7 +109,13 @@ class WeightVersions:
         left = self._uses.get(version, 0) - 1
         self._uses[version] = left
         if left <= 0 and version != self.version:
-            self._views.pop(version, None)
+            self._recycle(self._views.pop(version, None))
+
+    def _recycle(self, views: dict[str, torch.Tensor] | None) -> None:
+        """Keep a dropped stash's storage for the next copy on update (allocating megabytes
+        costs page faults every time; copying into recycled memory does not)."""
+        if views is not None and len(self._spare) < 2:
+            self._spare.append([v.detach() for v in views.values()])
 
     # ------------------------------------------------------------------ gradients
     def _grad_buffers(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -173,8 +180,13 @@ class WeightVersions:
             if still_needed:
                 # Copy on update: the stash keeps the old storage, the parameters move.
                 self.tensors(self.version)
-                for p in self.params:
-                    p.data = p.data.clone()
+                spare = self._spare.pop() if self._spare else None
+                with torch.no_grad():
+                    for i, p in enumerate(self.params):
+                        if spare is not None:
+                            p.data = spare[i].copy_(p.data)
+                        else:
+                            p.data = p.data.clone()
                 self.copies += 1
                 copied = True
             else:
@@ -205,5 +217,7 @@ class WeightVersions:
 
     def reset_versions(self) -> None:
         """Forget stashes (between schedules: everything in flight has finished)."""
+        for version in [v for v in self._views if v != self.version]:
+            self._recycle(self._views.pop(version))
         self._views.clear()
         self._uses = {}
