@@ -230,6 +230,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     ar_cost: dict[int, float] = {}
     events: list[Event] = []
     emit = events.append
+    Ev, text, KV = Event, _text, _KV  # local names: this loop runs once per action
     ready = deque(sorted(acts))
     queued = set(ready)
     for s, st in enumerate(plan.stages):
@@ -251,7 +252,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
             k = a.kind
             if k is F or k is B:
                 d = fwd[s] if k is F else bwd[s]
-                emit(Event(r, s, _KV[k], a.id, t, t + d, 0, _text(a), q, a.version))
+                emit(Ev(r, s, KV[k], a.id, t, t + d, 0, text(a), q, a.version))
                 t += d
             elif k is SA or k is SG:
                 dst = a.peer
@@ -268,7 +269,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 end = start + c
                 link_free[ch] = end
                 arrivals.setdefault(ch, deque()).append(end)
-                emit(Event(r, s, _KV[k], a.id, start, end, int(nbytes), _text(a), q, None))
+                emit(Ev(r, s, KV[k], a.id, start, end, int(nbytes), text(a), q, None))
                 w = waiting.pop(ch, None)
                 if w is not None and w not in queued:
                     ready.append(w)
@@ -283,7 +284,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 start = t
                 if arr > t:
                     t = arr
-                emit(Event(r, s, _KV[k], a.id, start, t, 0, _text(a), q, None))
+                emit(Ev(r, s, KV[k], a.id, start, t, 0, text(a), q, None))
             elif k is AR:
                 key2 = (s, a.id)
                 stt = ar_state.get(key2)
@@ -300,7 +301,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 nbytes = int(2 * (plan.stages[s].replicas - 1) / plan.stages[s].replicas * params[s])
                 for o, arrived_at, act in stt[2]:
                     oq = stage_of[o][1]
-                    emit(Event(o, s, "AR", act.id, arrived_at, end, nbytes, _text(act), oq, None))
+                    emit(Ev(o, s, "AR", act.id, arrived_at, end, nbytes, text(act), oq, None))
                     if o != r:
                         clock[o] = end
                         pc[o] += 1
@@ -309,7 +310,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                             queued.add(o)
                 t = end
             else:  # U
-                emit(Event(r, s, "U", a.id, t, t + step_s, 0, _text(a), q, a.version))
+                emit(Ev(r, s, "U", a.id, t, t + step_s, 0, text(a), q, a.version))
                 t += step_s
             p += 1
         pc[r] = p
