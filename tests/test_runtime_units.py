@@ -230,3 +230,36 @@ def test_profiled_and_planned_models_split_exactly(name):
         with torch.no_grad():
             torch.testing.assert_close(run_stages(stages, x), model(x))
         assert sorted(k for st in stages for k in st.state_dict()) == sorted(model.state_dict())
+
+
+def test_tied_weights_within_a_stage_get_the_summed_gradient():
+    """A parameter used by two modules of one stage (tied) is swapped in both slots."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.b(torch.tanh(self.a(x))))
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(6, 4), torch.randint(0, 2, (6,))) for _ in range(3)]
+    plan = Plan.straight([["x", "a", "tanh", "b", "head"]], schedule="pipedream")
+    torch.manual_seed(1)
+    pipe = Pipeline(Tied(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=nn.CrossEntropyLoss())
+    pipe.train_step(batches)
+    torch.manual_seed(1)
+    ref = Tied()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    got = pipe.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v)
+    assert isinstance(pipe.module.get_submodule("a").weight, nn.Parameter)  # masters restored
