@@ -2,8 +2,8 @@
 gradient accumulation, the replicas' all-reduce and the optimizer step.
 
 How a version is used. Every forward ``F`` and backward ``B`` names the version ``v`` it
-computes with. The compute runs through ``torch.func.functional_call`` on *aliases* of the
-parameters (``p.data`` views made leaves with ``requires_grad``; they share storage with the
+computes with. The engine runs the stage with *aliases* of the parameters swapped into the
+parameter slots for the call (``torch.func.functional_call`` for RNNs) (``p.data`` views made leaves with ``requires_grad``; they share storage with the
 parameter but have their own autograd version counter). The autograd graph of ``F`` holds
 those aliases, so ``B`` differentiates with exactly the weights ``F`` used: weight stashing
 without a copy at ``F`` time.
