@@ -30,7 +30,12 @@ _EXPORTS = {
     "build_schedule": "schedules",
     "validate_schedule": "schedules",
     "simulate": "simulate",
+    "Costs": "simulate",
+    "SimResult": "simulate",
+    "ScheduleError": "validate",
     "Trace": "trace",
+    "Event": "trace",
+    "draw_timeline": "viz",
     "Pipeline": "runtime",
     "launch": "runtime",
 }
