@@ -71,6 +71,13 @@ def _load_schedule(path: str) -> Any:
     return None
 
 
+def _fmt_bytes(n: float) -> str:
+    for unit, factor in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= factor:
+            return f"{n / factor:.3g}{unit}"
+    return f"{n:.0f}B"
+
+
 def _fmt_rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
@@ -79,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
     from ..plan import Plan
     from ..schedules import ScheduleBuildError, build_schedule
     from ..simulate import simulate
-    from ..topology import format_bytes
     from ..viz import draw_timelines
 
     given = _load_schedule(args.plan)
@@ -135,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         res = simulate(sched)
         rate = res.samples_per_s if plan.batch_size else res.minibatches_per_s
         steady = res.steady_samples_per_s if plan.batch_size else res.steady_minibatches_per_s
-        mem = " ".join(format_bytes(b) for b in res.peak_memory_bytes)
+        mem = " ".join(_fmt_bytes(b) for b in res.peak_memory_bytes)
         name = kind + (" (vsync)" if sched.options else "")
         print(f"{name:<10} {sched.microbatches:>3} {_fmt_rate(rate):>14} {_fmt_rate(steady):>21} "
               f"{res.bubble_fraction:>7.1%} {res.steady_bubble_fraction:>7.1%}  {mem}")
