@@ -118,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan {args.plan}: {plan.summary} (config {plan.config}), batch size {plan.batch_size or 'unknown'}, "
           f"topology {plan.topology or 'default links'}, "
           f"{given.minibatches if given is not None else args.minibatches} minibatches")
-    pred = plan.predicted.get("samples_per_s")
+    pred = plan.predicted.get("samples_per_s") if plan.batch_size else plan.predicted.get("minibatches_per_s")
     if pred:
-        print(f"planner's prediction for {plan.schedule}: {pred:,.1f} samples/s (steady state, no bubbles)")
+        print(f"planner's prediction for {plan.schedule}: {pred:,.1f} {unit} (slowest stage; no bubbles)")
     header = f"{'schedule':<10} {'m':>3} {unit:>14} {'steady ' + unit:>21} {'bubble':>7} {'steady':>7}  peak memory per stage"
     print(header)
     print("-" * len(header))
