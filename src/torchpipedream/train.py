@@ -46,8 +46,8 @@ class TrainConfig:
     workers: int = 0  # 0: one per core
     epochs: int = 8
     batch_size: int = 32
-    lr: float = 0.02
-    optimizer: str = "momentum"
+    lr: float = 0.001
+    optimizer: str = "adam"
     microbatches: int = 4
     stages: int | None = None  # planner: exactly this many stages
     straight: bool = False  # planner: no replication

@@ -1,0 +1,189 @@
+"""Statistical efficiency: test accuracy against epochs and wall-clock time, per training method.
+
+Same model (the default CNN), data (digits, fixed split), seeds, batch size, optimizer and
+learning rate for: a single process, torch DistributedDataParallel (2 processes), and
+torchpipedream's pipedream (weight stashing), pipedream with vertical sync, naive pipelining
+(no stashing), 2bw and flush, on a straight pipeline of --stages stages. Prints a table of
+epochs to the target accuracy (mean over seeds) and writes results JSON, a markdown table and a
+plot.
+
+    .venv/bin/python benchmarks/statistical_efficiency.py                # the docs' numbers
+    .venv/bin/python benchmarks/statistical_efficiency.py --quick        # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from torchpipedream.runtime import launch
+from torchpipedream.train import TrainConfig, _batches, build_model, load_data, loss_for, optimizer_factory, run
+
+PIPELINE_METHODS = {
+    "pipedream": dict(schedule="pipedream"),
+    "pipedream+vsync": dict(schedule="pipedream", vertical_sync=True),
+    "naive": dict(schedule="naive"),
+    "2bw": dict(schedule="2bw"),
+    "flush": dict(schedule="flush"),
+}
+
+
+def _evaluate(model: torch.nn.Module, xt: torch.Tensor, yt: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(xt).argmax(-1) == yt).float().mean().item()
+
+
+def single_process(cfg: TrainConfig) -> list[dict]:
+    """Plain training in one process: the reference every method is held against."""
+    torch.set_num_threads(1)
+    model = build_model(cfg)
+    opt = optimizer_factory(cfg)(model.parameters())
+    loss_fn = loss_for(cfg)
+    x, y, xt, yt = load_data(cfg)
+    history, clock = [], 0.0
+    for epoch in range(cfg.epochs):
+        t0 = time.perf_counter()
+        for xb, yb in _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(xb), yb).backward()
+            opt.step()
+        clock += time.perf_counter() - t0
+        history.append({"epoch": epoch + 1, "seconds": clock, "test_accuracy": _evaluate(model, xt, yt)})
+    return history
+
+
+def _ddp_worker(rank: int, cfg: TrainConfig) -> list[dict] | None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    world = dist.get_world_size()
+    model = DDP(build_model(cfg))
+    opt = optimizer_factory(cfg)(model.parameters())
+    loss_fn = loss_for(cfg)
+    x, y, xt, yt = load_data(cfg)
+    history, clock = [], 0.0
+    for epoch in range(cfg.epochs):
+        t0 = time.perf_counter()
+        for xb, yb in _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch):
+            part = torch.tensor_split(torch.arange(len(xb)), world)[rank]
+            opt.zero_grad(set_to_none=True)
+            # DDP averages gradients over ranks: weight each rank's mean loss by its share of the batch
+            (loss_fn(model(xb[part]), yb[part]) * (len(part) * world / len(xb))).backward()
+            opt.step()
+        clock += time.perf_counter() - t0
+        history.append({"epoch": epoch + 1, "seconds": clock, "test_accuracy": _evaluate(model.module, xt, yt)})
+    return history if rank == 0 else None
+
+
+def ddp(cfg: TrainConfig, workers: int = 2) -> list[dict]:
+    return launch(_ddp_worker, workers, cfg, timeout_s=900)
+
+
+def pipeline(cfg: TrainConfig, stages: int, **method) -> list[dict]:
+    run_cfg = replace(cfg, workers=stages, stages=stages, straight=True, progress=False,
+                      out=f"/tmp/tpd_stateff/{os.getpid()}", **method)
+    report = run(run_cfg)
+    clock, out = 0.0, []
+    for row in report["history"]:
+        clock += row["seconds"]
+        out.append({"epoch": row["epoch"], "seconds": clock, "test_accuracy": row["test_accuracy"]})
+    return out
+
+
+def epochs_to(history: list[dict], target: float) -> int | None:
+    return next((h["epoch"] for h in history if h["test_accuracy"] >= target), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--optimizer", default=TrainConfig.optimizer)
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--methods", default="single,ddp," + ",".join(PIPELINE_METHODS))
+    ap.add_argument("--quick", action="store_true", help="1 seed, 3 epochs, 10 minibatches per epoch")
+    ap.add_argument("--out", default="benchmarks/results/statistical_efficiency")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds, args.epochs = 1, 3
+    methods = args.methods.split(",")
+    results: dict[str, list[list[dict]]] = {m: [] for m in methods}
+    for seed in range(args.seeds):
+        cfg = TrainConfig(epochs=args.epochs, seed=seed, lr=args.lr, optimizer=args.optimizer,
+                          max_minibatches=10 if args.quick else None, progress=False, timeout_s=120)
+        for m in methods:  # interleaved: every method once per seed
+            t0 = time.perf_counter()
+            if m == "single":
+                hist = single_process(cfg)
+            elif m == "ddp":
+                hist = ddp(cfg)
+            else:
+                hist = pipeline(cfg, args.stages, **PIPELINE_METHODS[m])
+            results[m].append(hist)
+            print(f"seed {seed} {m:<16} final acc {hist[-1]['test_accuracy']:.4f}  "
+                  f"epochs to {args.target:.0%}: {epochs_to(hist, args.target)}  ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+    rows = []
+    for m in methods:
+        reach = [epochs_to(h, args.target) for h in results[m]]
+        ok = [r for r in reach if r is not None]
+        rows.append({
+            "method": m,
+            "epochs_to_target_mean": statistics.mean(ok) if ok else None,
+            "reached": f"{len(ok)}/{len(reach)}",
+            "final_accuracy_mean": statistics.mean(h[-1]["test_accuracy"] for h in results[m]),
+            "seconds_per_epoch": statistics.mean(h[-1]["seconds"] / len(h) for h in results[m]),
+        })
+    header = f"| method | epochs to {args.target:.0%} (mean) | seeds reaching it | final accuracy | s/epoch |"
+    lines = [header, "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        e = "-" if r["epochs_to_target_mean"] is None else f"{r['epochs_to_target_mean']:.2f}"
+        lines.append(f"| {r['method']} | {e} | {r['reached']} | {r['final_accuracy_mean']:.4f} | {r['seconds_per_epoch']:.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: getattr(args, k) for k in ("epochs", "seeds", "stages", "lr", "optimizer", "target")}
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows, "histories": results}, indent=1))
+    Path(f"{out}.md").write_text(table + "\n")
+    _plot(results, args.target, Path(f"{out}.png"))
+    print(f"wrote {out}.json, {out}.md, {out}.png")
+    return 0
+
+
+def _plot(results: dict[str, list[list[dict]]], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m, runs in results.items():
+        epochs = [h["epoch"] for h in runs[0]]
+        acc = [statistics.mean(r[i]["test_accuracy"] for r in runs) for i in range(len(epochs))]
+        secs = [statistics.mean(r[i]["seconds"] for r in runs) for i in range(len(epochs))]
+        a1.plot(epochs, acc, marker="o", ms=3, label=m)
+        a2.plot(secs, acc, marker="o", ms=3, label=m)
+    for ax, xl in ((a1, "epoch"), (a2, "training wall-clock (s)")):
+        ax.axhline(target, color="grey", ls=":", lw=1)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("test accuracy (mean over seeds)")
+        ax.set_ylim(max(0.0, min(ax.get_ylim()[0], 0.8)), 1.0)
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
