@@ -112,11 +112,17 @@ def optimizer_factory(cfg: TrainConfig) -> Callable[[Any], torch.optim.Optimizer
 
 
 def _batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, limit: int | None, shuffle_seed: int | None) -> list:
-    """Minibatches as a list (deterministic order; reshuffled per epoch by ``shuffle_seed``)."""
+    """Minibatches as a list (deterministic order; reshuffled per epoch by ``shuffle_seed``).
+
+    With a shuffle seed (training) a last partial minibatch is dropped, as DataLoader's
+    ``drop_last=True`` does: it could not be split into microbatches, and every method then
+    sees the same minibatches. Evaluation keeps every sample.
+    """
     idx = torch.arange(len(x))
     if shuffle_seed is not None:
         idx = idx[torch.randperm(len(x), generator=torch.Generator().manual_seed(shuffle_seed))]
-    out = [(x[idx[i:i + batch_size]], y[idx[i:i + batch_size]]) for i in range(0, len(x), batch_size)]
+    end = len(x) - len(x) % batch_size if shuffle_seed is not None and len(x) >= batch_size else len(x)
+    out = [(x[idx[i:i + batch_size]], y[idx[i:i + batch_size]]) for i in range(0, end, batch_size)]
     return out[:limit] if limit else out
 
 
