@@ -212,7 +212,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
             raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
         plan = make_plan(graph, topo, schedule=cfg.schedule, microbatches=_microbatches(cfg),
                          num_stages=cfg.stages, straight=cfg.straight)
-    n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, None))
+    n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
     sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=_microbatches(cfg),
                            **({"vertical_sync": True} if cfg.vertical_sync else {}))
     sim = simulate(sched, Costs.from_plan(plan, microbatches=_microbatches(cfg)))
@@ -245,7 +245,7 @@ def _worker(rank: int, prep: Prepared) -> dict[str, Any] | None:
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
 
-        n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, None))
+        n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
         bar = tqdm(total=cfg.epochs * n, unit="mb", desc=f"train {cfg.model} [{prep.plan.summary}, {cfg.schedule}]",
                    dynamic_ncols=True)
     history = []
