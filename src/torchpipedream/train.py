@@ -157,7 +157,7 @@ def _check_options(cfg: TrainConfig) -> None:
 
 def explain_plan(plan: Plan, graph: LayerGraph) -> str:
     """One line on why the planner chose this plan (the trade it made)."""
-    from .topology import format_bytes
+    from .units import human_bytes as format_bytes
 
     total_w = sum(s.parameter_bytes for s in plan.stages)
     t = plan.predicted.get("time_per_minibatch_s")

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..cli import CommandError
 from ..graph import LayerGraph
+from ..units import human_bytes
 from .profile import _make_parent
 
 DEFAULT_LIMIT = 60
@@ -27,15 +28,6 @@ def register(subparsers: Any) -> None:
                    help="row order: graph order (default) or largest first")
     p.add_argument("--plot", default=None, help="also draw per-layer compute/activation/parameters to this image (png, svg, pdf)")
     p.set_defaults(handler=run)
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in decimal units: 0 B, 512 B, 1.2 kB, 3.4 MB, 1.0 GB."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000.0
-    raise AssertionError("unreachable")
 
 
 def _clip(text: str, width: int) -> str:

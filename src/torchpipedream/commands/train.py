@@ -61,5 +61,6 @@ def _handle(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
     report = run(cfg)
-    print(format_report(report))
+    if report:  # under torchrun only rank 0 reports
+        print(format_report(report))
     return 0
