@@ -1,0 +1,248 @@
+"""Side by side on the same machine: torchpipedream against a single process, torch DDP and
+torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble).
+
+Same model, global batch, optimizer (SGD) and number of processes (2 by default, 1 thread
+each, gloo) for every row; rows of one model run interleaved in one invocation. For each row:
+samples/s (median of timed windows after warm-up), ratio to DDP, ratio to the perfect-scaling
+limit (processes × the one-thread single process), the simulator's predicted samples/s for
+torchpipedream's rows, and peak RSS per rank. A CPU probe (two concurrent single-thread
+processes against one) runs at the start and end; if they disagree by more than 15% the run is
+flagged and should be repeated.
+
+    .venv/bin/python benchmarks/compare.py                       # all models
+    .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
+
+Writes benchmarks/results/compare.json, compare.md and compare.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import Workload, cpu_probe, peak_rss_mb, run_ddp, run_single, run_torch_pipelining  # noqa: E402
+
+from torchpipedream.runtime import Pipeline, launch  # noqa: E402
+
+TORCH_SCHEDULES = ("GPipe", "1F1B", "ZBVZeroBubble")
+TPD_SCHEDULES = ("pipedream", "2bw", "flush")
+
+
+# ----------------------------------------------------------------------------- workloads
+def _fc_heavy() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, 1000))
+
+
+def _fc_batch(b: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 4096, generator=g), torch.randint(0, 1000, (b,), generator=g)
+
+
+def _small_cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+    )
+
+
+def _cnn_batch(b: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 3, 32, 32, generator=g), torch.randint(0, 10, (b,), generator=g)
+
+
+class _Embed(nn.Module):
+    """Token + position embedding as one module, so the LM is an nn.Sequential."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Parameter) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos
+
+
+def _transformer_lm() -> nn.Sequential:
+    from torchpipedream.models import transformer
+
+    torch.manual_seed(0)
+    lm = transformer()
+    return nn.Sequential(_Embed(lm.tok, lm.pos), *lm.blocks, lm.ln, lm.head)
+
+
+def _lm_batch(b: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    from torchpipedream.models import VOCAB_SIZE
+
+    x = torch.randint(0, VOCAB_SIZE, (b, 64), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+WORKLOADS = {
+    "fc_heavy": Workload("fc_heavy", _fc_heavy, _fc_batch, nn.functional.cross_entropy, 64),
+    "small_cnn": Workload("small_cnn", _small_cnn, _cnn_batch, nn.functional.cross_entropy, 64),
+    "transformer_lm": Workload("transformer_lm", _transformer_lm, _lm_batch, _lm_loss, 16),
+}
+
+
+# ----------------------------------------------------------------------------- torchpipedream rows
+def plan_for(work: Workload, workers: int, schedule: str, microbatches: int):
+    """Profile in this process (1 thread), plan with the planner, predict with the simulator."""
+    from torchpipedream.planner import plan as make_plan
+    from torchpipedream.profiler import profile
+    from torchpipedream.schedules import build_schedule
+    from torchpipedream.simulate import Costs, simulate
+    from torchpipedream.topology import Topology
+
+    g = torch.Generator().manual_seed(0)
+    x, y = work.make_batch(work.batch_size, g)
+    graph = profile(work.build(), x, loss_fn=work.loss_fn, target=y, name=work.name)
+    m = microbatches if schedule in ("2bw", "flush", "gpipe") else 1
+    plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
+    sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)
+    sim = simulate(sched, Costs.from_plan(plan, microbatches=m))
+    predicted = 16 * work.batch_size / sim.makespan_s
+    return plan, predicted
+
+
+def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
+                per_window: int) -> dict:
+    pipe = Pipeline(work.build(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
+                    loss_fn=work.loss_fn, schedule=schedule,
+                    microbatches=microbatches if schedule in ("2bw", "flush", "gpipe") else None, timeout_s=120)
+    g = torch.Generator().manual_seed(0)
+    data = [work.make_batch(work.batch_size, g) for _ in range(per_window)]
+    for _ in range(warmup):
+        pipe.train_step(data)
+    times = []
+    for _ in range(windows):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.train_step(data)  # one schedule of per_window minibatches: fill, steady state, drain
+        times.append((time.perf_counter() - t0) / per_window)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (statistics.median(times), peak_rss_mb()))
+    return {"samples_per_s": work.batch_size / max(t for t, _ in out), "peak_rss_mb": [r for _, r in out]}
+
+
+def _peer_worker(rank: int, work: Workload, which: str, microbatches: int, warmup: int, windows: int,
+                 steps: int) -> dict:
+    if which == "DDP":
+        return run_ddp(work, warmup, windows, steps)
+    return run_torch_pipelining(work, which, microbatches, warmup, windows, steps)
+
+
+# ----------------------------------------------------------------------------- the run
+def compare_model(work: Workload, procs: int, microbatches: int, windows: int, per_window: int) -> list[dict]:
+    rows: list[dict] = []
+
+    def add(name: str, result: dict, predicted: float | None = None, plan: str = "") -> None:
+        rows.append({"model": work.name, "row": name, "samples_per_s": result["samples_per_s"],
+                     "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": result["peak_rss_mb"]})
+        print(f"  {work.name:<15} {name:<26} {result['samples_per_s']:9.1f} samples/s"
+              + (f"   predicted {predicted:9.1f}" if predicted else "") + (f"   [{plan}]" if plan else ""), flush=True)
+
+    add("single, 1 thread", run_single(work, 1, warmup=2, windows=windows, steps=3))
+    add(f"single, {procs} threads", run_single(work, procs, warmup=2, windows=windows, steps=3))
+    torch.set_num_threads(1)
+    add("torch DDP", launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900))
+    for s in TORCH_SCHEDULES:
+        try:
+            res = launch(_peer_worker, procs, work, s, microbatches, 2, windows, 3, timeout_s=900)
+        except Exception as exc:  # a peer that cannot run this model is reported, not fatal
+            print(f"  {work.name:<15} torch {s}: failed: {str(exc).splitlines()[0][:200]}", flush=True)
+            continue
+        add(f"torch.pipelining {s}", res)
+    for s in TPD_SCHEDULES:
+        plan, predicted = plan_for(work, procs, s, microbatches)
+        res = launch(_tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, timeout_s=900)
+        add(f"torchpipedream {s}", res, predicted, plan.summary)
+    ddp = next(r["samples_per_s"] for r in rows if r["row"] == "torch DDP")
+    single1 = rows[0]["samples_per_s"]
+    for r in rows:
+        r["vs_ddp"] = r["samples_per_s"] / ddp
+        r["vs_perfect_scaling"] = r["samples_per_s"] / (procs * single1)
+        r["measured_vs_predicted"] = (r["samples_per_s"] / r["predicted_samples_per_s"]
+                                      if r["predicted_samples_per_s"] else None)
+    return rows
+
+
+def _markdown(rows: list[dict], probes: tuple[float, float], procs: int) -> str:
+    lines = [f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; {procs} processes.",
+             "", "| model | row | plan | samples/s | × DDP | × perfect scaling | predicted | measured / predicted | peak RSS per rank (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        pred = f"{r['predicted_samples_per_s']:.0f}" if r["predicted_samples_per_s"] else "-"
+        mvp = f"{r['measured_vs_predicted']:.2f}" if r["measured_vs_predicted"] else "-"
+        rss = ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
+        lines.append(f"| {r['model']} | {r['row']} | {r['plan'] or '-'} | {r['samples_per_s']:.1f} | {r['vs_ddp']:.2f} | "
+                     f"{r['vs_perfect_scaling']:.2f} | {pred} | {mvp} | {rss} |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        sub = [r for r in rows if r["model"] == m]
+        colours = ["#4a90d9" if r["row"].startswith("torchpipedream") else "#999999" for r in sub]
+        ax.barh([r["row"] for r in sub], [r["vs_ddp"] for r in sub], color=colours)
+        ax.axvline(1.0, color="black", lw=0.8, ls=":")
+        ax.set_title(m)
+        ax.set_xlabel("samples/s relative to torch DDP")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(WORKLOADS))
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--per-window", type=int, default=16, help="minibatches per torchpipedream schedule")
+    ap.add_argument("--out", default="benchmarks/results/compare")
+    args = ap.parse_args(argv)
+    start = cpu_probe()
+    print(f"CPU probe at start: {start:.2f} (2.0 = two free cores)", flush=True)
+    rows: list[dict] = []
+    for name in args.models.split(","):
+        if name not in WORKLOADS:
+            ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
+        rows += compare_model(WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window)
+    end = cpu_probe()
+    print(f"CPU probe at end: {end:.2f}", flush=True)
+    if abs(end - start) / max(start, end) > 0.15:
+        print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
+    table = _markdown(rows, (start, end), args.procs)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps({"probes": [start, end], "args": vars(args), "rows": rows}, indent=1))
+    Path(f"{out}.md").write_text(table + "\n")
+    _plot(rows, Path(f"{out}.png"))
+    print(f"wrote {out}.json, {out}.md, {out}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
