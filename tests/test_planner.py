@@ -175,7 +175,7 @@ def test_planner_matches_brute_force_oracle(problem):
         return
     p = _run_planner(g, counts, bws, opts)
     got = p.predicted["time_per_minibatch_s"] * 1e3
-    assert got == pytest.approx(expected, rel=1e-7, abs=1e-9)
+    assert got == pytest.approx(expected, rel=1e-7, abs=1e-9), (p.config, p.meta["blocks"], g.to_dict())
     # the plan is well formed and respects every option
     p.validate(layer_names=g.names)
     if opts["straight"]:
@@ -274,7 +274,7 @@ def test_fixed_config_never_beats_the_planner():
 
 # ------------------------------------------------------------------ errors
 def test_more_stages_than_layers_is_a_clear_error():
-    with pytest.raises(PlanError, match="3 blocks"):
+    with pytest.raises(PlanError, match="only 3 blocks"):
         plan(_chain([(1, 1, 1)] * 3), "4:1GB/s", num_stages=4)
 
 
@@ -300,3 +300,17 @@ def test_zero_workers_and_bad_bandwidth_are_errors():
         plan(_chain([(1, 1, 1)]), "0:1GB/s")
     with pytest.raises(TopologyError):
         plan(_chain([(1, 1, 1)]), "2:0GB/s")
+
+
+@pytest.mark.parametrize("straight", [True, False])
+def test_cut_across_servers_is_charged_at_the_slow_link(straight):
+    # A huge activation after l1: on 2 servers × 2 workers a straight pipeline must not put the
+    # l1 -> l2 transfer across the 1 GB/s server link if another split avoids it.
+    g = _chain([(10, 0, 10**6), (10, 0, 10**9), (10, 0, 10**6), (10, 0, 10**6)])
+    counts, bws = [2, 2], [1e12, 1e9]
+    opts = dict(schedule="pipedream", straight=straight, num_stages=None, allow_fewer=True, mu=1)
+    expected, _ = oracle(g, counts, bws, **opts)
+    got = _run_planner(g, counts, bws, opts).predicted["time_per_minibatch_s"] * 1e3
+    assert got == pytest.approx(expected, rel=1e-9)
+    # the naive reading (the cut on the fast link) would be far cheaper than the truth
+    assert expected > 2 * 10**9 / 1e12 * 1e3

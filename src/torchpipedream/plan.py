@@ -243,6 +243,43 @@ class Plan:
             raise PlanError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
         return cls.from_dict(data, source=str(path))
 
+    def table(self) -> str:
+        """A human-readable table of the stages and a summary line (what `torchpipedream plan` prints)."""
+
+        def ranks(rs: list[int]) -> str:
+            if len(rs) > 1 and rs == list(range(rs[0], rs[-1] + 1)):
+                return f"{rs[0]}-{rs[-1]}"
+            return ",".join(map(str, rs))
+
+        def mem(n: float) -> str:
+            for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+                if n >= f:
+                    return f"{n / f:.2f} {unit}"
+            return f"{int(n)} B"
+
+        rows = [("stage", "layers", "replicas", "ranks", "compute ms", "comm ms", "memory")]
+        for s, st in enumerate(self.stages):
+            span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]}"
+            rows.append((str(s), f"{span} ({len(st.layers)})", str(st.replicas), ranks(st.ranks),
+                         f"{st.compute_ms:.3f}", f"{st.comm_ms:.3f}", mem(st.memory_bytes)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        p = self.predicted
+        summary = f"config {self.config} ({self.summary}), schedule {self.schedule}"
+        t = p.get("time_per_minibatch_s")
+        if t is not None:
+            summary += f": {t * 1e3:.3f} ms per minibatch"
+            if p.get("samples_per_s") is not None:
+                summary += f", {p['samples_per_s']:.1f} samples/s"
+            elif p.get("minibatches_per_s") is not None:
+                summary += f", {p['minibatches_per_s']:.2f} minibatches/s"
+        if p.get("speedup_over_data_parallel") is not None:
+            summary += f", {p['speedup_over_data_parallel']:.2f}x over data parallel"
+        if p.get("bottleneck"):
+            summary += f"; bottleneck: {p['bottleneck']}"
+        return "\n".join(lines + [summary])
+
     @classmethod
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":
         """A plan with one worker per stage, ranks 0..n-1 (costs unknown unless given)."""

@@ -1,0 +1,94 @@
+"""Planner speed: every reference profile on 16 workers, and a 1,000-layer chain on 1,024.
+
+Prints a table and writes benchmarks/results/planner_speed.json. Targets (issue 3): each
+reference profile on 16 workers in < 1 s; the synthetic chain on 8 per server × 16 servers ×
+8 racks in < 10 s and < 4 GiB. Peak memory is the process's maximum resident set size.
+
+    .venv/bin/python benchmarks/planner_speed.py [--skip-hierarchical] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from torchpipedream.graph import Layer, LayerGraph  # noqa: E402
+from torchpipedream.planner import plan  # noqa: E402
+
+PROFILES = REPO.parent / "shared" / "reference_profiles"
+MODELS = ["vgg16", "alexnet", "resnet50", "gnmt", "gnmt_large", "resnet18", "resnet101", "inception_v3",
+          "densenet121", "squeezenet1_0"]
+
+
+def synthetic_chain(n: int, seed: int = 0) -> LayerGraph:
+    """A chain of n layers with random compute (1-10 ms), weights (0-40 MB), activations (0.1-50 MB)."""
+    rng = random.Random(seed)
+    layers = [Layer(f"l{i}", forward_ms=rng.uniform(0.3, 3.3), backward_ms=rng.uniform(0.7, 6.7),
+                    parameter_bytes=rng.choice([0, rng.randrange(4 * 10**7)]),
+                    activation_bytes=rng.randrange(10**5, 5 * 10**7)) for i in range(n)]
+    return LayerGraph(layers, [(f"l{i}", f"l{i + 1}") for i in range(n - 1)], batch_size=64)
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-hierarchical", action="store_true", help="do not time the paper's DP")
+    ap.add_argument("--quick", action="store_true", help="only the five models of docs/planner.md")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "planner_speed.json"))
+    args = ap.parse_args()
+    rows = []
+    print(f"{'case':<28} {'topology':<26} {'config':<24} {'fast s':>8} {'paper DP s':>10} {'checks':>6}")
+    models = MODELS[:5] if args.quick else MODELS
+    for model in models:
+        path = PROFILES / model / "graph.txt"
+        if not path.exists():
+            continue
+        g = LayerGraph.load(path)
+        spec = "16:10GB/s"
+        t0 = time.perf_counter()
+        p = plan(g, spec, memory_bytes=None)
+        fast_s = time.perf_counter() - t0
+        paper_s = None
+        if not args.skip_hierarchical:
+            t0 = time.perf_counter()
+            plan(g, spec, memory_bytes=None, method="hierarchical")
+            paper_s = time.perf_counter() - t0
+        rows.append({"case": model, "blocks": len(g.linearize()), "topology": spec, "config": p.config,
+                     "fast_s": fast_s, "hierarchical_s": paper_s, "checks": p.meta["feasibility_checks"]})
+        print(f"{model:<28} {spec:<26} {p.config[:24]:<24} {fast_s:8.3f} "
+              f"{'' if paper_s is None else f'{paper_s:10.3f}':>10} {p.meta['feasibility_checks']:6d}")
+    g = synthetic_chain(1000)
+    spec = "8x16x8:25GB/s,12.5GB/s,3.125GB/s"
+    t0 = time.perf_counter()
+    p = plan(g, spec, memory_bytes=None)
+    big_s = time.perf_counter() - t0
+    rss = peak_rss_gib()
+    rows.append({"case": "chain-1000", "blocks": 1000, "topology": spec, "config": p.summary,
+                 "stages": p.num_stages, "workers": p.num_workers, "fast_s": big_s, "hierarchical_s": None,
+                 "checks": p.meta["feasibility_checks"], "peak_rss_gib": rss,
+                 "time_per_minibatch_ms": p.predicted["time_per_minibatch_s"] * 1e3})
+    print(f"{'chain-1000 (1,024 workers)':<28} {spec:<26} {f'{p.num_stages} stages':<24} {big_s:8.3f} "
+          f"{'':>10} {p.meta['feasibility_checks']:6d}")
+    print(f"peak resident memory of this process: {rss:.2f} GiB")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
+                               "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

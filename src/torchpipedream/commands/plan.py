@@ -1,0 +1,69 @@
+"""`torchpipedream plan`: choose stages and replicas for a layer graph on a topology."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..cli import CommandError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="split a profiled model into pipeline stages over a cluster (writes plan JSON)",
+        description="Find the stages, replica counts and ranks with the smallest predicted time per "
+        "minibatch (PipeDream's optimizer, exact, memory-aware) and print them as a table. "
+        "Topologies: a compact spec innermost first such as 4x4:10GB/s,1.25GB/s (4 workers per "
+        "server over 10 GB/s, 4 servers over 1.25 GB/s), 16:10GB/s, a preset (A, B, C, A:8, "
+        "local, local:4) or a JSON file.",
+    )
+    p.add_argument("graph", help="layer graph: JSON from `torchpipedream profile`, or a PipeDream graph.txt")
+    p.add_argument("--topology", "-t", default="local", help="cluster spec, preset or JSON file (default: local)")
+    p.add_argument("--straight", action="store_true", help="one worker per stage, no replication")
+    p.add_argument("--stages", type=int, default=None, metavar="K", help="exactly K stages")
+    p.add_argument("--allow-fewer-workers", action="store_true",
+                   help="the plan may leave workers idle when that is not slower")
+    p.add_argument("--memory", default=None, help="memory per worker, e.g. 16GB (default: the topology's, if any)")
+    p.add_argument("--no-memory-limit", action="store_true", help="ignore the topology's memory per worker")
+    p.add_argument("--schedule", default="pipedream", help="pipedream (default), 2bw, flush, gpipe or naive")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (2bw, flush, gpipe)")
+    p.add_argument("--optimizer-state", type=float, default=None, metavar="F",
+                   help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
+    p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
+                   help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
+    p.add_argument("--out", "-o", default=None, help="where to write the plan JSON")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..graph import LayerGraph
+    from ..planner import DEFAULT_OPTIMIZER_STATE_FACTOR, plan
+    from ..topology import Topology, parse_bytes
+
+    graph = LayerGraph.load(args.graph)
+    topo = Topology.from_any(args.topology)
+    memory = parse_bytes(args.memory) if args.memory else None
+    if args.no_memory_limit:
+        if memory is not None:
+            raise CommandError("give either --memory or --no-memory-limit, not both")
+        topo.memory_bytes = None
+    f = DEFAULT_OPTIMIZER_STATE_FACTOR if args.optimizer_state is None else args.optimizer_state
+    p = plan(graph, topo, schedule=args.schedule, straight=args.straight, num_stages=args.stages,
+             allow_fewer_workers=args.allow_fewer_workers, memory_bytes=memory, microbatches=args.microbatches,
+             optimizer_state_factor=f, method=args.method)
+    print(f"{args.graph}: {len(graph)} layers, {len(graph.linearize())} blocks; topology {topo.to_spec()} "
+          f"({topo.num_workers} workers)")
+    print(p.table())
+    if args.out:
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CommandError(f"--out {out}: cannot create directory {out.parent} ({exc.strerror})") from None
+        if out.is_dir():
+            raise CommandError(f"--out {out}: is a directory; give a file name")
+        p.save(out)
+        print(f"wrote {out}")
+    return 0
