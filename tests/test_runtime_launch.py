@@ -17,55 +17,61 @@ def _describe(rank: int) -> str:
     return f"rank {rank} (stage {rank})"
 
 
-def p2p_worker(rank: int) -> list:
-    """Rank 0 sends three messages with different shapes (the last with 12 tensors, beyond
-    one header) and receives gradients; rank 1 receives them (prefetched) and replies."""
+def _messages() -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     msgs = [
         [torch.randn(4, 3, generator=g, requires_grad=True)],
         [torch.randn(2, 3, generator=g, requires_grad=True), torch.arange(6).reshape(2, 3)],
-        [torch.randn(1, 2, 2, generator=g, requires_grad=True) for _ in range(12)],
+        [torch.randn(1, 2, 2, generator=g, requires_grad=True) for _ in range(12)],  # a long header
+        [torch.randn(4, 3, generator=g, requires_grad=True)],  # back to the first shape
+        [torch.randn(4, 3, generator=g, requires_grad=True)],  # same shape again: no resize
     ]
-    targets = [torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1]), torch.tensor([7])]
+    targets = [torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1]), torch.tensor([7]), torch.arange(4), torch.arange(4)]
+    return msgs, targets
+
+
+def p2p_worker(rank: int) -> list:
+    """Rank 0 sends five messages whose shapes change and receives gradients; rank 1
+    receives them (prefetched) and replies with 10 x the activations."""
+    msgs, targets = _messages()
+    ids = list(range(len(msgs)))
     if rank == 0:
-        comm = P2P(0, _describe, act_order={}, grad_order={1: [0, 1, 2]}, device=torch.device("cpu"), timeout_s=20)
+        comm = P2P(0, _describe, act_order={}, grad_order={1: ids}, device=torch.device("cpu"), timeout_s=20)
         for i, (ts, y) in enumerate(zip(msgs, targets)):
             comm.send_acts(1, i, len(y), ts, [y])
-        grads = [comm.recv_grads(1, i)[0] for i in range(3)]
+        grads = [comm.recv_grads(1, i)[0] for i in ids]
         comm.finish()
-        return grads
-    comm = P2P(1, _describe, act_order={0: [0, 1, 2]}, grad_order={}, device=torch.device("cpu"), timeout_s=20)
+        return [grads, comm.resizes]
+    comm = P2P(1, _describe, act_order={0: ids}, grad_order={}, device=torch.device("cpu"), timeout_s=20)
     got = []
-    for i in range(3):
+    for i in ids:
         samples, acts, passengers, nbytes = comm.recv_acts(0, i)
-        got.append((samples, acts, passengers, nbytes))
         comm.send_grads(0, i, [a * 10 for a in acts if a.requires_grad])
+        got.append((samples, [a.detach().clone() for a in acts], [a.requires_grad for a in acts],
+                    [p.clone() for p in passengers], nbytes))
     comm.finish()
-    return [(s, [a.detach() for a in acts], [a.requires_grad for a in acts], p, n) for s, acts, p, n in got]
+    return got
 
 
 def test_messages_with_changing_shapes_and_long_headers():
-    grads, received = launch(p2p_worker, 2, timeout_s=60, return_all=True)
-    g = torch.Generator().manual_seed(5)
-    msgs = [
-        [torch.randn(4, 3, generator=g)],
-        [torch.randn(2, 3, generator=g), torch.arange(6).reshape(2, 3)],
-        [torch.randn(1, 2, 2, generator=g) for _ in range(12)],
-    ]
-    assert [r[0] for r in received] == [4, 2, 1]
-    for (samples, acts, rg, passengers, nbytes), sent in zip(received, msgs):
+    (grads, resizes), received = launch(p2p_worker, 2, timeout_s=60, return_all=True)
+    msgs, targets = _messages()
+    assert [r[0] for r in received] == [4, 2, 1, 4, 4]
+    for (samples, acts, rg, passengers, nbytes), sent, y in zip(received, msgs, targets):
         assert len(acts) == len(sent)
         for a, s in zip(acts, sent):
-            assert torch.equal(a, s) and a.dtype == s.dtype
+            assert torch.equal(a, s.detach()) and a.dtype == s.dtype
         assert rg == [s.is_floating_point() for s in sent]
-        assert nbytes == sum(s.numel() * s.element_size() for s in sent) + passengers[0].numel() * 8
-    assert torch.equal(received[0][3][0], torch.tensor([1, 2, 3, 4]))
+        assert torch.equal(passengers[0], y)
+        assert nbytes >= sum(s.numel() * s.element_size() for s in sent) + y.numel() * 8
+    # The size is negotiated on the first message and again only when it changes.
+    assert resizes == 4
     # Gradients come back for the tensors that require grad only, in the sender's order.
     for gr, sent in zip(grads, msgs):
         floats = [s for s in sent if s.is_floating_point()]
         assert len(gr) == len(floats)
         for a, s in zip(gr, floats):
-            torch.testing.assert_close(a, s * 10)
+            torch.testing.assert_close(a, s.detach() * 10)
 
 
 def failing_worker(rank: int) -> None:

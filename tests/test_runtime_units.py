@@ -10,7 +10,7 @@ from torch import nn
 from torchpipedream.actions import Kind
 from torchpipedream.plan import Plan
 from torchpipedream.runtime import Pipeline, PipelineError, StageSplitError, forward_only, split_stages
-from torchpipedream.runtime.comm import CommError, decode_header, encode_header
+from torchpipedream.runtime.comm import CommError, decode_header, encode_header, pack, unpack
 from torchpipedream.runtime.weights import WeightVersions
 
 
@@ -111,6 +111,18 @@ def test_header_round_trip():
     assert isinstance(act[4].value, torch.Size)
     with pytest.raises(CommError, match="dict crosses a stage boundary"):
         encode_header(1, [{"a": 1}], [])
+
+
+def test_pack_unpack_round_trip_with_aligned_views():
+    ts = [torch.randn(3, 5), 7, torch.arange(5, dtype=torch.int32), torch.randn(2, dtype=torch.float64)]
+    buf = pack(9, ts, [torch.tensor([True, False])], torch.device("cpu"))
+    samples, acts, passengers, metas = unpack(buf)
+    assert samples == 9 and acts[1] == 7 and len(metas) == 5
+    for a, t in zip(acts, ts):
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(a, t) and a.dtype == t.dtype
+            assert a.data_ptr() % 8 == 0 and a.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert torch.equal(passengers[0], torch.tensor([True, False]))
 
 
 def test_forward_only_keeps_forward_transfers():

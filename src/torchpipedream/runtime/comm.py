@@ -5,16 +5,19 @@ receiver are matched in FIFO order per direction, and the schedule emits matchin
 (the k-th ``SA`` from rank a to rank b pairs with the k-th ``RA`` on b from a). Each
 direction uses its own tags, so prefetching on one never steals a message of another.
 
-* **Activations** (``SA``/``RA``, tags ``_TAG_ACT_HEADER``/``_TAG_ACT_DATA``): a fixed-size
-  int64 header (``HEADER_LEN`` words: number of samples, number of activation and
-  passenger tensors, then per tensor dtype, requires-grad flag and shape), followed by one
-  message per tensor. The header is how shapes and dtypes are learned from the first real
-  batch and how they change for a last partial batch: the receiver allocates exactly what
-  the header says, so the user never types a shape and a shape change costs nothing extra.
-  (Cost of always sending it: one 256-byte message per transfer; measured in
-  ``benchmarks/runtime_vs_sim.py``.) A header that does not fit in ``HEADER_LEN`` words
-  announces an extension message with the rest. Python values a cut separates from their
-  use (``x.size(0)``, a ``torch.Size``, a float) travel inside the header, with no payload.
+* **Activations** (``SA``/``RA``, tag ``_TAG_ACT``): one message per transfer, a byte buffer
+  holding a header (kind, sample count, number of activation and passenger tensors, then
+  per tensor dtype, requires-grad flag and shape) followed by the tensors at 64-byte aligned
+  offsets. Its size is *expected* by both sides (the size of the previous message on the
+  channel), so the receiver posts the ``irecv`` for the next message as soon as the previous
+  one is consumed, long before the sender sends: with gloo's rendezvous protocol the data
+  then moves in one hop. When the size changes (the first message of a channel, a last
+  partial batch) the sender first sends a *resize* message of the old expected size that
+  announces the new one. So shapes and dtypes are learned from the first real batch (one
+  small metadata message per channel), cached, and re-negotiated only when they change;
+  the user never types a shape. The receiver's tensors are views into the buffer (no copy);
+  the sender packs into one buffer (one copy of the activations). Python values a cut
+  separates from their use (``x.size(0)``, a ``torch.Size``, a float) travel in the header.
 * **Gradients** (``SG``/``RG``, tag ``_TAG_GRAD``): no header. The receiver of a gradient
   is the stage that sent the activations, so it already knows the shapes (one gradient
   per activation that requires grad); it posts the ``irecv`` as soon as it has sent the
@@ -40,15 +43,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2P", "CommTimeout", "CommError", "HEADER_LEN", "encode_header", "decode_header"]
+__all__ = ["P2P", "CommTimeout", "CommError", "encode_header", "decode_header", "pack", "unpack"]
 
 log = logging.getLogger(__name__)
 
-HEADER_LEN = 32
-_TAG_ACT_HEADER = 11
-_TAG_ACT_DATA = 12
+_TAG_ACT = 11
 _TAG_GRAD = 13
-_TAG_ACT_EXT = 14
+_KIND_DATA, _KIND_RESIZE = 1, 2
+#: Expected size of the first message of a channel (it is always a resize message).
+INITIAL_BYTES = 64
+_ALIGN = 64
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -142,19 +146,68 @@ def decode_header(words: list[int]) -> tuple[int, list[TensorMeta], list[TensorM
     return samples, metas[:n_act], metas[n_act:]
 
 
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def pack(samples: int, tensors: list[Any], passengers: list[Any], device: torch.device) -> torch.Tensor:
+    """One activation message: header words then the tensors' bytes at aligned offsets."""
+    words = encode_header(samples, tensors, passengers)
+    values = [v for v in list(tensors) + list(passengers)]
+    offset = _align(8 * (2 + len(words)))
+    layout = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            n = v.numel() * v.element_size()
+            layout.append((v, offset, n))
+            offset = _align(offset + n)
+    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    head = torch.tensor([_KIND_DATA, len(words), *words], dtype=torch.int64)
+    buf[: 8 * head.numel()].copy_(head.view(torch.uint8))
+    for v, off, n in layout:
+        if n:
+            buf[off: off + n].copy_(v.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf
+
+
+def unpack(buf: torch.Tensor) -> tuple[int, list[Any], list[Any], list[TensorMeta]]:
+    """Inverse of :func:`pack`: (samples, activations, passengers, metas); tensors are views of ``buf``."""
+    first = buf[:16].cpu().view(torch.int64).tolist()
+    kind, nwords = first
+    if kind != _KIND_DATA:
+        raise CommError(f"corrupt activation message (kind {kind}); are both ranks running the same schedule?")
+    words = buf[16: 16 + 8 * nwords].cpu().view(torch.int64).tolist()
+    samples, act, passengers = decode_header(words)
+    metas = act + passengers
+    offset = _align(8 * (2 + nwords))
+    values: list[Any] = []
+    for m in metas:
+        if not m.is_tensor:
+            values.append(m.value)
+            continue
+        numel = 1
+        for d in m.shape:
+            numel *= d
+        n = numel * torch.empty((), dtype=m.dtype).element_size()
+        values.append(buf[offset: offset + n].view(m.dtype).view(m.shape))
+        offset = _align(offset + n)
+    return samples, values[: len(act)], values[len(act):], metas
+
+
+def _resize_message(expected: int, new_size: int, device: torch.device) -> torch.Tensor:
+    buf = torch.zeros(expected, dtype=torch.uint8, device=device)
+    buf[:16].copy_(torch.tensor([_KIND_RESIZE, new_size], dtype=torch.int64).view(torch.uint8))
+    return buf
+
+
 @dataclass
 class _ActRecv:
-    """One incoming activation message in progress."""
+    """One posted activation receive."""
 
     mb: int
-    header: torch.Tensor
-    header_work: Any
-    data_works: list[Any] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    metas: list[TensorMeta] = field(default_factory=list)
-    n_act: int = 0
-    samples: int = 0
-    nbytes: int = 0
+    buf: torch.Tensor
+    work: Any
+    checked: bool = False  # arrived and known not to be a resize message
 
 
 @dataclass
@@ -175,6 +228,8 @@ class P2P:
         grad_order: peer -> microbatch ids of this rank's ``RG`` actions from that peer, in order.
         device: where received tensors live (cpu for gloo, cuda for nccl).
         timeout_s: deadline of every blocking wait.
+        sizes: expected message size per channel, kept by the caller across schedules so a
+            shape is negotiated once, not once per schedule (updated in place).
     """
 
     def __init__(
@@ -185,6 +240,7 @@ class P2P:
         grad_order: dict[int, list[int]],
         device: torch.device,
         timeout_s: float,
+        sizes: dict[tuple[str, int], int] | None = None,
     ) -> None:
         self.rank = rank
         self.describe = describe
@@ -196,6 +252,8 @@ class P2P:
         self._grad_posted: dict[int, collections.deque[_GradRecv]] = {p: collections.deque() for p in grad_order}
         self._grad_meta: dict[int, list[TensorMeta]] = {}
         self._sends: list[tuple[Any, Any, str]] = []
+        self._sizes = sizes if sizes is not None else {}
+        self.resizes = 0  # resize messages sent (for tests and reports)
         self.pump()
 
     # ------------------------------------------------------------------ helpers
@@ -214,12 +272,10 @@ class P2P:
         """Post every receive that can be posted now; forget completed sends."""
         for peer, queue in self._act_queue.items():
             posted = self._act_posted[peer]
-            if posted and not posted[-1].data_works and posted[-1].header_work.is_completed():
-                self._post_act_payload(peer, posted[-1])
-            if queue and (not posted or posted[-1].data_works):
-                mb = queue.popleft()
-                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                posted.append(_ActRecv(mb, header, dist.irecv(header, src=peer, tag=_TAG_ACT_HEADER)))
+            if posted and not posted[0].checked and posted[0].work.is_completed():
+                self._check_resize(peer, posted)
+            if queue and not posted:
+                self._post_act(peer, queue.popleft())
         for peer, queue in self._grad_queue.items():
             while queue and queue[0] in self._grad_meta:
                 mb = queue.popleft()
@@ -231,59 +287,48 @@ class P2P:
         if self._sends:
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
-    def _post_act_payload(self, peer: int, rec: _ActRecv) -> None:
-        words = rec.header.tolist()
-        if words[0] < 0:  # extended header
-            ext = torch.empty(-words[0], dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(ext, src=peer, tag=_TAG_ACT_EXT), f"the header of microbatch {rec.mb}", peer)
-            words = ext.tolist()
-        rec.samples, act, passengers = decode_header(words)
-        rec.metas = act + passengers
-        rec.n_act = len(act)
-        rec.tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) if m.is_tensor else m.value
-                       for m in rec.metas]
-        rec.data_works = [dist.irecv(t, src=peer, tag=_TAG_ACT_DATA)
-                          for t, m in zip(rec.tensors, rec.metas) if m.is_tensor]
-        if not rec.data_works:  # a message without tensors: mark as posted
-            rec.data_works = [None]
-        rec.nbytes = sum(t.numel() * t.element_size() for t, m in zip(rec.tensors, rec.metas) if m.is_tensor)
+    def _check_resize(self, peer: int, posted: collections.deque[_ActRecv]) -> bool:
+        """The first posted message has arrived: if it announces a new size, post for the real
+        message (same microbatch) and return True."""
+        rec = posted[0]
+        kind, value = rec.buf[:16].cpu().view(torch.int64).tolist()
+        if kind != _KIND_RESIZE:
+            rec.checked = True
+            return False
+        self._sizes[("recv", peer)] = value
+        buf = torch.empty(value, dtype=torch.uint8, device=self.device)
+        posted[0] = _ActRecv(rec.mb, buf, dist.irecv(buf, src=peer, tag=_TAG_ACT))
+        return True
+
+    def _post_act(self, peer: int, mb: int) -> None:
+        size = self._sizes.get(("recv", peer), INITIAL_BYTES)
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._act_posted[peer].append(_ActRecv(mb, buf, dist.irecv(buf, src=peer, tag=_TAG_ACT)))
 
     # ------------------------------------------------------------------ activations
-    def send_acts(self, peer: int, mb: int, samples: int, tensors: list[torch.Tensor],
-                  passengers: list[torch.Tensor]) -> int:
+    def send_acts(self, peer: int, mb: int, samples: int, tensors: list[Any], passengers: list[Any]) -> int:
         """Send microbatch ``mb``'s activations (and passengers: targets) to ``peer``; returns bytes.
 
         Remembers which activations require grad, so the matching gradient receive can be
         posted right away.
         """
         try:
-            words = encode_header(samples, tensors, passengers)
+            buf = pack(samples, tensors, passengers, self.device)
         except CommError as exc:
             raise CommError(f"{self.describe(self.rank)} -> {self.describe(peer)}: {exc}") from None
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        if len(words) <= HEADER_LEN:
-            header[: len(words)] = torch.tensor(words, dtype=torch.int64)
-            ext = None
-        else:
-            header[0] = -len(words)
-            ext = torch.tensor(words, dtype=torch.int64, device=self.device)
-        header = header.to(self.device)
-        self._sends.append((dist.isend(header, dst=peer, tag=_TAG_ACT_HEADER), header, "header"))
-        if ext is not None:
-            self._sends.append((dist.isend(ext, dst=peer, tag=_TAG_ACT_EXT), ext, "header"))
-        nbytes = 0
-        for t in list(tensors) + list(passengers):
-            if not isinstance(t, torch.Tensor):
-                continue  # carried by the header
-            data = t.detach().contiguous()
-            self._sends.append((dist.isend(data, dst=peer, tag=_TAG_ACT_DATA), data, f"activations of microbatch {mb}"))
-            nbytes += data.numel() * data.element_size()
+        expected = self._sizes.get(("send", peer), INITIAL_BYTES)
+        if buf.numel() != expected:
+            note = _resize_message(expected, buf.numel(), self.device)
+            self._sends.append((dist.isend(note, dst=peer, tag=_TAG_ACT), note, "a shape message"))
+            self._sizes[("send", peer)] = buf.numel()
+            self.resizes += 1
+        self._sends.append((dist.isend(buf, dst=peer, tag=_TAG_ACT), buf, f"activations of microbatch {mb}"))
         self._grad_meta[mb] = [
             TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad
         ]
-        return nbytes
+        return int(buf.numel())
 
-    def recv_acts(self, peer: int, mb: int) -> tuple[int, list[torch.Tensor], list[torch.Tensor], int]:
+    def recv_acts(self, peer: int, mb: int) -> tuple[int, list[Any], list[Any], int]:
         """Block until microbatch ``mb``'s activations from ``peer`` arrived.
 
         Returns (samples, activations, passengers, bytes); activations that required grad at
@@ -293,24 +338,23 @@ class P2P:
         if posted is None:
             raise CommError(f"{self.describe(self.rank)} has no RA from {self.describe(peer)} in its schedule")
         self.pump()
-        rec = posted[0]
-        if rec.mb != mb:
-            raise CommError(
-                f"{self.describe(self.rank)}: schedule asks for microbatch {mb} from {self.describe(peer)} "
-                f"but the next message on that channel is microbatch {rec.mb}"
-            )
-        if not rec.data_works:
-            self._wait(rec.header_work, f"the activations of microbatch {mb}", peer)
-            self._post_act_payload(peer, rec)
-        for w in rec.data_works:
-            if w is not None:
-                self._wait(w, f"the activations of microbatch {mb}", peer)
+        while True:
+            rec = posted[0]
+            if rec.mb != mb:
+                raise CommError(
+                    f"{self.describe(self.rank)}: schedule asks for microbatch {mb} from {self.describe(peer)} "
+                    f"but the next message on that channel is microbatch {rec.mb}"
+                )
+            self._wait(rec.work, f"the activations of microbatch {mb}", peer)
+            if rec.checked or not self._check_resize(peer, posted):
+                break
         posted.popleft()
-        self.pump()
-        for t, m in zip(rec.tensors, rec.metas):
+        self.pump()  # prefetch: post the next message of this channel now
+        samples, acts, passengers, metas = unpack(rec.buf)
+        for t, m in zip(acts + passengers, metas):
             if m.is_tensor and m.requires_grad:
                 t.requires_grad_(True)
-        return rec.samples, rec.tensors[: rec.n_act], rec.tensors[rec.n_act:], rec.nbytes
+        return samples, acts, passengers, int(rec.buf.numel())
 
     # ------------------------------------------------------------------ gradients
     def send_grads(self, peer: int, mb: int, grads: list[torch.Tensor]) -> int:

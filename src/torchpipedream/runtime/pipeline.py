@@ -158,6 +158,7 @@ class Pipeline:
             loss_reduction=loss_reduction,
         )
         self._schedules: dict[int, Schedule] = {}
+        self._message_sizes: dict[tuple[str, int], int] = {}  # negotiated once per channel
         self._events: list[Any] = []
         self.last_schedule: Schedule | None = None
         self.history: list[float] = []
@@ -264,7 +265,8 @@ class Pipeline:
                     act_order.setdefault(a.peer, []).append(a.id)
                 elif a.kind == Kind.RECV_GRAD:
                     grad_order.setdefault(a.peer, []).append(a.id)
-            comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s)
+            comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s,
+                       sizes=self._message_sizes)
             dist.barrier()
         source = self._microbatch_source(iter(batches), m) if (self.stage == 0 and batches is not None) else None
         t0 = time.perf_counter()
