@@ -38,6 +38,46 @@ def synthetic_chain(n: int, seed: int = 0) -> LayerGraph:
     return LayerGraph(layers, [(f"l{i}", f"l{i + 1}") for i in range(n - 1)], batch_size=64)
 
 
+BATCH_SIZES = {"vgg16": 128, "resnet50": 128, "alexnet": 256}  # inferred, see the profiles' README
+CLUSTERS = [("A (4x4)", "A"), ("B (2x8)", "B"), ("16 flat", "16:10GB/s@16GB")]
+
+
+def reference_table() -> list[dict]:
+    """docs/planner.md's table: chosen config, speedup over data parallel, planning time, and the
+    paper's "15-1" (best split) under the same cost model for VGG-16 and AlexNet."""
+    from torchpipedream.planner import best_split_for_replicas
+    from torchpipedream.topology import Topology
+
+    rows = []
+    print("| model | cluster | our plan | ms/minibatch | samples/s | speedup vs DP | planning s | "
+          "paper DP (hierarchical) plan, ms | 15-1 ms (ours ≤) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model in ["vgg16", "alexnet", "resnet50", "gnmt", "gnmt_large"]:
+        g = LayerGraph.load(PROFILES / model / "graph.txt")
+        g.batch_size = BATCH_SIZES.get(model)
+        for label, spec in CLUSTERS:
+            topo = Topology.parse(spec)
+            t0 = time.perf_counter()
+            p = plan(g, topo)
+            dt = time.perf_counter() - t0
+            paper = plan(g, topo, method="hierarchical")
+            ms = p.predicted["time_per_minibatch_s"] * 1e3
+            row = {"model": model, "cluster": label, "topology": topo.to_spec(), "config": p.config,
+                   "ms": ms, "samples_per_s": p.predicted["samples_per_s"],
+                   "speedup": p.predicted["speedup_over_data_parallel"], "planning_s": dt,
+                   "paper_config": paper.config, "paper_ms": paper.predicted["time_per_minibatch_s"] * 1e3}
+            if model in ("vgg16", "alexnet"):
+                row["ms_15_1"], _ = best_split_for_replicas(g.linearize(), topo, [15, 1])
+                assert ms <= row["ms_15_1"] * (1 + 1e-9)
+            rows.append(row)
+            sps = "—" if row["samples_per_s"] is None else f"{row['samples_per_s']:.0f}"
+            t151 = f"{row['ms_15_1']:.2f}" if "ms_15_1" in row else ""
+            print(f"| {model} | {label} | {p.config} | {ms:.2f} | {sps} | {row['speedup']:.2f} | {dt:.3f} | "
+                  f"{paper.config} ({row['paper_ms']:.2f}) | "
+                  f"{t151} |")
+    return rows
+
+
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
 
@@ -46,8 +86,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-hierarchical", action="store_true", help="do not time the paper's DP")
     ap.add_argument("--quick", action="store_true", help="only the five models of docs/planner.md")
+    ap.add_argument("--skip-table", action="store_true", help="skip the reference-profile table of docs/planner.md")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "planner_speed.json"))
     args = ap.parse_args()
+    table = [] if args.skip_table else reference_table()
     rows = []
     print(f"{'case':<28} {'topology':<26} {'config':<24} {'fast s':>8} {'paper DP s':>10} {'checks':>6}")
     models = MODELS[:5] if args.quick else MODELS
@@ -85,7 +127,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(),
-                               "rows": rows}, indent=1) + "\n")
+                               "rows": rows, "reference_table": table}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

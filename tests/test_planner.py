@@ -314,3 +314,28 @@ def test_cut_across_servers_is_charged_at_the_slow_link(straight):
     assert got == pytest.approx(expected, rel=1e-9)
     # the naive reading (the cut on the fast link) would be far cheaper than the truth
     assert expected > 2 * 10**9 / 1e12 * 1e3
+
+
+def test_cli_plan_prints_a_table_and_writes_json(tmp_path, capsys):
+    import json
+
+    from torchpipedream.cli import main
+
+    g = _chain([(40, 10**6, 5 * 10**6)] * 6 + [(2, 4 * 10**8, 10**6), (1, 10**8, 10**5)])
+    gpath = tmp_path / "g.json"
+    g.save(gpath)
+    out = tmp_path / "sub" / "plan.json"
+    assert main(["plan", str(gpath), "--topology", "4x4:10GB/s,1.25GB/s", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "replicas" in text and "over data parallel" in text
+    data = json.loads(out.read_text())
+    assert data["config"] == "-".join(str(s["replicas"]) for s in data["stages"])
+    assert data["predicted"]["time_per_minibatch_s"] > 0 and data["predicted"]["samples_per_s"] > 0
+    assert all(s["layers"] for s in data["stages"])
+    # bad input: one clear line, exit status 2
+    assert main(["plan", str(gpath), "--topology", "4x4:10GB/s"]) == 2
+    assert main(["plan", str(gpath), "--topology", "4:1GB/s", "--stages", "9"]) == 2
+    assert main(["plan", str(gpath), "--topology", "4:1GB/s", "--memory", "1KB"]) == 2
+    err = capsys.readouterr().err
+    assert "one bandwidth per level" in err and "only 8 blocks" in err and "smallest budget" in err
+    assert "Traceback" not in err
