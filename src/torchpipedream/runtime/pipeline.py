@@ -149,7 +149,7 @@ class Pipeline:
                 group = dist.new_group(st.ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
                 if s == self.stage:
                     self._ar_group = group
-        self.weights = WeightVersions(self.module, optimizer, loss_reduction)
+        self.weights = WeightVersions(self.module, optimizer, loss_reduction, replicated=self._ar_group is not None)
         n = plan.num_stages
         self.engine = Engine(
             self.rank, self.stage, self.replica, self.module,

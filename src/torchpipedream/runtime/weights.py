@@ -18,13 +18,15 @@ of a pipedream pipeline), the step is in place and nothing is copied. Stashes ar
 when their last use has run, so a pipedream stage holds at most one version per in-flight
 minibatch and 2BW at most two.
 
-Gradient buffers. Every parameter has one persistent gradient buffer (views into a single
-flat tensor with a slot for the sample count), set as the ``.grad`` of every alias, so each
-backward accumulates in place, the replicas' all-reduce runs on the flat tensor without a
-copy, and no update allocates or frees gradient memory (on this project's VMs a 7 MB
-allocation costs ~3 ms of page faults; a memset ~0.2 ms). Consequence: a parameter that got
-no gradient in an update is stepped with a zero gradient (plain PyTorch would skip it; this
-matters only for weight decay or momentum on unused parameters).
+Gradient buffers. On a replicated stage every parameter has one persistent gradient buffer
+(views into a single flat tensor with a slot for the sample count), set as the ``.grad`` of
+every alias, so each backward accumulates in place and the replicas' all-reduce runs on the
+flat tensor without a copy (a parameter without gradient is then stepped with a zero one).
+On a stage without replicas the aliases start with no ``.grad``: the first backward of an
+update hands over its gradient tensors (no add, no zeroing; on a CPU an update's cost is its
+passes over the weights), later ones add to them, and a stash dropped before the step passes
+its gradients on first. There a parameter without gradient is skipped by the optimizer, as
+in plain PyTorch.
 
 Optimizer. Any ``torch.optim`` optimizer works: it is built by the user's factory on this
 stage's own parameters (each rank owns only its stage), keeps its state keyed by the
@@ -67,7 +69,8 @@ class WeightVersions:
         loss_reduction: "mean" (divide by the samples of the update) or "sum".
     """
 
-    def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_reduction: str = "mean") -> None:
+    def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_reduction: str = "mean",
+                 replicated: bool = False) -> None:
         self.module = module
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -76,7 +79,11 @@ class WeightVersions:
         self.version = 0
         self._uses: dict[int, int] = {}
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        self._flat, self._grads = self._grad_buffers()
+        # Replicated stages: persistent flat buffers for the all-reduce. Otherwise the first
+        # backward of an update hands its gradient tensors over (autograd "steals" them: no
+        # add, no zeroing) and they are dropped after the step.
+        self._flat, self._grads = self._grad_buffers() if replicated else (None, None)
+        self._pending: list[torch.Tensor | None] = [None] * len(self.params)
         self._samples = 0.0
         self._spare: list[list[torch.Tensor]] = []
         self.copies = 0  # number of copy-on-update events (for tests and reports)
@@ -97,9 +104,10 @@ class WeightVersions:
                     f"and stashes {sorted(self._views)}; the schedule's versions are inconsistent"
                 )
             views = {}
-            for n, p, g in zip(self.names, self.params, self._grads):
+            grads = self._grads if self._grads is not None else [None] * len(self.params)
+            for n, p, g in zip(self.names, self.params, grads):
                 alias = p.data.requires_grad_(True)
-                alias.grad = g  # backward accumulates in place into the persistent buffer
+                alias.grad = g  # None, or the persistent buffer the backward accumulates into
                 views[n] = alias
             self._views[version] = views
         return views
@@ -111,9 +119,20 @@ class WeightVersions:
         if left <= 0 and version != self.version:
             self._recycle(self._views.pop(version, None))
 
+    def _take_grads(self, views: dict[str, torch.Tensor] | None) -> None:
+        """Move gradients held by a version's aliases into the pending sum (steal mode)."""
+        if views is None or self._grads is not None:
+            return
+        for i, alias in enumerate(views.values()):
+            g = alias.grad
+            if g is not None:
+                alias.grad = None
+                self._pending[i] = g if self._pending[i] is None else self._pending[i].add_(g)
+
     def _recycle(self, views: dict[str, torch.Tensor] | None) -> None:
         """Keep a dropped stash's storage for the next copy on update (allocating megabytes
         costs page faults every time; copying into recycled memory does not)."""
+        self._take_grads(views)
         if views is not None and len(self._spare) < 2:
             self._spare.append([v.detach() for v in views.values()])
 
@@ -143,15 +162,21 @@ class WeightVersions:
         """Add one microbatch's parameter gradients by hand (the engine's backward instead
         accumulates into the aliases' ``.grad``, which are these same buffers)."""
         with torch.no_grad():
-            for buf, g in zip(self._grads, grads):
-                if g is not None:
-                    buf.add_(g)
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                if self._grads is not None:
+                    self._grads[i].add_(g)
+                else:
+                    self._pending[i] = g.clone() if self._pending[i] is None else self._pending[i].add_(g)
         self._samples += samples
 
     def allreduce(self, group: dist.ProcessGroup | None, timeout_s: float) -> int:
         """Sum gradients and sample counts over the stage's replicas; returns bytes reduced."""
         if group is None:
             return 0
+        if self._grads is None:
+            raise RuntimeError("all-reduce on a stage built without replicated=True")
         if self._flat is not None:
             tensors = [self._flat]
             self._flat[-1] = self._samples
@@ -176,6 +201,9 @@ class WeightVersions:
         """Apply the accumulated gradient to the latest weights; returns whether it copied."""
         copied = False
         if self.params and self.optimizer is not None:
+            for views in self._views.values():
+                self._take_grads(views)
+            grads = self._grads if self._grads is not None else self._pending
             still_needed = self._uses.get(self.version, 0) > 0
             if still_needed:
                 # Copy on update: the stash keeps the old storage, the parameters move.
@@ -197,19 +225,20 @@ class WeightVersions:
                     raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
                 scale = 1.0 / self._samples
             with torch.no_grad():
-                for p, g in zip(self.params, self._grads):
-                    if scale != 1.0:
+                for p, g in zip(self.params, grads):
+                    if g is not None and scale != 1.0:
                         g.mul_(scale)
                     p.grad = g
             self.optimizer.step()
-            for p, g in zip(self.params, self._grads):
+            for p in self.params:
                 p.grad = None
             with torch.no_grad():
                 if self._flat is not None:
                     self._flat.zero_()
-                else:
+                elif self._grads is not None:
                     for g in self._grads:
                         g.zero_()
+            self._pending = [None] * len(self.params)
         self._samples = 0.0
         self.version += 1
         self.max_versions_alive = max(self.max_versions_alive, len(self._views) + 1)
