@@ -140,16 +140,26 @@ def test_summed_layer_forward_is_close_to_the_whole_forward():
     torch.manual_seed(0)
     model = cnn()
     x, _ = sample_input("cnn", 64)
-    g = profile(model, x, warmup=3, iters=15)
-    with torch.enable_grad():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the profiler times with one thread; so does the reference
+    try:
+        # Up to three attempts, so that a moment of load from another process on this shared
+        # machine does not fail the test; a profiler that is consistently off still fails.
         for _ in range(3):
-            model(x)
-        whole = []
-        for _ in range(15):
-            t0 = time.perf_counter()
-            model(x)
-            whole.append((time.perf_counter() - t0) * 1e3)
-    ratio = g.totals()["forward_ms"] / statistics.median(whole)
+            g = profile(model, x, warmup=3, iters=15)
+            with torch.enable_grad():
+                for _ in range(3):
+                    model(x)
+                whole = []
+                for _ in range(15):
+                    t0 = time.perf_counter()
+                    model(x)
+                    whole.append((time.perf_counter() - t0) * 1e3)
+            ratio = g.totals()["forward_ms"] / statistics.median(whole)
+            if 0.3 < ratio < 3.0:
+                break
+    finally:
+        torch.set_num_threads(threads)
     assert 0.3 < ratio < 3.0, ratio
     assert all(l.forward_ms > 0 for l in g.layers if not l.is_input)
     # convolutions and linear layers have a backward; the parameterised ones cost time
