@@ -36,8 +36,7 @@ import collections
 import datetime
 import logging
 import struct
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch

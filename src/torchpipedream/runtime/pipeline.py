@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..actions import Action, Kind, Schedule
-from ..plan import Plan, PlanError
+from ..plan import Plan
 from ..trace import Trace
 from .comm import P2P
 from .engine import Engine, MicrobatchResult, as_tuple

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-import torch
 from torch import fx, nn
 
 from ..plan import Plan, PlanError
