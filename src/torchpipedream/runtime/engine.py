@@ -216,7 +216,10 @@ class Engine:
             finally:
                 for (mod, attr, _), p in zip(self._slots, saved):
                     mod._parameters[attr] = p
-        loss = self.loss_fn(out, *targets) if self.is_last else None
+        # An empty microbatch (a last minibatch smaller than the number of microbatches)
+        # contributes no loss and no gradient.
+        empty = bool(inputs) and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() > 0 and inputs[0].shape[0] == 0
+        loss = self.loss_fn(out, *targets) if self.is_last and not empty else None
         return out, loss
 
     def _forward(self, mb: int, version: int, comm: P2P | None, get_microbatch: Any, train: bool,
@@ -226,7 +229,10 @@ class Engine:
             out, loss = self._run_module(version, inputs, targets)
         if train:
             self.weights.release(version)
-        if self.is_last:
+        if self.is_last and samples == 0:
+            if train:  # no loss: B has nothing to differentiate, the stage's inputs get zeros
+                self._ctx[mb] = _Context(version, inputs, leaves, loss=None, targets=targets, samples=0)
+        elif self.is_last:
             assert loss is not None
             if loss.dim() != 0:
                 raise ValueError(
@@ -265,9 +271,11 @@ class Engine:
         use_version = ctx.version if version is None else version
         params = list(self.weights.tensors(use_version).values()) if self.weights.params else []
         if self.is_last:
-            assert ctx.loss is not None
-            root = ctx.loss * ctx.samples if self.loss_reduction == "mean" else ctx.loss
-            roots, grad_outputs = [root], None
+            if ctx.loss is None:  # empty microbatch
+                roots, grad_outputs = [], None
+            else:
+                root = ctx.loss * ctx.samples if self.loss_reduction == "mean" else ctx.loss
+                roots, grad_outputs = [root], None
         else:
             grads = self._out_grads.pop(mb, None)
             if grads is None:

@@ -227,11 +227,10 @@ class Pipeline:
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             raise PipelineError(f"minibatch {t}: the first input must be a tensor (dim 0 = samples)")
         size = inputs[0].shape[0]
-        if size < m:
-            raise PipelineError(
-                f"minibatch {t} has {size} samples, fewer than the {m} microbatches it must be split into "
-                "(use drop_last=True in the DataLoader or fewer microbatches)"
-            )
+        if size < 1:
+            raise PipelineError(f"minibatch {t} is empty (0 samples along dim 0 of its first input)")
+        # A minibatch smaller than m leaves some microbatches empty: they run (shapes of 0 rows)
+        # but add no loss, no gradient and no samples.
         def cut(x: Any) -> list[Any]:
             if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size:
                 return list(torch.tensor_split(x, m, dim=0))
