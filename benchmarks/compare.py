@@ -109,7 +109,8 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int):
 
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
-    graph = profile(work.build(), x, loss_fn=work.loss_fn, target=y, name=work.name)
+    graph = profile(work.build(), x, loss_fn=work.loss_fn, target=y, name=work.name,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=work.lr))
     m = microbatches if schedule in ("2bw", "flush", "gpipe") else 1
     plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
     sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)

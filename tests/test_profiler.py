@@ -364,3 +364,20 @@ def test_graph_round_trips_through_json(tmp_path):
     g = profile(resnet(), x, warmup=0, iters=1)
     g.save(tmp_path / "g.json")
     assert LayerGraph.load(tmp_path / "g.json") == g
+
+
+def test_optimizer_step_is_timed_per_layer_on_copies():
+    torch.manual_seed(0)
+    model = cnn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = sample_input("cnn", 8)
+    g = profile(model, x, loss_fn=cross_entropy, target=y, warmup=1, iters=3,
+                optimizer=lambda params: torch.optim.Adam(params, lr=0.1))
+    with_params = [l for l in g.layers if l.parameter_bytes]
+    assert with_params and all(l.optimizer_ms > 0 for l in with_params)
+    assert all(l.optimizer_ms == 0 for l in g.layers if not l.parameter_bytes)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # a big lr would show
+    # the planner's unit of work includes the step; without an optimizer nothing is charged
+    assert g.totals()["compute_ms"] == pytest.approx(
+        g.totals()["forward_ms"] + g.totals()["backward_ms"] + g.totals()["optimizer_ms"])
+    assert profile(model, x, warmup=0, iters=1).totals()["optimizer_ms"] == 0

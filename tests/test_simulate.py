@@ -260,3 +260,17 @@ def test_replicated_steady_throughput_is_the_slowest_stage(r0: int, c0: float, c
     ar = 2 * (r0 - 1) / r0
     assert expect_period == pytest.approx(max((c0 + ar) / r0, c1))
     assert res.steady_minibatches_per_s == pytest.approx(1 / expect_period)
+
+
+def test_optimizer_step_is_charged_per_stage_once_per_update() -> None:
+    plan = straight(2, batch_size=4)
+    plan.stages[0].forward_ms, plan.stages[0].backward_ms, plan.stages[0].optimizer_ms = 10.0, 20.0, 5.0
+    plan.stages[1].forward_ms, plan.stages[1].backward_ms, plan.stages[1].optimizer_ms = 10.0, 20.0, 30.0
+    for kind, m in (("pipedream", 1), ("flush", 2)):
+        res = simulate(build_schedule(plan, kind, minibatches=3, microbatches=m), Costs.from_plan(plan, microbatches=m))
+        steps = [e for e in res.trace.events if e.kind == "U"]
+        assert len(steps) == 6  # 3 updates on each of the 2 stages, whatever m is
+        for e in steps:
+            assert e.end_s - e.start_s == pytest.approx([0.005, 0.030][e.stage])
+    with pytest.raises(SimulationError, match="step_s has 1 entries"):
+        simulate(build_schedule(plan, "pipedream", minibatches=2), equal(2, step_s=[0.1]))

@@ -36,7 +36,9 @@ class Layer:
 
     Times are milliseconds for one minibatch of the graph's ``batch_size``; sizes are bytes.
     ``is_input`` marks a data-loading node (PipeDream's ``Input``): its forward time is data
-    loading, not compute, and the planner does not charge it to a stage.
+    loading, not compute, and the planner does not charge it to a stage. ``optimizer_ms`` is
+    one optimizer step over the layer's parameters (once per update; 0 when not measured):
+    on small stages it is as large as the backward, and a plan that ignores it mispredicts.
     """
 
     name: str
@@ -49,13 +51,14 @@ class Layer:
     output_dtypes: list[str] | None = None
     is_input: bool = False
     stage_id: int | None = None
+    optimizer_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
-        """Forward + backward compute time (zero for a data-loading input node)."""
+        """Forward + backward + optimizer step time (zero for a data-loading input node)."""
         if self.is_input:
             return 0.0
-        return self.forward_ms + self.backward_ms
+        return self.forward_ms + self.backward_ms + self.optimizer_ms
 
 
 @dataclass
@@ -73,10 +76,12 @@ class Block:
     parameter_bytes: int
     cut_bytes: int
     cut_tensors: list[str] = field(default_factory=list)
+    optimizer_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
-        return self.forward_ms + self.backward_ms
+        """Forward + backward + optimizer step: the block's share of a stage's time per minibatch."""
+        return self.forward_ms + self.backward_ms + self.optimizer_ms
 
 
 def _check_number(value: Any, where: str, integer: bool = False) -> float:
@@ -159,6 +164,7 @@ class LayerGraph:
             "layers": len(self.layers),
             "forward_ms": sum(l.forward_ms for l in self.layers if not l.is_input),
             "backward_ms": sum(l.backward_ms for l in self.layers if not l.is_input),
+            "optimizer_ms": sum(l.optimizer_ms for l in self.layers if not l.is_input),
             "compute_ms": sum(l.compute_ms for l in self.layers),
             "parameter_bytes": sum(l.parameter_bytes for l in self.layers),
             "activation_bytes": sum(l.activation_bytes for l in self.layers),
@@ -176,7 +182,7 @@ class LayerGraph:
                 raise GraphError(f"{source}: layer {i}: 'name' must be a non-empty string")
             if layer.name in by_name:
                 raise GraphError(f"{where}: duplicate layer name")
-            for attr in ("forward_ms", "backward_ms"):
+            for attr in ("forward_ms", "backward_ms", "optimizer_ms"):
                 _check_number(getattr(layer, attr), f"{where}: field {attr!r}")
             for attr in ("activation_bytes", "parameter_bytes"):
                 _check_number(getattr(layer, attr), f"{where}: field {attr!r}", integer=True)
@@ -268,7 +274,8 @@ class LayerGraph:
             cut_bytes = sum(self._by_name[p].activation_bytes for p in crossing)
             fwd = 0.0 if layer.is_input else layer.forward_ms
             bwd = 0.0 if layer.is_input else layer.backward_ms
-            free = merge_free_cuts and fwd == 0.0 and bwd == 0.0 and layer.parameter_bytes == 0
+            opt = 0.0 if layer.is_input else layer.optimizer_ms
+            free = merge_free_cuts and fwd == 0.0 and bwd == 0.0 and opt == 0.0 and layer.parameter_bytes == 0
             if free and not blocks:
                 leading.append(name)  # inputs and shape arithmetic before any real layer
             elif free:
@@ -277,7 +284,7 @@ class LayerGraph:
                 prev.cut_bytes = cut_bytes
                 prev.cut_tensors = crossing
             else:
-                blocks.append(Block(leading + [name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing))
+                blocks.append(Block(leading + [name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing, opt))
                 leading = []
         if leading:  # a graph of free layers only
             blocks.append(Block(leading, 0.0, 0.0, 0, 0, []))
@@ -293,6 +300,8 @@ class LayerGraph:
                     del d[key]
             if not d["is_input"]:
                 del d["is_input"]
+            if not d["optimizer_ms"]:
+                del d["optimizer_ms"]  # unmeasured: keep files of older versions identical
             layers.append(d)
         return {
             "format": "torchpipedream.LayerGraph",

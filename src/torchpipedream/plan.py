@@ -43,6 +43,7 @@ class Stage:
         comm_ms: predicted communication per minibatch (activation/gradient transfers and
             the replicas' weight synchronisation, amortised).
         memory_bytes: predicted peak memory of one worker of this stage.
+        optimizer_ms: one optimizer step over the stage's weights (once per update).
     """
 
     layers: list[str]
@@ -55,10 +56,11 @@ class Stage:
     output_tensors: list[str] = field(default_factory=list)
     comm_ms: float = 0.0
     memory_bytes: int = 0
+    optimizer_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
-        return self.forward_ms + self.backward_ms
+        return self.forward_ms + self.backward_ms + self.optimizer_ms
 
 
 @dataclass
@@ -149,7 +151,7 @@ class Plan:
                 if r in seen_ranks:
                     raise PlanError(f"rank {r} is assigned to two stages")
                 seen_ranks.add(r)
-            for attr in ("forward_ms", "backward_ms", "comm_ms", "parameter_bytes", "output_bytes", "memory_bytes"):
+            for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes", "memory_bytes"):
                 v = getattr(stage, attr)
                 if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                     raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")

@@ -684,7 +684,7 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
         out.append(Stage(
             layers=names, replicas=m, ranks=ev.ranks[s],
             forward_ms=sum(b.forward_ms for b in bl), backward_ms=sum(b.backward_ms for b in bl),
-            parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
+            optimizer_ms=sum(b.optimizer_ms for b in bl), parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
             output_tensors=list(blocks[j].cut_tensors) if s + 1 < len(stages) else [],
             comm_ms=comm, memory_bytes=int(math.ceil(ev.memory_bytes[s])),
         ))

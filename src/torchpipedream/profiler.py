@@ -411,6 +411,7 @@ def profile(
     iters: int = 10,
     name: str | None = None,
     num_threads: int | None = 1,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> LayerGraph:
     """Profile ``module`` on ``sample_input`` and return its layer graph.
 
@@ -428,6 +429,9 @@ def profile(
         name: the model's name for ``meta["model"]`` (default: its class name).
         num_threads: torch threads during CPU timing (default 1, restored afterwards);
             None keeps the current setting.
+        optimizer: a factory ``params -> torch.optim.Optimizer`` (as for ``Pipeline``); when
+            given, one step over each layer's parameters is timed into ``Layer.optimizer_ms``
+            (on copies: the model's weights and state are untouched).
 
     Raises:
         ProfilerError: fx cannot trace a non-Sequential model, the sample does not fit the
@@ -464,6 +468,8 @@ def profile(
         try:
             with torch.enable_grad():
                 graph = _measure(program, args, loss_fn, target, _Timer(dev), warmup, iters, batch_size)
+            if optimizer is not None:
+                _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
         finally:
             for p, g in zip(all_params, saved_grads):
                 p.grad = g
@@ -551,6 +557,33 @@ def _measure(
         layer.backward_ms += statistics.median(loss_bwd)
         meta["loss_layer"] = last
     return LayerGraph(layers, edges, batch_size=batch_size, meta=meta)
+
+
+def _time_optimizer(program: _Program, graph: LayerGraph, optimizer: Callable[..., torch.optim.Optimizer],
+                    timer: _Timer, warmup: int, iters: int) -> None:
+    """Median time of one optimizer step over each layer's own parameters, on copies."""
+    seen: set[int] = set()
+    for step in program.steps:
+        mine = [p for p in step.params if id(p) not in seen]
+        seen.update(id(p) for p in mine)
+        if not mine or step.name not in graph:
+            continue
+        copies = [nn.Parameter(p.detach().clone()) for p in mine]
+        for c in copies:
+            c.grad = torch.randn_like(c) * 1e-3
+        try:
+            opt = optimizer(copies)
+        except Exception as exc:
+            raise ProfilerError(f"profile: the optimizer factory failed on layer {step.name!r}: {exc}") from None
+        times = []
+        for i in range(warmup + iters):
+            pending = timer.start()
+            opt.step()
+            done = timer.stop(pending)
+            timer.sync()
+            if i >= warmup:
+                times.append(timer.ms(done))
+        graph[step.name].optimizer_ms = float(statistics.median(times))
 
 
 def _layer(name: str, kind: str, value: Any, fwd: float, bwd: float, pbytes: int, is_input: bool = False) -> Layer:

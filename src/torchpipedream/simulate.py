@@ -59,7 +59,8 @@ class Costs:
         output_bytes: bytes stage s sends to s+1 per microbatch (the gradient back is the same size).
         parameter_bytes: weights of one replica of each stage (all-reduce size, memory).
         activation_bytes: bytes stashed per in-flight microbatch on each stage (for memory).
-        step_s: seconds of one optimizer step (U).
+        step_s: seconds of one optimizer step (U): one number for every stage, or one per stage
+            (``from_plan`` takes each stage's measured ``optimizer_ms``).
         bandwidth_Bps: link bandwidth when ``bandwidth_fn`` is None (bytes/s).
         latency_s: per-message latency.
         bandwidth_fn: ``(rank_a, rank_b) -> bytes/s``; e.g. ``Topology.bandwidth``.
@@ -71,7 +72,7 @@ class Costs:
     output_bytes: list[float] = field(default_factory=list)
     parameter_bytes: list[float] = field(default_factory=list)
     activation_bytes: list[float] = field(default_factory=list)
-    step_s: float = 0.0
+    step_s: float | list[float] = 0.0
     bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS
     latency_s: float = 0.0
     bandwidth_fn: Callable[[int, int], float] | None = None
@@ -92,6 +93,7 @@ class Costs:
             output_bytes=[st.output_bytes / m for st in plan.stages],
             parameter_bytes=[float(st.parameter_bytes) for st in plan.stages],
             activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],
+            step_s=[st.optimizer_ms / 1e3 for st in plan.stages],  # once per update, not per microbatch
         )
         if plan.topology:
             try:
@@ -123,7 +125,10 @@ class Costs:
                     raise SimulationError(f"costs.{name} must be numbers >= 0, got {v}")
         if self.bandwidth_fn is None and not self.bandwidth_Bps > 0:
             raise SimulationError(f"costs.bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
-        if self.latency_s < 0 or self.step_s < 0:
+        steps = self.step_s if isinstance(self.step_s, list) else [self.step_s]
+        if isinstance(self.step_s, list) and len(steps) != n:
+            raise SimulationError(f"costs.step_s has {len(steps)} entries but the plan has {n} stages")
+        if self.latency_s < 0 or any(not x >= 0 for x in steps):
             raise SimulationError("costs.latency_s and costs.step_s must be >= 0")
 
 
@@ -215,7 +220,8 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     plan = schedule.plan
     fwd, bwd, outb = costs.forward_s, costs.backward_s, costs.output_bytes or [0.0] * plan.num_stages
     params = costs.parameter_bytes or [0.0] * plan.num_stages
-    lat, step_s = costs.latency_s, costs.step_s
+    lat = costs.latency_s
+    step_s = costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * plan.num_stages
     F, B, SA, RA, SG, RG, AR, U = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT,
                                    Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.OPTIMIZER_STEP)
     stage_of = {r: plan.stage_of_rank(r) for r in schedule.actions}
@@ -310,8 +316,8 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                             queued.add(o)
                 t = end
             else:  # U
-                emit(Ev(r, s, "U", a.id, t, t + step_s, 0, text(a), q, a.version))
-                t += step_s
+                emit(Ev(r, s, "U", a.id, t, t + step_s[s], 0, text(a), q, a.version))
+                t += step_s[s]
             p += 1
         pc[r] = p
         clock[r] = t

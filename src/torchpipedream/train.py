@@ -196,7 +196,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     model = build_model(cfg)
     x, y, _, _ = load_data(cfg)
     graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
-                    name=cfg.model)
+                    name=cfg.model, optimizer=optimizer_factory(cfg))
     if cfg.plan_file:
         plan = Plan.load(cfg.plan_file)
         try:
