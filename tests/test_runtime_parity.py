@@ -56,6 +56,22 @@ class Flat(nn.Module):
         return self.c(h) * (1.0 + 0.0 * n)
 
 
+class Shared(nn.Module):
+    """One parameter read (fx get_attr) in stage 0 and in stage 2: relayed as an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * self.scale
+        h = torch.tanh(self.b(h))
+        return self.c(h * self.scale)
+
+
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -78,15 +94,21 @@ def tiny_transformer() -> nn.Module:
     return get_model("transformer", context=16, d_model=32, heads=2, layers=2)
 
 
-MODELS = {"mlp": mlp, "skip": skip, "flat": flat, "transformer": tiny_transformer}
+def shared() -> nn.Module:
+    torch.manual_seed(0)
+    return Shared()
+
+
+MODELS = {"mlp": mlp, "skip": skip, "flat": flat, "transformer": tiny_transformer, "shared": shared}
 # Stage of every parameter, by name prefix (written by hand, independent of the splitter).
 PARAM_STAGE = {"mlp": {"0": 0, "2": 1, "4": 2}, "skip": {"a": 0, "b": 1, "c": 2, "d": 2},
-               "flat": {"a": 0, "b": 1, "c": 2}}
+               "flat": {"a": 0, "b": 1, "c": 2}, "shared": {"a": 0, "scale": 0, "b": 1, "c": 2}}
 LAYERS = {
     "mlp": [["input_1", "_0", "_1"], ["_2", "_3"], ["_4"]],
     "skip": [["x", "a", "tanh"], ["b", "tanh_1"], ["c", "add", "d"]],
     # An int (size) crosses both cuts, relayed through stage 1.
     "flat": [["x", "size", "a", "tanh"], ["view", "reshape", "b", "tanh_1"], ["c", "mul", "add", "mul_1"]],
+    "shared": [["x", "a", "tanh", "mul"], ["b", "tanh_1"], ["mul_1", "c"]],
 }
 
 
@@ -129,6 +151,7 @@ SCENARIOS: dict[str, dict] = {
     "flush_skip": dict(model="skip", kind="flush", m=2, n=3),
     "gpipe_skip": dict(model="skip", kind="gpipe", m=2, n=3),
     "flush_int_cut": dict(model="flat", kind="flush", m=2, n=3),
+    "flush_shared_param": dict(model="shared", kind="flush", m=2, n=3),
     # Planned from a real profile: buffers read via get_attr, ints and several tensors per cut.
     "flush_transformer": dict(model="transformer", kind="flush", m=2, n=2, plan="profiled"),
     "flush_partial_adam": dict(model="mlp", kind="flush", m=3, n=3, last=5, opt="adam"),
@@ -256,7 +279,8 @@ def differs(got: dict, want: dict) -> float:
 
 
 # --------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("name", ["flush_mlp", "gpipe_mlp", "flush_skip", "gpipe_skip", "flush_int_cut"])
+@pytest.mark.parametrize("name", ["flush_mlp", "gpipe_mlp", "flush_skip", "gpipe_skip", "flush_int_cut",
+                                  "flush_shared_param"])
 def test_flush_and_gpipe_equal_gradient_accumulation(results, name):
     sc = SCENARIOS[name]
     batches = data(sc["n"])
