@@ -176,3 +176,9 @@ def test_measured_loopback_bandwidth_is_positive():
     t = Topology.local(workers=2, measure=True)
     bw = t.levels[0].bandwidth_Bps
     assert 1e6 < bw < 1e12
+
+
+def test_memory_spec_is_exact_even_when_not_round():
+    t = Topology([Level(1, 1.0)], memory_bytes=1_000_000_000_001)
+    assert Topology.parse(t.to_spec()).memory_bytes == 1_000_000_000_001
+    assert Topology([Level(2, 1e9)], memory_bytes=16 * 10**9).to_spec() == "2:1GB/s@16GB"

@@ -118,10 +118,12 @@ def format_bandwidth(bps: float) -> str:
 
 
 def format_bytes(n: float) -> str:
-    """Human-readable bytes (decimal units), e.g. 16e9 → ``16GB``."""
+    """Shortest exact decimal spelling of a byte count, e.g. 16e9 → ``16GB`` (parses back exactly)."""
     for unit, factor in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= factor:
-            return f"{n / factor:.12g}{unit}"
+            text = f"{n / factor:.15g}"
+            if parse_bytes(text + unit) == n:
+                return f"{text}{unit}"
     return f"{int(n)}B"
 
 
