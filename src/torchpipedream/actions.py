@@ -25,12 +25,12 @@ for AR and U. ``version`` for F/B is the number of optimizer steps the weights u
 from __future__ import annotations
 
 import enum
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .jsonio import read_json, write_json
 from .plan import Plan
 
 __all__ = ["Kind", "Action", "Schedule", "ScheduleFormatError", "parse_action"]
@@ -178,15 +178,8 @@ class Schedule:
             raise ScheduleFormatError(f"{source}: {exc}") from None
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "Schedule":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ScheduleFormatError(f"{path}: no such file") from None
-        except json.JSONDecodeError as exc:
-            raise ScheduleFormatError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json(path, ScheduleFormatError), source=str(path))

@@ -10,11 +10,12 @@ replicas processes every r-th minibatch).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .jsonio import read_json, write_json
 
 __all__ = ["Stage", "Plan", "PlanError", "SCHEDULE_KINDS", "PLAN_FORMAT_VERSION"]
 
@@ -232,18 +233,11 @@ class Plan:
         return plan
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        path = Path(path)
-        if not path.exists():
-            raise PlanError(f"{path}: no such file")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json(path, PlanError), source=str(path))
 
     def table(self) -> str:
         """A human-readable table of the stages and a summary line (what `torchpipedream plan` prints)."""

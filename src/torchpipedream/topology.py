@@ -349,14 +349,9 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
-        path = Path(path)
-        if not path.exists():
-            raise TopologyError(f"{path}: no such file")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise TopologyError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
-        return cls.from_dict(data, source=str(path))
+        from .jsonio import read_json
+
+        return cls.from_dict(read_json(path, TopologyError), source=str(path))
 
     @classmethod
     def from_any(cls, spec: "str | Path | Topology") -> "Topology":

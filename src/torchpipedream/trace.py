@@ -221,14 +221,9 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise TraceFormatError(f"{path}: no such file") from None
-        except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
-        return cls.from_dict(data, source=str(path))
+        from .jsonio import read_json
+
+        return cls.from_dict(read_json(path, TraceFormatError), source=str(path))
 
     # ------------------------------------------------------------------ Chrome
     def to_chrome_dict(self) -> dict[str, Any]:
