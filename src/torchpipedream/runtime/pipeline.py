@@ -149,7 +149,8 @@ class Pipeline:
                 group = dist.new_group(st.ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
                 if s == self.stage:
                     self._ar_group = group
-        self.weights = WeightVersions(self.module, optimizer, loss_reduction, replicated=self._ar_group is not None)
+        self.weights = WeightVersions(self.module, self._guard_optimizer(optimizer), loss_reduction,
+                                      replicated=self._ar_group is not None)
         n = plan.num_stages
         self.engine = Engine(
             self.rank, self.stage, self.replica, self.module,
@@ -162,6 +163,8 @@ class Pipeline:
         self._events: list[Any] = []
         self.last_schedule: Schedule | None = None
         self.history: list[float] = []
+        self.epochs_done = 0  # data position, saved in checkpoints: epochs finished by fit
+        self.minibatches_done = 0  # minibatches trained in total (train_step and fit)
 
     # ------------------------------------------------------------------ setup
     def _ensure_process_group(self, workers: int) -> bool:
@@ -176,6 +179,24 @@ class Pipeline:
             f"the plan needs {workers} processes but no process group is set up: run the script with "
             f"`torchrun --nproc-per-node {workers} script.py` or through torchpipedream.launch(fn, {workers})"
         )
+
+    def _guard_optimizer(self, factory: OptimizerFactory) -> OptimizerFactory:
+        """The user's factory, with its failure (or a non-optimizer result) named by stage."""
+        where = self._describe(self.rank)
+
+        def build(params: Any) -> torch.optim.Optimizer:
+            try:
+                opt = factory(params)
+            except Exception as exc:
+                raise PipelineError(
+                    f"{where}: the optimizer factory raised {type(exc).__name__}: {exc} "
+                    "(it is called with this stage's parameters, e.g. `lambda params: torch.optim.SGD(params, lr=0.1)`)"
+                ) from exc
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise PipelineError(f"{where}: the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+            return opt
+
+        return build
 
     def _describe(self, rank: int) -> str:
         s, q = self.plan.stage_of_rank(rank)
@@ -307,6 +328,7 @@ class Pipeline:
         rows = self._run(self.schedule_for(len(batches)), iter(batches), train=True)
         losses = [r[0] for r in rows]
         self.history.extend(losses)
+        self.minibatches_done += len(batches)
         return losses if isinstance(batch, list) else losses[0]
 
     def fit(self, loader: Iterable[Any], epochs: int = 1) -> list[float]:
@@ -325,6 +347,8 @@ class Pipeline:
             rows = self._run(self.schedule_for(n), iter(loader) if self.stage == 0 else None, train=True)
             losses = [r[0] for r in rows]
             self.history.extend(losses)
+            self.minibatches_done += n
+            self.epochs_done += 1
             out.append(sum(losses) / len(losses))
         return out
 
@@ -370,6 +394,27 @@ class Pipeline:
         for p in parts:
             full.update(p)
         return full
+
+    def save_checkpoint(self, directory: str | os.PathLike[str], **extra: Any) -> Any:
+        """Write an exact checkpoint into ``directory`` (collective; between schedules).
+
+        Each stage's file (weights, optimizer state, version, data position, RNG) is written
+        atomically, then rank 0 writes a manifest with every file's sha256 last. ``extra``
+        (picklable) comes back from :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
+        """
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, **extra)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore this pipeline from a verified checkpoint (collective); returns its ``extra``.
+
+        Raises CheckpointError (same message on every rank) for a missing manifest, a
+        corrupted or truncated file, or a checkpoint of another model, plan or world size.
+        """
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory)
 
     def trace(self, dst: int | None = 0) -> Trace | None:
         """The measured trace of the last schedule run, all ranks' events (collective)."""

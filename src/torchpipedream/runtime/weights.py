@@ -244,6 +244,29 @@ class WeightVersions:
         self.max_versions_alive = max(self.max_versions_alive, len(self._views) + 1)
         return copied
 
+    def boundary_state(self) -> dict[str, object]:
+        """The state a checkpoint needs at a schedule boundary: version counter and optimizer.
+
+        Between schedules nothing is in flight (every F has had its B and U), so no stashed
+        version is still needed and no gradient is pending; asserted here, because a
+        checkpoint taken mid-schedule would silently drop the stashes.
+        """
+        live = [v for v in self._views if v != self.version]
+        if live or self._samples or any(g is not None for g in self._pending):
+            raise RuntimeError(
+                f"checkpoint requested mid-schedule (stashed versions {live}, {self._samples:g} samples of "
+                "unapplied gradient): save only after train_step/fit returned"
+            )
+        return {"version": self.version,
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+
+    def restore_boundary_state(self, state: dict[str, object]) -> None:
+        """Inverse of :meth:`boundary_state` (the weights themselves are loaded into the module)."""
+        self.reset_versions()
+        self.version = int(state["version"])  # type: ignore[call-overload]
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+
     def reset_versions(self) -> None:
         """Forget stashes (between schedules: everything in flight has finished)."""
         for version in [v for v in self._views if v != self.version]:
