@@ -69,3 +69,50 @@ def test_more_stages_than_layers_is_refused(tmp_path: Path, capsys) -> None:
                "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "40 stages requested but the graph has only" in err and "Traceback" not in err
+
+
+def _weights(out: Path) -> dict:
+    return torch.load(out / "checkpoint.pt", weights_only=False)["state_dict"]
+
+
+@pytest.mark.timeout(300)
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    """4 epochs straight equal 2 epochs + --resume to 4 (same plan file, per-epoch checkpoints)."""
+    from torchpipedream.runtime import latest_checkpoint
+    from torchpipedream.train import TrainConfig, TrainError, run
+
+    common = dict(model="mlp", schedule="pipedream", workers=2, batch_size=16, lr=0.05, optimizer="momentum",
+                  max_minibatches=4, progress=False, timeout_s=60.0)
+    names = _mlp_layer_names()  # one plan file for both runs: re-planning from a noisy profile could differ
+    plan = Plan.straight([names[: len(names) // 2], names[len(names) // 2:]], schedule="pipedream")
+    plan.save(tmp_path / "plan.json")
+    common["plan_file"] = str(tmp_path / "plan.json")
+    straight_run = run(TrainConfig(epochs=4, out=str(tmp_path / "a"), **common))
+    run(TrainConfig(epochs=2, out=str(tmp_path / "b"), **common))
+    assert latest_checkpoint(tmp_path / "b" / "checkpoints") == tmp_path / "b" / "checkpoints" / "epoch_2"
+    with pytest.raises(TrainError, match="already at epoch 2 of --epochs 2"):
+        run(TrainConfig(epochs=2, out=str(tmp_path / "b"), resume=True, **common))
+    with pytest.raises(TrainError, match="other options: --lr 0.05"):
+        run(TrainConfig(epochs=4, out=str(tmp_path / "b"), resume=True, **{**common, "lr": 0.1}))
+    resumed = run(TrainConfig(epochs=4, out=str(tmp_path / "b"), resume=True, **common))
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [r["train_loss"] for r in resumed["history"]] == [r["train_loss"] for r in straight_run["history"]]
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == [f"epoch_{i}" for i in (1, 2, 3, 4)]
+
+
+def _mlp_layer_names() -> list[str]:
+    from torchpipedream.profiler import profile
+    from torchpipedream.train import TrainConfig, build_model, load_data, loss_for
+
+    cfg = TrainConfig(model="mlp")
+    x, y, _, _ = load_data(cfg)
+    return profile(build_model(cfg), x[:4], loss_fn=loss_for(cfg), target=y[:4], name="mlp").names
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
+    rc = main(["train", "--model", "mlp", "--workers", "2", "--out", str(tmp_path / "x"), "--resume", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--resume: no complete checkpoint in" in err and "Traceback" not in err

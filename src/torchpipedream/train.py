@@ -59,6 +59,7 @@ class TrainConfig:
     vertical_sync: bool = False
     progress: bool = True
     max_minibatches: int | None = None  # per epoch, for quick runs and tests
+    resume: bool = False  # continue from the newest verified checkpoint in OUT/checkpoints
 
     def resolved_workers(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -73,6 +74,7 @@ class Prepared:
     graph: LayerGraph
     predicted: dict[str, float] = field(default_factory=dict)
     why: str = ""
+    resume_from: str | None = None  # checkpoint directory to load before training
 
 
 # ---------------------------------------------------------------------------- data and model
@@ -192,12 +194,19 @@ def prepare(cfg: TrainConfig) -> Prepared:
     from .topology import Topology
 
     _check_options(cfg)
+    resume_from, saved_plan = _resume_point(cfg) if cfg.resume else (None, None)
     workers = cfg.resolved_workers()
     model = build_model(cfg)
     x, y, _, _ = load_data(cfg)
     graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
                     name=cfg.model, optimizer=optimizer_factory(cfg))
-    if cfg.plan_file:
+    if saved_plan is not None:  # resume on the checkpoint's plan (re-planning could pick another)
+        try:
+            saved_plan.validate(layer_names=graph.names, world_size=workers)
+        except PlanError as exc:
+            raise TrainError(f"--resume: the checkpoint's plan {exc}") from None
+        plan = saved_plan
+    elif cfg.plan_file:
         plan = Plan.load(cfg.plan_file)
         try:
             plan.validate(layer_names=graph.names, world_size=workers)
@@ -222,7 +231,47 @@ def prepare(cfg: TrainConfig) -> Prepared:
         "steady_samples_per_s": (sim.steady_minibatches_per_s or 0.0) * cfg.batch_size,
         "bubble_fraction": sim.bubble_fraction,
     }
-    return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph))
+    return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph), resume_from=resume_from)
+
+
+# Options that may change between a run and its resumption (everything else must match).
+_RESUMABLE_CHANGES = {"epochs", "progress", "timeout_s", "resume", "out"}
+
+
+def checkpoint_dir(out: str | Path, epoch: int) -> Path:
+    """Where the workers write the checkpoint taken after ``epoch`` (1-based) epochs."""
+    return Path(out) / "checkpoints" / f"epoch_{epoch}"
+
+
+def _resume_point(cfg: TrainConfig) -> tuple[str, Plan]:
+    """The newest verified checkpoint in OUT/checkpoints and its plan, after checking that it
+    was written by a run with the same options and has epochs left to train."""
+    from .runtime.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+
+    root = Path(cfg.out) / "checkpoints"
+    found = latest_checkpoint(root)
+    if found is None:
+        raise TrainError(
+            f"--resume: no complete checkpoint in {root} (incomplete or corrupted ones are skipped); "
+            "run without --resume to start from scratch"
+        )
+    try:
+        manifest = read_manifest(found)
+        extra = torch.load(found / "extra.pt", map_location="cpu", weights_only=False)
+    except (CheckpointError, OSError) as exc:
+        raise TrainError(f"--resume: {exc}") from None
+    saved = extra.get("config", {}) if isinstance(extra, dict) else {}
+    mine = asdict(cfg)
+    differ = sorted(k for k in mine if k not in _RESUMABLE_CHANGES and saved.get(k) != mine[k])
+    if differ:
+        shown = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} (now {mine[k]!r})" for k in differ)
+        raise TrainError(f"--resume: the checkpoint {found} was written with other options: {shown}; "
+                         "resume with the same options (only --epochs, --timeout and progress may change)")
+    done = int(extra.get("epoch", 0))
+    if done >= cfg.epochs:
+        raise TrainError(f"--resume: the checkpoint {found} is already at epoch {done} of --epochs {cfg.epochs}; "
+                         "raise --epochs to train further")
+    return str(found), Plan.from_dict(manifest["plan"], source=str(found / "manifest.json"))
 
 
 def _microbatches(cfg: TrainConfig) -> int:
@@ -248,9 +297,15 @@ def _worker(rank: int, prep: Prepared) -> dict[str, Any] | None:
         n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
         bar = tqdm(total=cfg.epochs * n, unit="mb", desc=f"train {cfg.model} [{prep.plan.summary}, {cfg.schedule}]",
                    dynamic_ncols=True)
-    history = []
+    history: list[dict[str, Any]] = []
+    start = 0
+    if prep.resume_from is not None:
+        extra = pipe.load_checkpoint(prep.resume_from)  # collective; verified on every rank
+        start, history = int(extra["epoch"]), list(extra["history"])
+        if bar is not None:
+            bar.update(start * bar.total // cfg.epochs)
     trace = None
-    for epoch in range(cfg.epochs):
+    for epoch in range(start, cfg.epochs):
         batches = _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch)
         t0 = time.perf_counter()
         loss = pipe.fit(batches, epochs=1)[0]
@@ -263,6 +318,9 @@ def _worker(rank: int, prep: Prepared) -> dict[str, Any] | None:
                "test_accuracy": metrics["accuracy"], "seconds": seconds, "minibatches": len(batches),
                "samples_per_s": samples / seconds}
         history.append(row)
+        # Collective, after the schedule returned: nothing in flight; exact to resume from.
+        pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch + 1), epoch=epoch + 1, history=history,
+                             config=asdict(cfg))
         if bar is not None:
             bar.update(len(batches))
             acc = row["test_accuracy"]

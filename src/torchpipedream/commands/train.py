@@ -10,7 +10,8 @@ from ..plan import SCHEDULE_KINDS
 _EPILOG = """\
 With no options: the default CNN on scikit-learn's digits, one worker per core, PipeDream's
 1F1B schedule with weight stashing. Outputs (plan, profile, measured timeline picture, Chrome
-trace, checkpoint, report.json) go to --out. Under torchrun the same command runs one worker per
+trace, checkpoint, report.json) go to --out; after every epoch the workers write an exact
+checkpoint into OUT/checkpoints/epoch_N/, and --resume continues from the newest complete one. Under torchrun the same command runs one worker per
 process: torchrun --nproc-per-node 4 -m torchpipedream train --model cnn
 """
 
@@ -50,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
                    help="seconds any worker waits for a peer before failing (default: %(default)s)")
     p.add_argument("--max-minibatches", type=int, default=None, help="cap minibatches per epoch (quick runs)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete, verified checkpoint in OUT/checkpoints (written after "
+                        "every epoch), with the same options; --epochs is the total to reach")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(handler=_handle)
 
