@@ -210,3 +210,21 @@ def test_checkpoint_of_another_plan_or_world_size_is_refused(tmp_path, runs):
     for k, v in pipe.stage_state_dict().items():
         assert torch.equal(again.stage_state_dict()[k], v)
     assert again.weights.version == pipe.weights.version == 2
+
+
+def test_unpicklable_extra_and_mid_schedule_save_are_refused(tmp_path):
+    pipe = _single(2)
+    pipe.train_step(data(1))
+    with pytest.raises(CheckpointError, match=r"rank 0: cannot write its checkpoint file .*PicklingError|AttributeError"):
+        pipe.save_checkpoint(tmp_path / "bad", fn=lambda: 0)
+    assert latest_checkpoint(tmp_path) is None  # no manifest: not a checkpoint
+    # A stash still alive (what a save in the middle of a pipedream schedule would meet).
+    w = pipe.weights
+    w.expect({w.version: 1})
+    w.tensors(w.version)
+    w.accumulate([torch.ones_like(p) for p in w.params], samples=1)
+    w.step()  # version still needed: copy on update, the old version stays stashed
+    with pytest.raises(RuntimeError, match="mid-schedule"):
+        w.boundary_state()
+    with pytest.raises(CheckpointError, match="mid-schedule"):
+        pipe.save_checkpoint(tmp_path / "mid")

@@ -169,18 +169,23 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    candidates = [root] + sorted(p for p in root.iterdir() if p.is_dir())
-    found: list[tuple[float, str, Path]] = []
-    for d in candidates:
-        if not (d / MANIFEST).is_file():
-            continue
+    candidates: list[tuple[float, str, Path]] = []
+    for d in [root] + sorted(p for p in root.iterdir() if p.is_dir()):
         try:
-            manifest = verify_checkpoint(d)
+            manifest = read_manifest(d) if (d / MANIFEST).is_file() else None
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s", d, exc)
             continue
-        found.append((float(manifest.get("created_unix", 0.0)), d.name, d))
-    return max(found)[2] if found else None
+        if manifest is not None:
+            candidates.append((float(manifest.get("created_unix", 0.0)), d.name, d))
+    for _, _, d in sorted(candidates, reverse=True):  # newest first; verify only until one passes
+        try:
+            verify_checkpoint(d)
+        except (CheckpointError, KeyError, TypeError) as exc:
+            log.warning("skipping checkpoint %s: %s", d, exc)
+            continue
+        return d
+    return None
 
 
 def _plan_layout(pipe: "Pipeline") -> list[dict[str, Any]]:
@@ -282,7 +287,7 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
             data = _serialize(extra)
             _write_atomic(directory / "extra.pt", data)
             entries.append(_file_entry("extra.pt", data))
-    except (OSError, RuntimeError, TypeError, AttributeError, ValueError) as exc:
+    except Exception as exc:  # any failure (I/O, mid-schedule, unpicklable extra) must reach every rank
         error = f"rank {pipe.rank}: cannot write its checkpoint file into {directory}: {type(exc).__name__}: {exc}"
     _agree(pipe, error)
 
@@ -309,8 +314,8 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
                 "files": [e for p in parts for e in p],
             }
             _write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-        except OSError as exc:
-            error = f"cannot write the checkpoint manifest {directory / MANIFEST}: {exc}"
+        except Exception as exc:
+            error = f"cannot write the checkpoint manifest {directory / MANIFEST}: {type(exc).__name__}: {exc}"
     _agree(pipe, error)  # nobody returns before the manifest exists
     log.info("rank %d: checkpoint %s written", pipe.rank, directory)
     return directory
@@ -354,7 +359,7 @@ def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
                 )
     except CheckpointError as exc:
         error = str(exc)
-    except (OSError, KeyError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # a malformed manifest or file: refuse on every rank, never hang
         error = f"checkpoint {directory} cannot be used: {type(exc).__name__}: {exc}"
     _agree(pipe, error)
 
