@@ -96,6 +96,11 @@ class WeightVersions:
 
     def tensors(self, version: int) -> dict[str, torch.Tensor]:
         """The parameter tensors of ``version`` (leaf aliases with ``requires_grad``)."""
+        if not self.params:
+            # A stage without trainable weights (say ReLU, pooling, flatten) has one, empty,
+            # set of weights for every version. Its steps keep no stash, so an older version
+            # named by vertical sync or 2BW would otherwise look like a missing stash.
+            return {}
         views = self._views.get(version)
         if views is None:
             if version != self.version:
