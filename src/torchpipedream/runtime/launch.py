@@ -54,6 +54,11 @@ def _worker(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: in
         except BaseException as exc:
             raise RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
         torch.save(result, Path(outdir) / f"result_{rank}.pt")
+        # Tear down together: a rank that destroys its process group while a peer still has
+        # gloo work in flight can abort the peer ("terminate called without an active
+        # exception", seen intermittently at the end of benchmark runs). A rank that failed
+        # skips this; the launcher kills the others.
+        dist.barrier()
     finally:
         try:
             dist.destroy_process_group()
