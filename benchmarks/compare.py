@@ -169,7 +169,13 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
         add(f"torch.pipelining {s}", res)
     for s in TPD_SCHEDULES:
         plan, predicted = plan_for(work, procs, s, microbatches)
-        res = launch(_tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, timeout_s=900)
+        try:
+            res = launch(_tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, timeout_s=900)
+        except Exception as exc:  # reported as a failed row: the table must show it, not hide it
+            print(f"  {work.name:<15} torchpipedream {s}: FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
+            rows.append({"model": work.name, "row": f"torchpipedream {s}", "samples_per_s": 0.0, "failed": str(exc)[:500],
+                         "predicted_samples_per_s": predicted, "plan": plan.summary, "peak_rss_mb": []})
+            continue
         add(f"torchpipedream {s}", res, predicted, plan.summary)
     ddp = next(r["samples_per_s"] for r in rows if r["row"] == "torch DDP")
     single1 = rows[0]["samples_per_s"]
