@@ -87,8 +87,20 @@ def ddp(cfg: TrainConfig, workers: int = 2) -> list[dict]:
     return launch(_ddp_worker, workers, cfg, timeout_s=900)
 
 
-def pipeline(cfg: TrainConfig, stages: int, **method) -> list[dict]:
-    run_cfg = replace(cfg, workers=stages, stages=stages, straight=True, progress=False,
+def fixed_plan(cfg: TrainConfig, stages: int, path: Path) -> str:
+    """Plan once and reuse the file: every pipeline method and seed then cuts the model at the
+    same places (a fresh profile per run can move a cut, and an asynchronous schedule's result
+    depends on where the cuts are)."""
+    from torchpipedream.train import prepare
+
+    prep = prepare(replace(cfg, workers=stages, stages=stages, straight=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prep.plan.save(path)
+    return str(path)
+
+
+def pipeline(cfg: TrainConfig, stages: int, plan_file: str, **method) -> list[dict]:
+    run_cfg = replace(cfg, workers=stages, plan_file=plan_file, progress=False,
                       out=f"/tmp/tpd_stateff/{os.getpid()}", **method)
     report = run(run_cfg)
     clock, out = 0.0, []
@@ -124,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.epochs = 1, 3
     methods = args.methods.split(",")
     results: dict[str, list[list[dict]]] = {m: [] for m in methods}
+    plan_file = fixed_plan(TrainConfig(optimizer=args.optimizer, lr=args.lr), args.stages,
+                           Path(f"{args.out}.plan.json"))
     for seed in range(args.seeds):
         cfg = TrainConfig(epochs=args.epochs, seed=seed, lr=args.lr, optimizer=args.optimizer,
                           max_minibatches=10 if args.quick else None, progress=False, timeout_s=120)
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             elif m == "ddp":
                 hist = ddp(cfg)
             else:
-                hist = pipeline(cfg, args.stages, **PIPELINE_METHODS[m])
+                hist = pipeline(cfg, args.stages, plan_file, **PIPELINE_METHODS[m])
             results[m].append(hist)
             print(f"seed {seed} {m:<16} final acc {hist[-1]['test_accuracy']:.4f}  "
                   f"epochs to {args.target:.0%}: {epochs_to(hist, args.target)}  ({time.perf_counter() - t0:.0f} s)",
