@@ -34,7 +34,17 @@ class Workload:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MiB (Linux reports KiB)."""
+    """Peak resident set size of this process in MiB.
+
+    Read from /proc/self/status (VmHWM), which starts afresh in a spawned worker; getrusage's
+    ru_maxrss survives exec on Linux, so a spawned worker would report its parent's peak.
+    """
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
