@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -41,10 +42,13 @@ def _evaluate(model: torch.nn.Module, xt: torch.Tensor, yt: torch.Tensor) -> flo
         return (model(xt).argmax(-1) == yt).float().mean().item()
 
 
-def single_process(cfg: TrainConfig) -> list[dict]:
-    """Plain training in one process: the reference every method is held against."""
-    torch.set_num_threads(1)
-    model = build_model(cfg)
+def _train_epochs(cfg: TrainConfig, model: torch.nn.Module, eval_model: torch.nn.Module,
+                  part: Callable[[int], slice | torch.Tensor], loss_weight: Callable[[int], float]) -> list[dict]:
+    """The reference training loop shared by the single process and each DDP rank.
+
+    ``part(n)`` selects this process's samples of a minibatch of n; ``loss_weight(n)`` scales
+    its mean loss so that the applied gradient is the mean over the whole minibatch.
+    """
     opt = optimizer_factory(cfg)(model.parameters())
     loss_fn = loss_for(cfg)
     x, y, xt, yt = load_data(cfg)
@@ -52,12 +56,20 @@ def single_process(cfg: TrainConfig) -> list[dict]:
     for epoch in range(cfg.epochs):
         t0 = time.perf_counter()
         for xb, yb in _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch):
+            mine = part(len(xb))
             opt.zero_grad(set_to_none=True)
-            loss_fn(model(xb), yb).backward()
+            (loss_fn(model(xb[mine]), yb[mine]) * loss_weight(len(xb))).backward()
             opt.step()
         clock += time.perf_counter() - t0
-        history.append({"epoch": epoch + 1, "seconds": clock, "test_accuracy": _evaluate(model, xt, yt)})
+        history.append({"epoch": epoch + 1, "seconds": clock, "test_accuracy": _evaluate(eval_model, xt, yt)})
     return history
+
+
+def single_process(cfg: TrainConfig) -> list[dict]:
+    """Plain training in one process: the reference every method is held against."""
+    torch.set_num_threads(1)
+    model = build_model(cfg)
+    return _train_epochs(cfg, model, model, lambda n: slice(0, n), lambda n: 1.0)
 
 
 def _ddp_worker(rank: int, cfg: TrainConfig) -> list[dict] | None:
@@ -66,20 +78,10 @@ def _ddp_worker(rank: int, cfg: TrainConfig) -> list[dict] | None:
 
     world = dist.get_world_size()
     model = DDP(build_model(cfg))
-    opt = optimizer_factory(cfg)(model.parameters())
-    loss_fn = loss_for(cfg)
-    x, y, xt, yt = load_data(cfg)
-    history, clock = [], 0.0
-    for epoch in range(cfg.epochs):
-        t0 = time.perf_counter()
-        for xb, yb in _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch):
-            part = torch.tensor_split(torch.arange(len(xb)), world)[rank]
-            opt.zero_grad(set_to_none=True)
-            # DDP averages gradients over ranks: weight each rank's mean loss by its share of the batch
-            (loss_fn(model(xb[part]), yb[part]) * (len(part) * world / len(xb))).backward()
-            opt.step()
-        clock += time.perf_counter() - t0
-        history.append({"epoch": epoch + 1, "seconds": clock, "test_accuracy": _evaluate(model.module, xt, yt)})
+    # DDP averages gradients over ranks: weight each rank's mean loss by its share of the batch
+    history = _train_epochs(cfg, model, model.module,
+                            lambda n: torch.tensor_split(torch.arange(n), world)[rank],
+                            lambda n: len(torch.tensor_split(torch.arange(n), world)[rank]) * world / n)
     return history if rank == 0 else None
 
 
