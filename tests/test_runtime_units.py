@@ -163,6 +163,20 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+def _plain_training(batches, make_optimizer):
+    """The independent reference: the same MLP trained in one process, one step per minibatch."""
+    ref = _mlp()
+    opt = make_optimizer(ref.parameters())
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return ref, losses
+
+
 def _data(sizes):
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(b, 4, generator=g), torch.randint(0, 3, (b,), generator=g)) for b in sizes]
@@ -174,15 +188,7 @@ def test_single_worker_flush_equals_plain_training_with_partial_batch():
     pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5),
                     loss_fn=nn.CrossEntropyLoss())
     losses = pipe.train_step(batches)
-    ref = _mlp()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=0.5)
-    ref_losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref, ref_losses = _plain_training(batches, lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5))
     assert losses == pytest.approx(ref_losses, abs=1e-6)
     got = pipe.state_dict()
     for k, v in ref.state_dict().items():
@@ -201,15 +207,7 @@ def test_minibatch_smaller_than_microbatches_leaves_empty_microbatches():
     plan = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="gpipe", microbatches=4)
     pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.3), loss_fn=nn.CrossEntropyLoss())
     losses = pipe.train_step(batches)
-    ref = _mlp()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.3)
-    ref_losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(ref(x), y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+    ref, ref_losses = _plain_training(batches, lambda p: torch.optim.SGD(p, lr=0.3))
     assert losses == pytest.approx(ref_losses, abs=1e-6)
     got = pipe.state_dict()
     for k, v in ref.state_dict().items():
