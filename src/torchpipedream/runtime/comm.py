@@ -257,14 +257,18 @@ class P2P:
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, work: Any, what: str, peer: int) -> None:
+        self._wait_or_raise(
+            work,
+            f"{self.describe(self.rank)} waited more than {self.timeout_s:g} s for {what} from {self.describe(peer)}",
+            "; is that rank alive and running the same schedule?",
+        )
+
+    def _wait_or_raise(self, work: Any, failure: str, advice: str = "") -> None:
+        """Wait for ``work`` within the deadline, else raise CommTimeout with ``failure`` and the cause."""
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            raise CommTimeout(
-                f"{self.describe(self.rank)} waited more than {self.timeout_s:g} s for {what} "
-                f"from {self.describe(peer)} "
-                f"({str(exc).splitlines()[0][:200]}); is that rank alive and running the same schedule?"
-            ) from None
+            raise CommTimeout(f"{failure} ({str(exc).splitlines()[0][:200]}){advice}") from None
 
     # ------------------------------------------------------------------ progress
     def pump(self) -> None:
@@ -388,13 +392,8 @@ class P2P:
     def finish(self) -> None:
         """Wait for every outstanding send (call at the end of a schedule)."""
         for work, _, what in self._sends:
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as exc:
-                raise CommTimeout(
-                    f"{self.describe(self.rank)}: sending {what} did not complete within {self.timeout_s:g} s "
-                    f"({str(exc).splitlines()[0][:200]})"
-                ) from None
+            self._wait_or_raise(
+                work, f"{self.describe(self.rank)}: sending {what} did not complete within {self.timeout_s:g} s")
         self._sends = []
         leftover = {p: len(q) for p, q in self._act_posted.items() if q}
         if leftover:
