@@ -7,9 +7,10 @@ Import cost: this package imports torch (unlike the graph, planner and schedule 
 from __future__ import annotations
 
 from .checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
+from .failures import PipelineFailure
 from .launch import LaunchError, launch
 from .pipeline import Pipeline, PipelineError, forward_only
 from .stage_split import StageSplitError, split_stages
 
 __all__ = ["Pipeline", "PipelineError", "launch", "LaunchError", "split_stages", "StageSplitError", "forward_only",
-           "CheckpointError", "latest_checkpoint", "verify_checkpoint"]
+           "CheckpointError", "latest_checkpoint", "verify_checkpoint", "PipelineFailure"]

@@ -36,6 +36,7 @@ import collections
 import datetime
 import logging
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,7 +66,17 @@ class CommError(RuntimeError):
 
 
 class CommTimeout(CommError):
-    """A blocking wait passed its deadline; the message names the peer rank and stage."""
+    """A blocking wait failed: it passed its deadline, or the peer's connection closed first.
+
+    The message names the peer rank and stage; ``peer`` is that rank (None when the wait was
+    not on one peer) and ``closed`` tells whether the wait ended early (the connection
+    closed or broke) rather than at the deadline.
+    """
+
+    def __init__(self, message: str, peer: int | None = None, closed: bool = False) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.closed = closed
 
 
 # Python values that may cross a cut travel inside the header (no payload message).
@@ -250,7 +261,7 @@ class P2P:
         self._act_posted: dict[int, collections.deque[_ActRecv]] = {p: collections.deque() for p in act_order}
         self._grad_posted: dict[int, collections.deque[_GradRecv]] = {p: collections.deque() for p in grad_order}
         self._grad_meta: dict[int, list[TensorMeta]] = {}
-        self._sends: list[tuple[Any, Any, str]] = []
+        self._sends: list[tuple[Any, Any, str, int]] = []  # (work, tensor kept alive, what, peer)
         self._sizes = sizes if sizes is not None else {}
         self.resizes = 0  # resize messages sent (for tests and reports)
         self.pump()
@@ -261,14 +272,26 @@ class P2P:
             work,
             f"{self.describe(self.rank)} waited more than {self.timeout_s:g} s for {what} from {self.describe(peer)}",
             "; is that rank alive and running the same schedule?",
+            peer=peer,
+            closed=f"{self.describe(self.rank)} lost the connection to {self.describe(peer)} while waiting for {what}",
         )
 
-    def _wait_or_raise(self, work: Any, failure: str, advice: str = "") -> None:
-        """Wait for ``work`` within the deadline, else raise CommTimeout with ``failure`` and the cause."""
+    def _wait_or_raise(self, work: Any, failure: str, advice: str = "", peer: int | None = None,
+                       closed: str | None = None) -> None:
+        """Wait for ``work`` within the deadline, else raise CommTimeout with ``failure`` and the cause.
+
+        A wait that fails well before its deadline did not time out: the peer's connection
+        closed (the process died or gave up); then the message says so (``closed``).
+        """
+        start = time.monotonic()
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            raise CommTimeout(f"{failure} ({str(exc).splitlines()[0][:200]}){advice}") from None
+            cause = str(exc).splitlines()[0][:200]
+            early = time.monotonic() - start < 0.9 * self.timeout_s
+            if early and closed is not None:
+                raise CommTimeout(f"{closed} after {time.monotonic() - start:.2f} s ({cause})", peer, True) from None
+            raise CommTimeout(f"{failure} ({cause}){advice}", peer, early) from None
 
     # ------------------------------------------------------------------ progress
     def pump(self) -> None:
@@ -322,10 +345,10 @@ class P2P:
         expected = self._sizes.get(("send", peer), INITIAL_BYTES)
         if buf.numel() != expected:
             note = _resize_message(expected, buf.numel(), self.device)
-            self._sends.append((dist.isend(note, dst=peer, tag=_TAG_ACT), note, "a shape message"))
+            self._sends.append((dist.isend(note, dst=peer, tag=_TAG_ACT), note, "a shape message", peer))
             self._sizes[("send", peer)] = buf.numel()
             self.resizes += 1
-        self._sends.append((dist.isend(buf, dst=peer, tag=_TAG_ACT), buf, f"activations of microbatch {mb}"))
+        self._sends.append((dist.isend(buf, dst=peer, tag=_TAG_ACT), buf, f"activations of microbatch {mb}", peer))
         self._grad_meta[mb] = [
             TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -364,7 +387,7 @@ class P2P:
         nbytes = 0
         for g in grads:
             data = g.detach().contiguous()
-            self._sends.append((dist.isend(data, dst=peer, tag=_TAG_GRAD), data, f"gradients of microbatch {mb}"))
+            self._sends.append((dist.isend(data, dst=peer, tag=_TAG_GRAD), data, f"gradients of microbatch {mb}", peer))
             nbytes += data.numel() * data.element_size()
         return nbytes
 
@@ -391,9 +414,12 @@ class P2P:
     # ------------------------------------------------------------------ end
     def finish(self) -> None:
         """Wait for every outstanding send (call at the end of a schedule)."""
-        for work, _, what in self._sends:
+        for work, _, what, peer in self._sends:
             self._wait_or_raise(
-                work, f"{self.describe(self.rank)}: sending {what} did not complete within {self.timeout_s:g} s")
+                work, f"{self.describe(self.rank)}: sending {what} to {self.describe(peer)} did not complete within "
+                f"{self.timeout_s:g} s", peer=peer,
+                closed=f"{self.describe(self.rank)} lost the connection to {self.describe(peer)} while sending {what}")
+
         self._sends = []
         leftover = {p: len(q) for p, q in self._act_posted.items() if q}
         if leftover:

@@ -7,7 +7,11 @@ GPU per worker). The same user function runs unchanged under ``torchrun``, where
 
 Results come back through files (``torch.save``), so tensors and plain objects both work. A
 worker's exception is re-raised in the parent as :class:`LaunchError` naming its rank, with
-its traceback; the other workers are killed. So are all of them when ``timeout_s`` passes.
+its traceback. When a worker fails, the others get ``failure_grace_s`` to stop on their own
+(a Pipeline's ranks do, in milliseconds: see ``runtime/failures.py``), then the rest are
+killed; the error reported is the root cause, a rank whose own code failed, rather than a
+rank that stopped because a peer failed (:class:`PipelineFailure`). All workers are killed
+when ``timeout_s`` passes.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ def _worker(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: in
         try:
             result = fn(rank, *args)
         except BaseException as exc:
-            raise RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+            text = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            kind = "consequence" if type(exc).__name__ == "PipelineFailure" else "cause"
+            (Path(outdir) / f"error_{rank}.{kind}.txt").write_text(text)
+            raise RuntimeError(text) from None
         torch.save(result, Path(outdir) / f"result_{rank}.pt")
         # Tear down together: a rank that destroys its process group while a peer still has
         # gloo work in flight can abort the peer ("terminate called without an active
@@ -66,6 +73,44 @@ def _worker(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: in
             pass
 
 
+def _wait_for_workers(processes: list[Any], deadline: float, grace_s: float) -> dict[int, int] | None:
+    """Wait until every worker exited, or until ``grace_s`` after the first failure.
+
+    Returns {rank: exit code} of the failed workers ({} when all succeeded), None on timeout.
+    """
+    first_failure = None
+    while True:
+        codes = [p.exitcode for p in processes]
+        failed = {r: c for r, c in enumerate(codes) if c not in (None, 0)}
+        if failed and first_failure is None:
+            first_failure = time.monotonic()
+        if all(c is not None for c in codes):
+            return failed
+        if first_failure is not None and time.monotonic() - first_failure > grace_s:
+            return failed
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
+def _root_cause(failed: dict[int, int], outdir: Path) -> str:
+    """The error to report: a rank whose own code failed, else one that died without a word
+    (killed), else the first rank that stopped because a peer failed."""
+    def text(rank: int, kind: str) -> str | None:
+        path = outdir / f"error_{rank}.{kind}.txt"
+        return path.read_text() if path.exists() else None
+
+    for rank in sorted(failed):
+        cause = text(rank, "cause")
+        if cause is not None:
+            return f"worker rank {rank} failed:\n{cause}"
+    for rank in sorted(failed):
+        if text(rank, "consequence") is None:
+            return f"worker rank {rank} exited with code {failed[rank]}"
+    rank = min(failed)
+    return f"worker rank {rank} failed:\n{text(rank, 'consequence')}"
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -75,6 +120,7 @@ def launch(
     comm_timeout_s: float | None = None,
     return_all: bool = False,
     threads: int = 1,
+    failure_grace_s: float = 5.0,
 ) -> Any:
     """Run ``fn(rank, *args)`` on ``nprocs`` local processes; return rank 0's result.
 
@@ -86,6 +132,8 @@ def launch(
         comm_timeout_s: the process group's timeout (default ``timeout_s``).
         return_all: return every rank's result as a list.
         threads: intra-op threads per worker.
+        failure_grace_s: after a worker fails, how long the others may take to stop on their
+            own before they are killed.
 
     Raises:
         LaunchError: a worker raised (the message names its rank and has its traceback) or
@@ -104,13 +152,11 @@ def launch(
         )
         deadline = time.monotonic() + timeout_s
         try:
-            while not ctx.join(timeout=min(1.0, max(0.01, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"the run did not finish within {timeout_s:g} s; all {nprocs} workers were killed")
-        except mp.ProcessRaisedException as exc:
-            raise LaunchError(f"worker rank {exc.error_index} failed:\n{exc}") from None
-        except mp.ProcessExitedException as exc:
-            raise LaunchError(f"worker rank {exc.error_index} exited with code {exc.exit_code}") from None
+            failed = _wait_for_workers(ctx.processes, deadline, failure_grace_s)
+            if failed is None:
+                raise LaunchError(f"the run did not finish within {timeout_s:g} s; all {nprocs} workers were killed")
+            if failed:
+                raise LaunchError(_root_cause(failed, Path(outdir)))
         finally:
             for p in ctx.processes:
                 if p.is_alive():

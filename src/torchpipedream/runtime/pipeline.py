@@ -28,6 +28,7 @@ samples (``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -43,10 +44,11 @@ from ..plan import Plan
 from ..trace import Trace
 from .comm import P2P
 from .engine import Engine, MicrobatchResult, as_tuple
+from .failures import FailureBoard, PipelineFailure, close_connections, install_fault, is_comm_failure
 from .stage_split import split_stages
 from .weights import OptimizerFactory, WeightVersions
 
-__all__ = ["Pipeline", "PipelineError", "forward_only"]
+__all__ = ["Pipeline", "PipelineError", "PipelineFailure", "forward_only"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,11 @@ class Pipeline:
         microbatches: per minibatch for 2bw/flush/gpipe (default ``plan.microbatches``).
         loss_reduction: "mean" or "sum" (what loss_fn returns; the update applies the same).
         vertical_sync: pipedream only: every stage uses the input stage's weight version.
-        timeout_s: deadline of every wait for a peer.
+        timeout_s: deadline of every wait for a peer (a hung-but-alive peer fails after it).
+        failure_timeout_s: deadline of each step of the failure path (posting to and reading
+            the failure board in the process group's store, closing connections): when a
+            peer dies, every rank raises within a few of these per pipeline hop, typically
+            milliseconds (see ``runtime/failures.py``).
         device: this rank's device (default: cuda:LOCAL_RANK with NCCL, else cpu).
         seed: seeds torch on this rank (seed + rank) for dropout and the like.
 
@@ -112,6 +118,7 @@ class Pipeline:
         timeout_s: float = 300.0,
         device: torch.device | str | None = None,
         seed: int | None = None,
+        failure_timeout_s: float = 10.0,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -126,6 +133,9 @@ class Pipeline:
         self.vertical_sync = vertical_sync
         self.loss_reduction = loss_reduction
         self.timeout_s = float(timeout_s)
+        if not failure_timeout_s > 0:
+            raise PipelineError(f"failure_timeout_s must be a positive number of seconds, got {failure_timeout_s!r}")
+        self.failure_timeout_s = float(failure_timeout_s)
         self.distributed = self._ensure_process_group(plan.num_workers)
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -165,6 +175,8 @@ class Pipeline:
         self.history: list[float] = []
         self.epochs_done = 0  # data position, saved in checkpoints: epochs finished by fit
         self.minibatches_done = 0  # minibatches trained in total (train_step and fit)
+        self._board = FailureBoard.for_process_group(self.failure_timeout_s) if self.distributed else None
+        install_fault(self)  # tests only: TORCHPIPEDREAM_FAULT (runtime/failures.py)
 
     # ------------------------------------------------------------------ setup
     def _ensure_process_group(self, workers: int) -> bool:
@@ -201,6 +213,48 @@ class Pipeline:
     def _describe(self, rank: int) -> str:
         s, q = self.plan.stage_of_rank(rank)
         return f"rank {rank} (stage {s}{f' replica {q}' if self.plan.stages[s].replicas > 1 else ''})"
+
+    @contextlib.contextmanager
+    def _failure_guard(self, what: str, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """Turn a failure during collective work into a clean stop on every rank.
+
+        This rank's own error is posted on the failure board and re-raised; a failed wait on
+        a peer becomes :class:`PipelineFailure` naming the first failure any rank reported.
+        Either way this rank closes its connections, so its peers stop waiting on it at once.
+        ``agreed`` errors are raised on every rank alike (a refused checkpoint) and pass through.
+        """
+        try:
+            yield
+        except BaseException as exc:
+            if (isinstance(exc, (PipelineFailure, GeneratorExit) + agreed) or not self.distributed
+                    or self.world_size == 1):
+                raise
+            failure = self._on_failure(exc, what)
+            if failure is None:
+                raise
+            raise failure from None
+
+    def _on_failure(self, exc: BaseException, what: str) -> PipelineFailure | None:
+        me = self._describe(self.rank)
+        text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        if not is_comm_failure(exc):
+            if self._board is not None:
+                self._board.post(f"{me} failed during {what}: {type(exc).__name__}: {text}")
+            log.error("%s failed during %s: %s: %s", me, what, type(exc).__name__, text)
+            close_connections(self.world_size, self.rank, self.failure_timeout_s)
+            return None
+        first = self._board.first() if self._board is not None else None
+        if first is None:  # nobody reported: the peer died without a word (killed) or hangs
+            peer = getattr(exc, "peer", None)
+            who = self._describe(peer) if isinstance(peer, int) else "a peer"
+            how = ("died or closed its connection" if getattr(exc, "closed", False)
+                   else f"did not respond within {self.timeout_s:g} s" if isinstance(peer, int)
+                   else "failed or closed its connection")
+            first = f"{who} {how} (seen by {me} during {what})"
+            if self._board is not None:
+                self._board.post(first)
+        close_connections(self.world_size, self.rank, self.failure_timeout_s)
+        return PipelineFailure(f"{me} stopped because the pipeline failed: {first}. This rank saw: {text}")
 
     def schedule_for(self, minibatches: int) -> Schedule:
         """The validated schedule covering ``minibatches`` minibatches (cached)."""
@@ -267,6 +321,10 @@ class Pipeline:
     # ------------------------------------------------------------------ running
     def _run(self, sched: Schedule, batches: Iterator[Any] | None, train: bool) -> list[tuple[float, int, int]]:
         """Run one schedule; per minibatch (reduced loss, samples, correct) on every rank."""
+        with self._failure_guard("training" if train else "evaluation"):
+            return self._run_schedule(sched, batches, train)
+
+    def _run_schedule(self, sched: Schedule, batches: Iterator[Any] | None, train: bool) -> list[tuple[float, int, int]]:
         n_mb, m = sched.minibatches, sched.microbatches
         actions = sched.actions[self.rank] if train else forward_only(sched)[self.rank]
         base = self.weights.version
@@ -402,9 +460,10 @@ class Pipeline:
         atomically, then rank 0 writes a manifest with every file's sha256 last. ``extra``
         (picklable) comes back from :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
         """
-        from .checkpoint import save_checkpoint
+        from .checkpoint import CheckpointError, save_checkpoint
 
-        return save_checkpoint(self, directory, **extra)
+        with self._failure_guard("saving a checkpoint", agreed=(CheckpointError,)):
+            return save_checkpoint(self, directory, **extra)
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore this pipeline from a verified checkpoint (collective); returns its ``extra``.
@@ -412,9 +471,10 @@ class Pipeline:
         Raises CheckpointError (same message on every rank) for a missing manifest, a
         corrupted or truncated file, or a checkpoint of another model, plan or world size.
         """
-        from .checkpoint import load_checkpoint
+        from .checkpoint import CheckpointError, load_checkpoint
 
-        return load_checkpoint(self, directory)
+        with self._failure_guard("loading a checkpoint", agreed=(CheckpointError,)):
+            return load_checkpoint(self, directory)
 
     def trace(self, dst: int | None = 0) -> Trace | None:
         """The measured trace of the last schedule run, all ranks' events (collective)."""

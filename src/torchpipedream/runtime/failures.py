@@ -1,0 +1,212 @@
+"""Failures that stop every rank cleanly, naming the rank and stage that failed first.
+
+What happens when one rank of a pipeline fails (measured with gloo, 3 ranks on one computer,
+see docs/architecture.md "Failures"):
+
+* A rank whose process dies closes its TCP connections; gloo then fails every pending wait
+  on that peer at once ("Connection closed by peer"). Its neighbours notice in
+  milliseconds, not at the deadline, and the failure travels down the pipeline hop by hop.
+* But only the neighbours learn *that* a connection closed, not why. So every rank that
+  fails posts one line on a **failure board** kept in the process group's key-value store
+  (the c10d store that torchrun and :func:`~torchpipedream.launch` set up): the rank whose
+  own code raised posts its error ("rank 2 (stage 2): ValueError: ..."); a rank whose wait
+  on a peer failed and finds the board empty posts that the peer stopped (its connection
+  closed, or it did not answer within ``timeout_s``: a SIGKILL posts nothing). Every rank
+  whose wait failed reads the board and raises :class:`PipelineFailure` naming the first
+  report, so the message on every rank names the original failure.
+* A failing rank then **closes its connections** itself instead of relying on its process
+  exiting (a caller may catch the exception and linger): with gloo a receive whose wait times
+  out closes the connection ("Application timeout caused pair closure", measured), so it
+  posts a one-byte receive from every other rank and waits a millisecond on each. The
+  peers' pending waits fail at once; a peer that is computing fails at its next wait.
+
+So each hop costs milliseconds plus the time to post and read the board. Every store
+operation runs with a deadline, ``failure_timeout_s`` (a store whose host died must not turn
+a clean failure into a hang); a hung-but-alive peer is caught by ``timeout_s``, the deadline
+of every wait. None of this adds work to the hot path: the board is touched only when an
+exception is already on its way up.
+
+Fault injection (for tests): ``TORCHPIPEDREAM_FAULT="rank=1,minibatch=12[,mode=kill|raise]"``
+makes that rank die (SIGKILL, default) or raise in the forward of that training minibatch
+(counted from 0 in this process), on the first attempt only (``TORCHELASTIC_RESTART_COUNT``
+unset or 0), so a job restarted by ``torchrun --max-restarts`` then runs clean. It is read
+in one place, :func:`install_fault`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import threading
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommTimeout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pipeline import Pipeline
+
+__all__ = ["PipelineFailure", "FailureBoard", "is_comm_failure", "close_connections", "install_fault",
+           "parse_fault", "FAULT_ENV"]
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "TORCHPIPEDREAM_FAULT"
+_CLOSE_TAG = 97
+T = TypeVar("T")
+
+# Phrases in gloo's and c10d's errors that mean "the other side is gone or did not answer".
+_COMM_PHRASES = ("connection closed", "connection reset", "read error", "write error", "timed out",
+                 "pair closure", "broken pipe", "did not complete within", "socket", "gloo")
+
+
+class PipelineFailure(RuntimeError):
+    """Another rank of the pipeline failed; the message names the first failed rank and stage."""
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says a wait on other ranks failed (a consequence) rather than this
+    rank's own code failing (a cause)."""
+    if isinstance(exc, CommTimeout):
+        return True
+    if isinstance(exc, RuntimeError) and not isinstance(exc, PipelineFailure):
+        text = str(exc).lower()
+        return any(p in text for p in _COMM_PHRASES)
+    return False
+
+
+def _bounded(fn: Callable[[], T], timeout_s: float) -> T | None:
+    """``fn()`` run in a daemon thread for at most ``timeout_s``; None if it failed or ran over."""
+    box: list[Any] = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except Exception as exc:  # a dead store host: report nothing rather than fail twice
+            log.debug("failure board operation failed: %s", exc)
+
+    thread = threading.Thread(target=target, name="torchpipedream-failure-board", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box[0] if box else None
+
+
+_instances = 0  # Pipelines built in this process (the same order on every rank: SPMD)
+
+
+class FailureBoard:
+    """First-come reports of failed ranks, in the process group's key-value store.
+
+    Keys live under ``torchpipedream/failures/<restart>/<pipeline>/`` so a restarted job (a
+    new ``TORCHELASTIC_RESTART_COUNT``) and a second Pipeline in the same processes start
+    with an empty board. Every operation returns within ``timeout_s``.
+    """
+
+    def __init__(self, store: Any, prefix: str, timeout_s: float) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.timeout_s = float(timeout_s)
+
+    @classmethod
+    def for_process_group(cls, timeout_s: float) -> "FailureBoard | None":
+        """The board of this Pipeline in the default group's store (None without one)."""
+        global _instances
+        _instances += 1
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception as exc:  # no default group, or a torch without the accessor
+            log.debug("no failure board (no c10d store): %s", exc)
+            return None
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(store, f"torchpipedream/failures/{restart}/{_instances}/", timeout_s)
+
+    def post(self, text: str) -> None:
+        """Add one report (a line naming the rank and stage, and what happened)."""
+        def go() -> None:
+            n = self.store.add(self.prefix + "count", 1)
+            self.store.set(self.prefix + str(n), text)
+
+        _bounded(go, self.timeout_s)
+
+    def first(self) -> str | None:
+        """The earliest report, or None when nobody reported (or the store is gone)."""
+        def go() -> str | None:
+            count = int(self.store.add(self.prefix + "count", 0))
+            for i in range(1, count + 1):
+                key = self.prefix + str(i)
+                if self.store.check([key]):
+                    return bytes(self.store.get(key)).decode(errors="replace")
+            return None
+
+        return _bounded(go, self.timeout_s)
+
+
+def close_connections(world_size: int, rank: int, timeout_s: float) -> None:
+    """Close this rank's gloo connections to every other rank, so no peer waits on it.
+
+    Gloo closes a connection when a receive on it times out; a one-byte receive with a
+    one-millisecond wait does that without any message. Other backends are left alone.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+        return
+
+    def go() -> None:
+        for peer in range(world_size):
+            if peer == rank:
+                continue
+            try:
+                work = dist.irecv(torch.empty(1, dtype=torch.uint8), src=peer, tag=_CLOSE_TAG)
+                work.wait(timeout=datetime.timedelta(milliseconds=1))
+            except Exception:  # expected: the wait times out (or the connection is already closed)
+                pass
+
+    _bounded(go, timeout_s)
+
+
+# ---------------------------------------------------------------------------- fault injection
+def parse_fault(text: str) -> dict[str, Any]:
+    """``"rank=1,minibatch=12[,mode=kill|raise]"`` -> {"rank": 1, "minibatch": 12, "mode": "kill"}."""
+    out: dict[str, Any] = {"mode": "kill"}
+    try:
+        for part in text.split(","):
+            key, value = (x.strip() for x in part.split("="))
+            if key in ("rank", "minibatch"):
+                out[key] = int(value)
+            elif key == "mode" and value in ("kill", "raise"):
+                out[key] = value
+            else:
+                raise ValueError(part)
+        out["rank"], out["minibatch"]  # both required
+    except (ValueError, KeyError):
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected 'rank=R,minibatch=K[,mode=kill|raise]'") from None
+    return out
+
+
+def install_fault(pipe: "Pipeline") -> None:
+    """Arm the fault named by ``TORCHPIPEDREAM_FAULT`` on this rank (tests only; see the module
+    docstring). Without the variable this does nothing and costs nothing."""
+    text = os.environ.get(FAULT_ENV)
+    if not text or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    fault = parse_fault(text)
+    if fault["rank"] != pipe.rank:
+        return
+    per_minibatch = max(1, int(pipe.microbatches or pipe.plan.microbatches or 1)) if pipe.kind in ("2bw", "flush", "gpipe") else 1
+    fire_at = fault["minibatch"] * per_minibatch  # training forwards of this stage before the fault
+    seen = [0]
+
+    def hook(module: Any, args: Any) -> None:
+        if not torch.is_grad_enabled():  # evaluation does not count
+            return
+        seen[0] += 1
+        if seen[0] == fire_at + 1:
+            log.warning("rank %d: injected fault (%s) at minibatch %d", pipe.rank, fault["mode"], fault["minibatch"])
+            if fault["mode"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault at minibatch {fault['minibatch']} ({FAULT_ENV})")
+
+    pipe.module.register_forward_pre_hook(hook)
