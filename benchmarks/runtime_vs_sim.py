@@ -1,12 +1,15 @@
 """Measured 2-stage pipeline throughput vs the simulator's prediction for the same plan.
 
-For each schedule kind: profile the model (one CPU thread), plan it on 2 local workers
-(straight, 2 stages), simulate the schedule with the profile's costs, then run the same
-schedule with the runtime on 2 local processes (gloo) and compare minibatches per second.
-The ratio measured / predicted is the figure of merit (target >= 0.85). A second ratio uses
-the simulator with the compute the run actually measured (isolating the runtime's waiting
-and communication from a slower or shared CPU). Also prints the CPU share each rank got and
-the cost of the message protocol (packing + header).
+For each schedule kind: profile the model (one CPU thread) as the schedule runs it (at the
+microbatch size, with the SGD update timed as the runtime makes it), measure this host's
+message overhead (gloo isend / irecv, LogP's o) at the activation size and its memory copy
+bandwidth at a stage's weight size, plan it on 2 local workers (straight, 2 stages),
+simulate the schedule with those costs, then run the same schedule with the runtime on 2
+local processes (gloo) and compare minibatches per second. The ratio measured / predicted is
+the figure of merit (target >= 0.85). A second ratio uses the simulator with the compute the
+run actually measured (isolating the runtime's waiting and communication from a slower or
+shared CPU). Also prints the CPU share each rank got and the cost of the message protocol
+(packing + header). Every prediction is made before the run; nothing is fitted to it.
 
     .venv/bin/python benchmarks/runtime_vs_sim.py [--kinds pipedream,flush] [--minibatches 24]
 
@@ -32,7 +35,8 @@ from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.comm import pack, unpack
 from torchpipedream.schedules import build_schedule
 from torchpipedream.simulate import Costs, simulate
-from torchpipedream.topology import Topology, measure_loopback_bandwidth
+from torchpipedream.topology import (Topology, measure_copy_bandwidth, measure_loopback_bandwidth,
+                                     measure_message_overhead)
 
 BATCH = 64
 
@@ -51,23 +55,6 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 64, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(n)]
 
 
-def step_seconds(plan, stage: int, iters: int = 20) -> float:
-    """Median seconds of one SGD step over the stage's parameters (not part of the profile)."""
-    from torchpipedream.runtime import split_stages
-
-    module = split_stages(model(), plan)[stage]
-    params = list(module.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.SGD(params, lr=0.01)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def protocol_cost(nbytes: int, iters: int = 200) -> tuple[float, int]:
     """Seconds to pack and unpack one activation message of ``nbytes`` (the copy into the
     message buffer plus header encoding and decoding), and the header's size in bytes."""
@@ -80,9 +67,13 @@ def protocol_cost(nbytes: int, iters: int = 200) -> tuple[float, int]:
     return per, int(header)
 
 
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
 def worker(rank: int, plan, kind: str, n: int, m: int, repeats: int) -> dict:
     torch.set_num_threads(1)
-    pipe = Pipeline(model(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.01), loss_fn=nn.CrossEntropyLoss(),
+    pipe = Pipeline(model(), plan, optimizer=sgd, loss_fn=nn.CrossEntropyLoss(),
                     schedule=kind, microbatches=m if kind not in ("pipedream", "naive") else None, timeout_s=120)
     data = batches(n)
     pipe.train_step(data)  # warm-up run (allocator, gloo connections)
@@ -119,26 +110,24 @@ def main() -> None:
 
     torch.set_num_threads(1)
     x, y = batches(1)[0]
-    graph = profile(model(), x, nn.CrossEntropyLoss(), y, iters=20, name="mlp512x7")
     bw = measure_loopback_bandwidth()
     topo = Topology.local(2)
     rows = []
-    print(f"model: {len(graph.layers)} layers, batch {BATCH}; loopback bandwidth {bw / 1e9:.2f} GB/s")
+    print(f"model: mlp512x7, batch {BATCH}; loopback bandwidth {bw / 1e9:.2f} GB/s")
     print(f"{'kind':10} {'m':>2} {'N':>3} {'predicted mb/s':>15} {'measured mb/s':>14} {'ratio':>6}  split")
     for kind in args.kinds.split(","):
         m = 1 if kind in ("pipedream", "naive") else args.microbatches
+        # Profiled as the schedule runs it: microbatches of BATCH/m samples (small GEMMs are
+        # less efficient than 1/m of a large one) and the update as the runtime makes it.
+        graph = profile(model(), x, nn.CrossEntropyLoss(), y, iters=20, name="mlp512x7", optimizer=sgd,
+                        microbatches=m)
         plan = make_plan(graph, topo, schedule=kind, straight=True, num_stages=2, microbatches=m)
         sched = build_schedule(plan, kind, minibatches=args.minibatches)
-        # Per-microbatch compute from a profile at the microbatch's own size (small GEMMs are
-        # less efficient than 1/m of a large one), summed over each stage's layers.
-        g_mb = graph if m == 1 else profile(model(), x[: BATCH // m], nn.CrossEntropyLoss(), y[: BATCH // m],
-                                            iters=20, name="mlp512x7")
-        by_name = {layer.name: layer for layer in g_mb.layers}
-        fwd = [sum(by_name[n].forward_ms for n in st.layers) / 1e3 for st in plan.stages]
-        bwd = [sum(by_name[n].backward_ms for n in st.layers) / 1e3 for st in plan.stages]
-        step_s = max(step_seconds(plan, st) for st in range(plan.num_stages))
+        overhead = measure_message_overhead(int(plan.stages[0].output_bytes // m))
+        copy_bw = measure_copy_bandwidth(max(st.parameter_bytes for st in plan.stages))
         costs = Costs.from_plan(plan, sched.microbatches, bandwidth_fn=None, bandwidth_Bps=bw, latency_s=0.0,
-                                forward_s=fwd, backward_s=bwd, step_s=step_s)
+                                message_overhead_s=overhead, copy_Bps=copy_bw)
+        fwd, bwd, step_s = costs.forward_s, costs.backward_s, costs.step_s
         sim = simulate(sched, costs)
         res = launch(worker, 2, plan, kind, args.minibatches, m, args.repeats, timeout_s=600)
         predicted = args.minibatches / sim.makespan_s
@@ -153,7 +142,8 @@ def main() -> None:
         got = Costs.from_plan(plan, sched.microbatches, bandwidth_fn=None, bandwidth_Bps=bw, latency_s=0.0,
                               forward_s=[med(st, "F") for st in range(2)],
                               backward_s=[med(st, "B") for st in range(2)],
-                              step_s=max(med(st, "U") for st in range(2)))
+                              step_s=[med(st, "U") for st in range(2)], copy_Bps=float("inf"),
+                              message_overhead_s=overhead)
         predicted_got = args.minibatches / simulate(sched, got).makespan_s
         measured = args.minibatches / res["makespan_s"]
         split = [len(s.layers) for s in plan.stages]
@@ -165,7 +155,8 @@ def main() -> None:
             "ratio_vs_measured_compute": measured / predicted_got,
             "measured_makespans_s": res["all_makespans_s"],
             "microbatch_forward_ms": [f * 1e3 for f in fwd], "microbatch_backward_ms": [b * 1e3 for b in bwd],
-            "step_ms": step_s * 1e3,
+            "step_ms": [u * 1e3 for u in step_s], "message_overhead_us": overhead * 1e6,
+            "copy_GBps": copy_bw / 1e9,
             "cpu_share": res["cpu_share"], "busy_share": res["busy_share"],
             "pack_unpack_us": res["protocol_s"] * 1e6, "header_and_padding_bytes": res["header_bytes"],
             "activation_bytes": res["activation_bytes"],
@@ -181,7 +172,13 @@ def main() -> None:
                 d = [e.duration_s * 1e3 for e in trace.events if e.stage == st and e.kind == k]
                 print(f"    stage {st} {k}: measured {statistics.median(d):6.2f} ms, profiled {planned:6.2f} ms")
             u = [e.duration_s * 1e3 for e in trace.events if e.stage == st and e.kind == "U"]
-            print(f"    stage {st} U: measured {statistics.median(u):6.2f} ms, predicted {step_s * 1e3:6.2f} ms")
+            u_sim = [e.duration_s * 1e3 for e in sim.trace.events if e.stage == st and e.kind == "U"]
+            print(f"    stage {st} U: measured {statistics.median(u):6.2f} ms, predicted {statistics.median(u_sim):6.2f} ms")
+            for k in ("SA", "RA", "SG", "RG"):
+                d = [e.duration_s * 1e3 for e in trace.events if e.stage == st and e.kind == k]
+                if d:
+                    print(f"    stage {st} {k}: measured {statistics.median(d):6.2f} ms (message overhead "
+                          f"predicted {overhead * 1e3:.2f} ms + waiting)")
         if args.trace_dir:
             Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
             res["trace"].save(Path(args.trace_dir) / f"{kind}.json")

@@ -180,9 +180,9 @@ def _reference_makespan(sched: Schedule, costs: Costs) -> dict[tuple[int, int], 
         elif a.kind is Kind.OPTIMIZER_STEP:
             out = before + costs.step_s
         elif a.kind.is_send:
-            out = before
+            out = before + costs.message_overhead_s
         elif a.kind.is_recv:
-            out = max(before, arrival(a.peer, r, recvs[(a.peer, r, k)]))
+            out = max(before, arrival(a.peer, r, recvs[(a.peer, r, k)])) + costs.message_overhead_s
         else:
             group = ars[(s, a.id)]
             rr = plan.stages[s].replicas
@@ -197,7 +197,7 @@ def _reference_makespan(sched: Schedule, costs: Costs) -> dict[tuple[int, int], 
         k = sends[(src, dst)][j]
         a = acts[src][k]
         nbytes = costs.output_bytes[a.stage] if a.kind is Kind.SEND_ACT else costs.output_bytes[a.stage - 1]
-        start = ready(src, k - 1)
+        start = ready(src, k - 1) + costs.message_overhead_s
         if j > 0:
             start = max(start, arrival(src, dst, j - 1))
         out = start + costs.latency_s + nbytes / costs.bandwidth_Bps
@@ -230,8 +230,9 @@ from hypothesis import strategies as hst  # noqa: E402
     bw=hst.lists(hst.integers(1, 9), min_size=4, max_size=4),
     out=hst.lists(hst.integers(0, 5), min_size=4, max_size=4),
     lat=hst.sampled_from([0.0, 0.5]),
+    ovh=hst.sampled_from([0.0, 0.125]),
 )
-def test_simulator_matches_longest_path_reference(reps, kind, minibatches, m, fw, bw, out, lat) -> None:
+def test_simulator_matches_longest_path_reference(reps, kind, minibatches, m, fw, bw, out, lat, ovh) -> None:
     import math
 
     stages, r = [], 0
@@ -245,7 +246,7 @@ def test_simulator_matches_longest_path_reference(reps, kind, minibatches, m, fw
     sched = build_schedule(plan, kind, minibatches=minibatches, microbatches=None if kind in ("pipedream", "naive") else m)
     costs = Costs(forward_s=[float(x) for x in fw[:n]], backward_s=[float(x) for x in bw[:n]],
                   output_bytes=[float(x) for x in out[:n]], parameter_bytes=[3.0] * n, bandwidth_Bps=2.0,
-                  latency_s=lat, step_s=0.25)
+                  latency_s=lat, step_s=0.25, message_overhead_s=ovh)
     res = simulate(sched, costs)
     assert res.makespan_s == pytest.approx(_reference_makespan(sched, costs)["makespan"])
 
@@ -274,3 +275,69 @@ def test_optimizer_step_is_charged_per_stage_once_per_update() -> None:
             assert e.end_s - e.start_s == pytest.approx([0.005, 0.030][e.stage])
     with pytest.raises(SimulationError, match="step_s has 1 entries"):
         simulate(build_schedule(plan, "pipedream", minibatches=2), equal(2, step_s=[0.1]))
+
+
+# --------------------------------------------------------------------------- copy on update
+def _runtime_copies(sched: Schedule, rank: int) -> int:
+    """Replay one rank's F/B/U version bookkeeping on the runtime's WeightVersions (no compute)
+    and count the copies on update it makes: an independent reference for stash_copies."""
+    import torch
+
+    from torchpipedream.runtime.weights import WeightVersions
+
+    w = WeightVersions(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    acts = sched.actions[rank]
+    uses: dict[int, int] = {}
+    for a in acts:
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD) and a.version is not None:
+            uses[a.version] = uses.get(a.version, 0) + 1
+    w.expect(uses)
+    for a in acts:
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD) and a.version is not None:
+            w.tensors(a.version)
+            w.add_samples(1)
+            w.release(a.version)
+        elif a.kind is Kind.OPTIMIZER_STEP:
+            w.step()
+    return w.copies
+
+
+@pytest.mark.parametrize("kind, m, vsync", [("pipedream", None, False), ("pipedream", None, True), ("2bw", 2, False),
+                                            ("flush", 4, False), ("gpipe", 2, False), ("naive", None, False)])
+def test_stash_copies_match_the_runtime(kind: str, m, vsync: bool) -> None:
+    from torchpipedream.simulate import stash_copies
+
+    sched = build_schedule(straight(3), kind, minibatches=7, microbatches=m, vertical_sync=vsync)
+    for rank in sched.actions:
+        assert len(stash_copies(sched.actions[rank])) == _runtime_copies(sched, rank), (kind, rank)
+
+
+def test_copy_on_update_is_charged_where_versions_are_stashed() -> None:
+    # pipedream: every stage but the last keeps the replaced version for an in-flight
+    # minibatch, so its U costs step + |w| / copy bandwidth; flush never copies.
+    n, step, wbytes, bw = 3, 0.5, 1e9, 4e9
+    costs = equal(n, step_s=step, parameter_bytes=[wbytes] * n, copy_Bps=bw)
+    res = simulate(build_schedule(straight(n), "pipedream", minibatches=10), costs)
+    for s in range(n):
+        durations = [e.duration_s for e in res.trace.events if e.stage == s and e.kind == "U"]
+        copied = [d for d in durations if d == pytest.approx(step + wbytes / bw)]
+        if s == n - 1:
+            assert durations == pytest.approx([step] * 10)
+        else:  # steady state copies; the drain's last updates do not (nobody needs the old version)
+            assert len(copied) == 10 - (n - 1 - s)
+    res = simulate(build_schedule(straight(n), "flush", minibatches=3, microbatches=4), costs)
+    assert all(e.duration_s == pytest.approx(step) for e in res.trace.events if e.kind == "U")
+    with pytest.raises(SimulationError, match="copy_Bps"):
+        simulate(build_schedule(straight(n), "flush", minibatches=1, microbatches=2), equal(n, copy_Bps=0.0))
+
+
+def test_message_overhead_is_charged_to_both_ranks() -> None:
+    # 2 stages, one minibatch, pipedream: s0 F SA RG B U, s1 RA F B SG U. With per-message
+    # host overhead o (and no link time), the critical path is F0 + o(SA) + o(RA) + F1 + B1 +
+    # o(SG) + o(RG) + B0: four overheads.
+    o = 0.25
+    costs = equal(2, bandwidth_Bps=float("inf"), message_overhead_s=o)
+    res = simulate(build_schedule(straight(2), "pipedream", minibatches=1), costs)
+    assert res.makespan_s == pytest.approx(2 * (F + B) + 4 * o)
+    base = simulate(build_schedule(straight(2), "pipedream", minibatches=1), equal(2, bandwidth_Bps=float("inf")))
+    assert base.makespan_s == pytest.approx(2 * (F + B))

@@ -412,6 +412,7 @@ def profile(
     name: str | None = None,
     num_threads: int | None = 1,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    microbatches: int = 1,
 ) -> LayerGraph:
     """Profile ``module`` on ``sample_input`` and return its layer graph.
 
@@ -432,6 +433,13 @@ def profile(
         optimizer: a factory ``params -> torch.optim.Optimizer`` (as for ``Pipeline``); when
             given, one step over each layer's parameters is timed into ``Layer.optimizer_ms``
             (on copies: the model's weights and state are untouched).
+        microbatches: profile the minibatch as a schedule with this many microbatches runs
+            it: time the first ``batch/microbatches`` samples and multiply the times and
+            activation bytes by ``microbatches``. The graph still describes one minibatch
+            (``batch_size`` is the whole batch), so ``Costs.from_plan(plan, m)`` gets the
+            measured microbatch cost back; small microbatches are less efficient than a
+            fraction of a large one (small matrix products, per-call overhead), and profiling
+            at the minibatch size would predict flush, gpipe and 2bw too fast.
 
     Raises:
         ProfilerError: fx cannot trace a non-Sequential model, the sample does not fit the
@@ -451,6 +459,15 @@ def profile(
         target = map_aggregate(target, lambda v: v.to(dev) if isinstance(v, Tensor) else v)
     first_tensor = next(iter(_tensors(args)), None)
     batch_size = int(first_tensor.shape[0]) if first_tensor is not None and first_tensor.dim() > 0 else None
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ProfilerError(f"profile: microbatches must be a positive integer, got {microbatches!r}")
+    if microbatches > 1:
+        if batch_size is None or batch_size < microbatches:
+            raise ProfilerError(
+                f"profile: a minibatch of {batch_size} samples cannot be split into {microbatches} "
+                "microbatches; give a sample input whose first dimension is the minibatch")
+        # The largest microbatch of the split (sizes differ by at most one sample).
+        args, target = _first_samples((args, target), batch_size, -(-batch_size // microbatches))
 
     moved = root is not None and dev != home
     if moved:
@@ -476,7 +493,14 @@ def profile(
             with torch.no_grad():
                 for b, saved in saved_buffers:
                     b.copy_(saved)
+        if microbatches > 1:
+            for layer in graph.layers:
+                layer.forward_ms *= microbatches
+                layer.backward_ms *= microbatches
+                layer.activation_bytes *= microbatches
+            graph.batch_size = batch_size
         graph.meta.update(
+            microbatches=microbatches,
             model=name or (type(module).__name__ if root is not None else "list"),
             device=str(dev),
             torch=torch.__version__,
@@ -494,6 +518,12 @@ def profile(
             torch.cuda.set_rng_state(cuda_rng, dev)
         if moved:
             root.to(home)
+
+
+def _first_samples(values: Any, batch: int, keep: int) -> Any:
+    """``values`` with every tensor whose first dimension is the batch cut to ``keep`` samples."""
+    return map_aggregate(values, lambda v: v[:keep] if isinstance(v, Tensor) and v.dim() > 0
+                         and v.shape[0] == batch else v)
 
 
 def _measure(
@@ -561,7 +591,9 @@ def _measure(
 
 def _time_optimizer(program: _Program, graph: LayerGraph, optimizer: Callable[..., torch.optim.Optimizer],
                     timer: _Timer, warmup: int, iters: int) -> None:
-    """Median time of one optimizer step over each layer's own parameters, on copies."""
+    """Median time of one update of each layer's own parameters, on copies, as the runtime
+    makes it: a new gradient each time (autograd hands over fresh tensors), scaled in place by
+    1/samples (the runtime accumulates sums), then the optimizer's step."""
     seen: set[int] = set()
     for step in program.steps:
         mine = [p for p in step.params if id(p) not in seen]
@@ -569,15 +601,18 @@ def _time_optimizer(program: _Program, graph: LayerGraph, optimizer: Callable[..
         if not mine or step.name not in graph:
             continue
         copies = [nn.Parameter(p.detach().clone()) for p in mine]
-        for c in copies:
-            c.grad = torch.randn_like(c) * 1e-3
         try:
             opt = optimizer(copies)
         except Exception as exc:
             raise ProfilerError(f"profile: the optimizer factory failed on layer {step.name!r}: {exc}") from None
         times = []
         for i in range(warmup + iters):
+            for c in copies:
+                c.grad = torch.randn_like(c).mul_(1e-3)
+            grads = [c.grad for c in copies]
             pending = timer.start()
+            with torch.no_grad():
+                torch._foreach_mul_(grads, 1.0)
             opt.step()
             done = timer.stop(pending)
             timer.sync()

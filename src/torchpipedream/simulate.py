@@ -3,12 +3,17 @@
 ``simulate(schedule, costs)`` interprets every rank's list in order, like the runtime:
 
 * F, B and U take their compute time and keep the rank busy;
-* a send (SA, SG) does not block its rank: the message occupies the directed link
-  (sender, receiver) from max(now, link free) for ``latency + bytes / bandwidth``; a busy link
-  delays the next message on it;
-* a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived;
+* a send (SA, SG) does not block its rank beyond the host's per-message overhead ``o``
+  (LogP's o: handing the message to the transport, default 0): the message occupies the
+  directed link (sender, receiver) from max(now + o, link free) for
+  ``latency + bytes / bandwidth``; a busy link delays the next message on it;
+* a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived, then
+  takes ``o``;
 * AR starts when every replica of the stage has reached it and costs a ring all-reduce,
-  2(r−1)/r · |w| / B (+ 2(r−1) latencies), after which all replicas continue.
+  2(r−1)/r · |w| / B (+ 2(r−1) latencies), after which all replicas continue;
+* U takes the stage's optimizer step, plus a copy of its weights (|w| / copy bandwidth) when
+  the version it replaces is still used by a later F or B of the rank (copy on update:
+  weight stashing keeps the old version, as the runtime does).
 
 It knows nothing about schedule kinds; the schedule is data. Costs default to the plan's
 profile (:meth:`Costs.from_plan`); the link bandwidth comes from the plan's topology spec when
@@ -30,17 +35,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .actions import Kind, Schedule
+from .actions import Action, Kind, Schedule
 from .plan import Plan
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
 
-__all__ = ["Costs", "SimResult", "simulate", "DEFAULT_BANDWIDTH_BPS", "DEFAULT_OPTIMIZER_STATE_FACTOR"]
+__all__ = ["Costs", "SimResult", "simulate", "stash_copies", "DEFAULT_BANDWIDTH_BPS", "DEFAULT_COPY_BPS",
+           "DEFAULT_OPTIMIZER_STATE_FACTOR"]
 
 log = logging.getLogger(__name__)
 
 #: Link bandwidth when the plan names no topology (bytes/s): about one PCIe 3 x16 link.
 DEFAULT_BANDWIDTH_BPS = 10e9
+#: Memory copy bandwidth for the copy on update of a stashed version (bytes/s): a large
+#: one-thread ``Tensor.copy_`` on the project's 2-core development machine moves 12-13 GB/s
+#: (40+ GB/s while it fits in cache); pass a measured ``copy_Bps`` for other hardware.
+DEFAULT_COPY_BPS = 12e9
 #: Optimizer state (+ gradient buffer) per worker in multiples of the stage's weights; the
 #: planner's default (momentum buffer + gradient), so simulated and planned memory agree.
 DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
@@ -65,6 +75,9 @@ class Costs:
         latency_s: per-message latency.
         bandwidth_fn: ``(rank_a, rank_b) -> bytes/s``; e.g. ``Topology.bandwidth``.
         optimizer_state_factor: optimizer state + gradient buffers as multiples of the weights.
+        copy_Bps: memory copy bandwidth for the copy on update of a stashed version (bytes/s).
+        message_overhead_s: CPU time a send or a receive takes from its rank (LogP's o), on
+            top of the link's latency and bandwidth; e.g. ``measure_message_overhead``.
     """
 
     forward_s: list[float]
@@ -77,6 +90,8 @@ class Costs:
     latency_s: float = 0.0
     bandwidth_fn: Callable[[int, int], float] | None = None
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+    copy_Bps: float = DEFAULT_COPY_BPS
+    message_overhead_s: float = 0.0
 
     @classmethod
     def from_plan(cls, plan: Plan, microbatches: int = 1, **overrides: Any) -> "Costs":
@@ -130,6 +145,10 @@ class Costs:
             raise SimulationError(f"costs.step_s has {len(steps)} entries but the plan has {n} stages")
         if self.latency_s < 0 or any(not x >= 0 for x in steps):
             raise SimulationError("costs.latency_s and costs.step_s must be >= 0")
+        if not self.message_overhead_s >= 0:
+            raise SimulationError(f"costs.message_overhead_s must be >= 0, got {self.message_overhead_s!r}")
+        if not self.copy_Bps > 0:
+            raise SimulationError(f"costs.copy_Bps must be > 0, got {self.copy_Bps!r}")
 
 
 @dataclass
@@ -215,17 +234,40 @@ def simulate(schedule: Schedule, costs: Costs | None = None, validate: bool = Tr
     return _report(schedule, costs, trace)
 
 
+def stash_copies(actions: list[Action]) -> set[int]:
+    """Positions of the U actions in one rank's list that copy the weights.
+
+    The weights before the k-th U of a schedule are version k (versions count updates from
+    the schedule's start); the U must keep that version for later if an F or B after it
+    names it, so the runtime copies the weights before updating them in place.
+    """
+    copies: set[int] = set()
+    used_later: set[int] = set()
+    k = sum(1 for a in actions if a.kind is Kind.OPTIMIZER_STEP)
+    for p in range(len(actions) - 1, -1, -1):
+        a = actions[p]
+        if a.kind is Kind.OPTIMIZER_STEP:
+            k -= 1
+            if k in used_later:
+                copies.add(p)
+        elif a.version is not None and a.kind in (Kind.FORWARD, Kind.BACKWARD):
+            used_later.add(a.version)
+    return copies
+
+
 def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     """The event loop: advance any rank that can run until all lists are done."""
     plan = schedule.plan
     fwd, bwd, outb = costs.forward_s, costs.backward_s, costs.output_bytes or [0.0] * plan.num_stages
     params = costs.parameter_bytes or [0.0] * plan.num_stages
-    lat = costs.latency_s
+    lat, ovh = costs.latency_s, costs.message_overhead_s
     step_s = costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * plan.num_stages
     F, B, SA, RA, SG, RG, AR, U = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT,
                                    Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.OPTIMIZER_STEP)
     stage_of = {r: plan.stage_of_rank(r) for r in schedule.actions}
     acts = schedule.actions
+    copy_at = {r: stash_copies(lst) for r, lst in acts.items()}
+    copy_s = [b / costs.copy_Bps for b in params]
     clock = {r: 0.0 for r in acts}
     pc = {r: 0 for r in acts}
     link_free: dict[tuple[int, int], float] = {}
@@ -269,13 +311,14 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 if c is None:
                     c = _transfer_s(nbytes, costs.bandwidth(r, dst), lat)  # type: ignore[arg-type]
                     link_cost[key] = c
+                t += ovh
                 start = link_free.get(ch, 0.0)
                 if start < t:
                     start = t
                 end = start + c
                 link_free[ch] = end
                 arrivals.setdefault(ch, deque()).append(end)
-                emit(Ev(r, s, KV[k], a.id, start, end, int(nbytes), text(a), q, None))
+                emit(Ev(r, s, KV[k], a.id, start - ovh, end, int(nbytes), text(a), q, None))
                 w = waiting.pop(ch, None)
                 if w is not None and w not in queued:
                     ready.append(w)
@@ -290,6 +333,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 start = t
                 if arr > t:
                     t = arr
+                t += ovh
                 emit(Ev(r, s, KV[k], a.id, start, t, 0, text(a), q, None))
             elif k is AR:
                 key2 = (s, a.id)
@@ -316,8 +360,9 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                             queued.add(o)
                 t = end
             else:  # U
-                emit(Ev(r, s, "U", a.id, t, t + step_s[s], 0, text(a), q, a.version))
-                t += step_s[s]
+                d = step_s[s] + (copy_s[s] if p in copy_at[r] else 0.0)
+                emit(Ev(r, s, "U", a.id, t, t + d, 0, text(a), q, a.version))
+                t += d
             p += 1
         pc[r] = p
         clock[r] = t

@@ -383,6 +383,47 @@ class Topology:
 
 def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeout_s: float = 60.0) -> float:
     """Bytes/s of a gloo send/recv between two processes on 127.0.0.1 (best of ``repeats``)."""
+    return _run_pair(_loopback_worker, nbytes, repeats, timeout_s, "loopback")
+
+
+def measure_message_overhead(nbytes: int = 64 * 2**10, repeats: int = 50, timeout_s: float = 60.0) -> float:
+    """Seconds of CPU a gloo message of ``nbytes`` costs each of two local processes (LogP's o).
+
+    The median time the calling thread spends in ``isend`` (sender) and in posting the
+    matching ``irecv`` (receiver), averaged over the two sides: what the simulator's
+    ``Costs.message_overhead_s`` charges on each side of every message. Small messages on a
+    CPU are dominated by this, not by bandwidth.
+    """
+    return float(_run_pair(_overhead_worker, nbytes, repeats, timeout_s, "message overhead"))
+
+
+def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float:
+    """Bytes/s of one-thread memory copies of ``nbytes`` on this host (median of ``repeats``):
+    the simulator's ``Costs.copy_Bps`` for the copy on update of a stashed weight version.
+    Caches make small copies several times faster than large ones, so measure at the size of
+    a stage's weights."""
+    import statistics
+    import time
+
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(max(1, nbytes // 4))
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return src.numel() * 4 / statistics.median(times[2:])
+    finally:
+        torch.set_num_threads(old)
+
+
+def _run_pair(target: Any, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
+    """Run ``target(rank, port, nbytes, repeats, queue)`` on two spawned processes; rank 0's answer."""
     import multiprocessing as mp
     import socket
 
@@ -391,7 +432,7 @@ def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeo
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_loopback_worker, args=(r, port, nbytes, repeats, queue)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, port, nbytes, repeats, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -402,8 +443,43 @@ def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeo
             if p.is_alive():
                 p.terminate()
     if isinstance(result, str):
-        raise RuntimeError(f"loopback measurement failed: {result}")
+        raise RuntimeError(f"{what} measurement failed: {result}")
     return float(result)
+
+
+def _overhead_worker(rank: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        calls = []
+        for i in range(repeats + 5):
+            if rank == 1:
+                t0 = time.perf_counter()
+                work = dist.irecv(buf, src=0)
+                took = time.perf_counter() - t0
+            dist.barrier()
+            if rank == 0:
+                t0 = time.perf_counter()
+                work = dist.isend(buf, dst=1)
+                took = time.perf_counter() - t0
+            work.wait()
+            if i >= 5:
+                calls.append(took)
+        both = [None, None]
+        dist.all_gather_object(both, statistics.median(calls))
+        if rank == 0:
+            queue.put(sum(both) / 2)
+        dist.destroy_process_group()
+    except Exception as exc:  # reported to the parent as one line
+        if rank == 0:
+            queue.put(f"{type(exc).__name__}: {exc}")
 
 
 def _loopback_worker(rank: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:

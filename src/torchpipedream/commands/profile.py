@@ -21,6 +21,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default="cnn", help="mlp, cnn (default), resnet, transformer, or module:function")
     p.add_argument("--batch-size", type=int, default=64, help="minibatch size to profile with (default 64)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="profile as a schedule with this many microbatches per minibatch runs it (flush, gpipe, "
+                        "2bw): times of one microbatch × this number (default 1)")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions; numbers are medians (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first (default 3)")
     p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: where the model is)")
@@ -83,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.iters < 1 or args.warmup < 0:
         raise CommandError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    if args.microbatches < 1 or args.microbatches > args.batch_size:
+        raise CommandError(f"--microbatches must be between 1 and --batch-size ({args.batch_size}), got {args.microbatches}")
     if args.threads < 1:
         raise CommandError(f"--threads must be >= 1, got {args.threads}")
     out = Path(args.out)
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         loss, target = None, None
     graph = profile(
         model, x, loss_fn=loss, target=target, device=args.device, warmup=args.warmup,
-        iters=args.iters, name=args.model, num_threads=args.threads,
+        iters=args.iters, name=args.model, num_threads=args.threads, microbatches=args.microbatches,
     )
     graph.save(out)
     t = graph.totals()

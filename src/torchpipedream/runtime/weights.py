@@ -215,11 +215,13 @@ class WeightVersions:
                 self.tensors(self.version)
                 spare = self._spare.pop() if self._spare else None
                 with torch.no_grad():
-                    for i, p in enumerate(self.params):
-                        if spare is not None:
-                            p.data = spare[i].copy_(p.data)
-                        else:
-                            p.data = p.data.clone()
+                    current = [p.data for p in self.params]
+                    if spare is not None:
+                        torch._foreach_copy_(spare, current)  # one call, not one per parameter
+                    else:
+                        spare = [t.clone() for t in current]
+                    for p, t in zip(self.params, spare):
+                        p.data = t
                 self.copies += 1
                 copied = True
             else:
@@ -229,11 +231,12 @@ class WeightVersions:
                 if self._samples <= 0:
                     raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
                 scale = 1.0 / self._samples
+            present = [g for g in grads if g is not None]
             with torch.no_grad():
-                for p, g in zip(self.params, grads):
-                    if g is not None and scale != 1.0:
-                        g.mul_(scale)
-                    p.grad = g
+                if present and scale != 1.0:
+                    torch._foreach_mul_(present, scale)
+            for p, g in zip(self.params, grads):
+                p.grad = g
             self.optimizer.step()
             for p in self.params:
                 p.grad = None
