@@ -7,7 +7,9 @@ samples/s (median of timed windows after warm-up), ratio to DDP, ratio to the pe
 limit (processes × the one-thread single process), the simulator's predicted samples/s for
 torchpipedream's rows, and peak RSS per rank. A CPU probe (two concurrent single-thread
 processes against one) runs at the start and end; if they disagree by more than 15% the run is
-flagged and should be repeated.
+flagged and should be repeated. torchpipedream's rows run the model with its wide linear layers
+split into column parts (``--split-wide``, layer_split.py: the same function and training) so
+that the planner can balance stages inside a layer.
 
     .venv/bin/python benchmarks/compare.py                       # all models
     .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
@@ -99,7 +101,16 @@ WORKLOADS = {
 
 
 # ----------------------------------------------------------------------------- torchpipedream rows
-def plan_for(work: Workload, workers: int, schedule: str, microbatches: int):
+def tpd_model(work: Workload, split_parts: int) -> nn.Module:
+    """The model as torchpipedream runs it: wide linear layers split into column parts so the
+    planner may cut inside them (same function, same training; see layer_split.py)."""
+    from torchpipedream.layer_split import split_wide_layers
+
+    model = work.build()
+    return split_wide_layers(model, split_parts) if split_parts > 1 else model
+
+
+def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1):
     """Profile in this process (1 thread), plan with the planner, predict with the simulator."""
     from torchpipedream.planner import plan as make_plan
     from torchpipedream.profiler import profile
@@ -111,7 +122,7 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int):
     x, y = work.make_batch(work.batch_size, g)
     m = microbatches if schedule in ("2bw", "flush", "gpipe") else 1
     # Profiled as the schedule runs the model: in microbatches of batch/m samples.
-    graph = profile(work.build(), x, loss_fn=work.loss_fn, target=y, name=work.name,
+    graph = profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
                     optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
     plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
     sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)
@@ -126,8 +137,8 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int):
 
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
-                per_window: int) -> dict:
-    pipe = Pipeline(work.build(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
+                per_window: int, split_parts: int) -> dict:
+    pipe = Pipeline(tpd_model(work, split_parts), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
                     loss_fn=work.loss_fn, schedule=schedule,
                     microbatches=microbatches if schedule in ("2bw", "flush", "gpipe") else None, timeout_s=120)
     g = torch.Generator().manual_seed(0)
@@ -153,7 +164,8 @@ def _peer_worker(rank: int, work: Workload, which: str, microbatches: int, warmu
 
 
 # ----------------------------------------------------------------------------- the run
-def compare_model(work: Workload, procs: int, microbatches: int, windows: int, per_window: int) -> list[dict]:
+def compare_model(work: Workload, procs: int, microbatches: int, windows: int, per_window: int,
+                  split_parts: int = 1) -> list[dict]:
     rows: list[dict] = []
 
     def add(name: str, result: dict, predicted: float | None = None, plan: str = "") -> None:
@@ -174,9 +186,10 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
             continue
         add(f"torch.pipelining {s}", res)
     for s in TPD_SCHEDULES:
-        plan, predicted = plan_for(work, procs, s, microbatches)
+        plan, predicted = plan_for(work, procs, s, microbatches, split_parts)
         try:
-            res = launch(_tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, timeout_s=900)
+            res = launch(_tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, split_parts,
+                         timeout_s=900)
         except Exception as exc:  # reported as a failed row: the table must show it, not hide it
             print(f"  {work.name:<15} torchpipedream {s}: FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
             rows.append({"model": work.name, "row": f"torchpipedream {s}", "samples_per_s": 0.0, "failed": str(exc)[:500],
@@ -233,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--per-window", type=int, default=16, help="minibatches per torchpipedream schedule")
+    ap.add_argument("--split-wide", type=int, default=4, metavar="PARTS",
+                    help="torchpipedream rows: split linear layers with >= 1024 outputs into PARTS column parts so "
+                         "stages can balance (1 = off; default 4)")
     ap.add_argument("--out", default="benchmarks/results/compare")
     args = ap.parse_args(argv)
     start = cpu_probe()
@@ -241,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         if name not in WORKLOADS:
             ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
-        rows += compare_model(WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window)
+        rows += compare_model(WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window,
+                              args.split_wide)
     end = cpu_probe()
     print(f"CPU probe at end: {end:.2f}", flush=True)
     if abs(end - start) / max(start, end) > 0.15:

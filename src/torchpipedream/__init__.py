@@ -19,6 +19,7 @@ _EXPORTS = {
     "Block": "graph",
     "load_graph_txt": "pipedream_profile",
     "profile": "profiler",
+    "split_wide_layers": "layer_split",
     "Topology": "topology",
     "plan": "planner",
     "Plan": "plan",
