@@ -60,6 +60,8 @@ class TrainConfig:
     progress: bool = True
     max_minibatches: int | None = None  # per epoch, for quick runs and tests
     resume: bool = False  # continue from the newest verified checkpoint in OUT/checkpoints
+    checkpoint_every: int | None = None  # also checkpoint every N minibatches inside an epoch
+    failure_timeout_s: float = 10.0  # deadline of each step of the failure path (runtime/failures.py)
 
     def resolved_workers(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -140,6 +142,10 @@ def _check_options(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if cfg.checkpoint_every is not None and (not isinstance(cfg.checkpoint_every, int) or cfg.checkpoint_every < 1):
+        raise TrainError(f"--checkpoint-every must be a positive number of minibatches, got {cfg.checkpoint_every!r}")
+    if not (cfg.failure_timeout_s > 0 and math.isfinite(cfg.failure_timeout_s)):
+        raise TrainError(f"--failure-timeout must be a positive number of seconds, got {cfg.failure_timeout_s}")
     if cfg.stages is not None and cfg.stages < 1:
         raise TrainError(f"--stages must be a positive integer, got {cfg.stages}")
     if cfg.workers < 0:
@@ -235,12 +241,14 @@ def prepare(cfg: TrainConfig) -> Prepared:
 
 
 # Options that may change between a run and its resumption (everything else must match).
-_RESUMABLE_CHANGES = {"epochs", "progress", "timeout_s", "resume", "out"}
+_RESUMABLE_CHANGES = {"epochs", "progress", "timeout_s", "resume", "out", "failure_timeout_s"}
 
 
-def checkpoint_dir(out: str | Path, epoch: int) -> Path:
-    """Where the workers write the checkpoint taken after ``epoch`` (1-based) epochs."""
-    return Path(out) / "checkpoints" / f"epoch_{epoch}"
+def checkpoint_dir(out: str | Path, epoch: int, minibatch: int = 0) -> Path:
+    """Where the workers write the checkpoint taken after ``epoch`` epochs and ``minibatch``
+    minibatches of the next one (``--checkpoint-every``)."""
+    name = f"epoch_{epoch}" if minibatch == 0 else f"epoch_{epoch}_plus_{minibatch}mb"
+    return Path(out) / "checkpoints" / name
 
 
 def _resume_point(cfg: TrainConfig) -> tuple[str, Plan]:
@@ -268,7 +276,7 @@ def _resume_point(cfg: TrainConfig) -> tuple[str, Plan]:
         raise TrainError(f"--resume: the checkpoint {found} was written with other options: {shown}; "
                          "resume with the same options (only --epochs, --timeout and progress may change)")
     done = int(extra.get("epoch", 0))
-    if done >= cfg.epochs:
+    if done >= cfg.epochs and not extra.get("minibatch", 0):
         raise TrainError(f"--resume: the checkpoint {found} is already at epoch {done} of --epochs {cfg.epochs}; "
                          "raise --epochs to train further")
     return str(found), Plan.from_dict(manifest["plan"], source=str(found / "manifest.json"))
@@ -288,7 +296,7 @@ def _worker(rank: int, prep: Prepared) -> dict[str, Any] | None:
     x, y, xt, yt = load_data(cfg)
     pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
                     schedule=cfg.schedule, microbatches=_microbatches(cfg), vertical_sync=cfg.vertical_sync,
-                    timeout_s=cfg.timeout_s, seed=cfg.seed)
+                    timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s)
     test = _batches(xt, yt, 256, None, None)
     bar = None
     if rank == 0 and cfg.progress:
@@ -298,20 +306,39 @@ def _worker(rank: int, prep: Prepared) -> dict[str, Any] | None:
         bar = tqdm(total=cfg.epochs * n, unit="mb", desc=f"train {cfg.model} [{prep.plan.summary}, {cfg.schedule}]",
                    dynamic_ncols=True)
     history: list[dict[str, Any]] = []
-    start = 0
+    start, start_mb, partial = 0, 0, {"losses": [], "seconds": 0.0}
     if prep.resume_from is not None:
         extra = pipe.load_checkpoint(prep.resume_from)  # collective; verified on every rank
         start, history = int(extra["epoch"]), list(extra["history"])
+        start_mb = int(extra.get("minibatch", 0))  # inside epoch `start` (--checkpoint-every)
+        partial = dict(extra.get("partial") or partial)
         if bar is not None:
-            bar.update(start * bar.total // cfg.epochs)
+            bar.update(start * bar.total // cfg.epochs + start_mb)
     trace = None
     for epoch in range(start, cfg.epochs):
         batches = _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch)
-        t0 = time.perf_counter()
-        loss = pipe.fit(batches, epochs=1)[0]
-        seconds = time.perf_counter() - t0
+        every = cfg.checkpoint_every or len(batches)
+        first = start_mb if epoch == start else 0
+        losses: list[float] = list(partial["losses"]) if epoch == start else []
+        seconds = float(partial["seconds"]) if epoch == start else 0.0
+        # One schedule per chunk of `every` minibatches (the whole epoch by default): the
+        # pipeline drains at each chunk's end, so a checkpoint there is exact.
+        for lo in range(first, len(batches), every):
+            chunk = batches[lo: lo + every]
+            t0 = time.perf_counter()
+            losses += pipe.train_step(chunk)
+            seconds += time.perf_counter() - t0
+            if bar is not None:
+                bar.update(len(chunk))
+            done_mb = lo + len(chunk)
+            if done_mb < len(batches):
+                pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch, done_mb), epoch=epoch, minibatch=done_mb,
+                                     partial={"losses": losses, "seconds": seconds}, history=history,
+                                     config=asdict(cfg))
+        pipe.epochs_done += 1
+        loss = sum(losses) / len(losses)
         if epoch == cfg.epochs - 1:
-            trace = pipe.trace(dst=0)  # collective: the measured trace of the last epoch
+            trace = pipe.trace(dst=0)  # collective: the measured trace of the last schedule
         metrics = pipe.evaluate(test)
         samples = sum(len(b[1]) for b in batches)
         row = {"epoch": epoch + 1, "train_loss": loss, "test_loss": metrics["loss"],
@@ -319,10 +346,9 @@ def _worker(rank: int, prep: Prepared) -> dict[str, Any] | None:
                "samples_per_s": samples / seconds}
         history.append(row)
         # Collective, after the schedule returned: nothing in flight; exact to resume from.
-        pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch + 1), epoch=epoch + 1, history=history,
+        pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch + 1), epoch=epoch + 1, minibatch=0, history=history,
                              config=asdict(cfg))
         if bar is not None:
-            bar.update(len(batches))
             acc = row["test_accuracy"]
             bar.set_postfix(loss=f"{loss:.3f}", acc="-" if acc is None else f"{acc:.3f}",
                             samples_s=f"{row['samples_per_s']:.0f}")
@@ -416,12 +442,15 @@ def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        from .runtime.launch import init_from_env
+
+        init_from_env("nccl" if torch.cuda.is_available() else "gloo", max(cfg.timeout_s, 60.0))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.workers = world
     box: list[Any] = [None]
     if rank == 0:
         try:
+            _resume_after_restart(cfg)
             box[0] = prepare(cfg)
         except Exception as exc:  # tell the other ranks, then fail here
             box[0] = exc
@@ -429,8 +458,27 @@ def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
     if isinstance(box[0], Exception):
         raise box[0]
     prep: Prepared = box[0]
+    if prep.resume_from is not None:
+        log.warning("rank %d: resuming from %s", rank, prep.resume_from)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     result = _worker(rank, prep)
+    # Leave together (as launch() does): a rank whose process exits while a peer's gloo work
+    # is still in flight can abort the peer ("terminate called without an active exception",
+    # seen after a resumed run).
+    dist.barrier()
+    dist.destroy_process_group()
     if rank != 0:
         return {}
     return _write_outputs(prep, result, Path(cfg.out))
+
+
+def _resume_after_restart(cfg: TrainConfig) -> None:
+    """Under ``torchrun --max-restarts``: a restarted attempt (TORCHELASTIC_RESTART_COUNT > 0)
+    continues from the newest verified checkpoint in OUT/checkpoints, as ``--resume`` would,
+    when there is one (a job that failed before its first checkpoint starts over)."""
+    from .runtime.checkpoint import latest_checkpoint
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0 and not cfg.resume and latest_checkpoint(Path(cfg.out) / "checkpoints") is not None:
+        log.warning("restart %d: resuming from the newest checkpoint in %s", restart, Path(cfg.out) / "checkpoints")
+        cfg.resume = True

@@ -13,6 +13,8 @@ With no options: the default CNN on scikit-learn's digits, one worker per core, 
 trace, checkpoint, report.json) go to --out; after every epoch the workers write an exact
 checkpoint into OUT/checkpoints/epoch_N/, and --resume continues from the newest complete one. Under torchrun the same command runs one worker per
 process: torchrun --nproc-per-node 4 -m torchpipedream train --model cnn
+With torchrun --max-restarts K a job whose worker died restarts and resumes from the newest
+checkpoint by itself (add --checkpoint-every N to lose at most N minibatches).
 """
 
 
@@ -54,6 +56,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete, verified checkpoint in OUT/checkpoints (written after "
                         "every epoch), with the same options; --epochs is the total to reach")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="also write an exact checkpoint every N minibatches inside an epoch (the pipeline "
+                        "drains there: one schedule per N minibatches); under torchrun --max-restarts a "
+                        "restarted job resumes from the newest checkpoint by itself")
+    p.add_argument("--failure-timeout", dest="failure_timeout_s", type=float, default=d.failure_timeout_s,
+                   help="when a worker fails, the deadline of each step the others take to stop "
+                        "(reporting and reading the failure; they stop within milliseconds per stage "
+                        "when the failed worker's connections close) (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(handler=_handle)
 

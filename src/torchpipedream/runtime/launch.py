@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["launch", "LaunchError", "free_port"]
+__all__ = ["launch", "LaunchError", "free_port", "init_from_env"]
 
 
 class LaunchError(RuntimeError):
@@ -41,6 +41,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def init_from_env(backend: str, timeout_s: float) -> None:
+    """``dist.init_process_group`` from the environment (torchrun's or :func:`launch`'s).
+
+    Under torchrun the workers share the agent's key-value store (TORCHELASTIC_USE_AGENT_STORE),
+    which outlives a restart: measured with torch 2.13 and ``--max-restarts``, restarted
+    workers sometimes read the previous attempt's gloo addresses from it and fail with
+    "connectFullMesh failed ... Connection refused". So each attempt gets its own key prefix
+    (TORCHELASTIC_RESTART_COUNT). Otherwise this is the plain ``env://`` initialisation.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefixed = dist.PrefixStore(f"torchpipedream/attempt_{attempt}/", store)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def _worker(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, port: int,

@@ -183,7 +183,9 @@ class Pipeline:
         if dist.is_available() and dist.is_initialized():
             return True
         if all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
-            dist.init_process_group(_default_backend(), timeout=datetime.timedelta(seconds=self.timeout_s))
+            from .launch import init_from_env
+
+            init_from_env(_default_backend(), self.timeout_s)
             return True
         if workers == 1:
             return False

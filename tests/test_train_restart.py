@@ -1,0 +1,58 @@
+"""`torchrun --max-restarts 1 ... torchpipedream train`: a worker killed mid-run is restarted
+with the others and the job resumes from the newest checkpoint by itself; the final weights
+equal an uninterrupted run's bit for bit (2 processes, gloo, the MLP on digits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchpipedream.runtime.launch import free_port
+
+ARGS = ["--model", "mlp", "--stages", "2", "--straight", "--schedule", "pipedream", "--optimizer", "momentum",
+        "--lr", "0.01", "--epochs", "2", "--max-minibatches", "10", "--checkpoint-every", "4", "--no-progress",
+        "--timeout", "30", "--failure-timeout", "5"]
+
+
+def torchrun(out: Path, fault: str | None, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TORCHPIPEDREAM_FAULT", None)
+    if fault:
+        env["TORCHPIPEDREAM_FAULT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "-m", "torchpipedream", "train", *ARGS, *extra, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=150)
+    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+@pytest.mark.timeout(200)
+def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) -> None:
+    straight = torchrun(tmp_path / "straight", None)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    # Rank 1 is SIGKILLed in the forward of minibatch 15 (epoch 2, after the checkpoint at 14).
+    # Same plan as the first run (planning from a fresh profile could cut elsewhere).
+    killed = torchrun(tmp_path / "killed", "rank=1,minibatch=15,mode=kill", "--plan",
+                      str(tmp_path / "straight" / "plan.json"))
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    log = killed.stdout + killed.stderr
+    assert "exitcode: -9" in log  # it really died, and torchrun restarted the group
+    assert "resuming from" in log and "epoch_1_plus_4mb" in log
+    assert "resuming from" not in straight.stdout + straight.stderr
+
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["state_dict"]
+    b = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["state_dict"]
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    ra = json.loads((tmp_path / "straight" / "report.json").read_text())["history"]
+    rb = json.loads((tmp_path / "killed" / "report.json").read_text())["history"]
+    assert [r["train_loss"] for r in ra] == [r["train_loss"] for r in rb]
+    assert [r["test_accuracy"] for r in ra] == [r["test_accuracy"] for r in rb]
