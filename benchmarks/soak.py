@@ -1,0 +1,149 @@
+"""Soak: 10,000 minibatches on 2 processes, memory flat after warm-up, weight versions in bounds.
+
+For each schedule kind (pipedream, and 2bw with 2 microbatches) a fresh pair of processes
+trains a small MLP (2 stages, SGD with momentum) for ``--minibatches`` minibatches, one schedule
+per ``--every`` minibatches (the pipeline is full for all of them, as ``fit`` keeps it for an
+epoch of that length). After each schedule every rank samples
+
+* its resident memory, VmRSS from /proc/self/status;
+* its stage's peak number of live weight versions so far
+  (``WeightVersions.max_versions_alive``, the newest version plus the stashes alive at any
+  optimizer step).
+
+The version bound is the schedule's semantics as the schedule validator states them
+(``validate.bounds``: pipedream keeps at most n − s versions at stage s, 0-indexed; 2bw two);
+it is not computed from the runtime under test. The same batches are reused by every
+schedule, so the data allocates nothing after the start: any growth is the runtime's.
+
+Fails (exit code 1) when a rank's RSS grows by more than ``--tolerance-mib`` between the end
+of warm-up (``--warmup`` minibatches) and any later sample, or when a stage ever held more
+versions than its bound. Prints a table and writes benchmarks/results/soak.json.
+
+    .venv/bin/python benchmarks/soak.py            # ~2-4 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchpipedream.plan import Plan
+from torchpipedream.runtime import Pipeline, launch
+from torchpipedream.validate import bounds
+
+RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
+BATCH, FEATURES, HIDDEN, CLASSES = 32, 64, 256, 10
+
+
+def vm_rss_mib() -> float:
+    """Current resident set size of this process in MiB (VmRSS)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+
+
+def stages() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN)),
+            nn.Sequential(nn.ReLU(), nn.Linear(HIDDEN, CLASSES))]
+
+
+def plan_for(kind: str, m: int) -> Plan:
+    return Plan.straight([["first"], ["second"]], schedule=kind, microbatches=m)
+
+
+def soak_worker(rank: int, kind: str, m: int, total: int, every: int) -> dict:
+    torch.set_num_threads(1)
+    plan = plan_for(kind, m)
+    pipe = Pipeline(stages(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                    loss_fn=nn.CrossEntropyLoss(), microbatches=m if kind != "pipedream" else None, timeout_s=120)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(BATCH, FEATURES, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
+               for _ in range(every)]
+    start_rss = vm_rss_mib()
+    samples = []
+    t0 = time.perf_counter()
+    for i in range(total // every):
+        losses = pipe.train_step(batches)
+        samples.append({"minibatches": (i + 1) * every, "rss_mib": round(vm_rss_mib(), 2),
+                        "max_versions_alive": pipe.weights.max_versions_alive,
+                        "seconds": round(time.perf_counter() - t0, 2), "loss": sum(losses) / len(losses)})
+    return {"rank": rank, "stage": pipe.stage, "start_rss_mib": round(start_rss, 2), "samples": samples}
+
+
+def check(kind: str, m: int, ranks: list[dict], warmup: int, tolerance: float) -> list[str]:
+    """Problems found in one kind's run (empty when it passed)."""
+    problems = []
+    bound = bounds(plan_for(kind, m), kind, m)
+    for r in ranks:
+        allowed = bound[r["stage"]][0]
+        peak = max(s["max_versions_alive"] for s in r["samples"])
+        r["version_bound"], r["versions_peak"] = allowed, peak
+        if peak > allowed:
+            problems.append(f"{kind} rank {r['rank']} (stage {r['stage']}): {peak} weight versions alive, "
+                            f"the schedule allows {allowed}")
+        after = [s for s in r["samples"] if s["minibatches"] >= warmup]
+        base = after[0]["rss_mib"]
+        growth = max(s["rss_mib"] for s in after) - base
+        r["rss_after_warmup_mib"], r["rss_growth_mib"] = base, round(growth, 2)
+        if growth > tolerance:
+            problems.append(f"{kind} rank {r['rank']}: RSS grew {growth:.1f} MiB after warm-up "
+                            f"({base:.1f} -> {max(s['rss_mib'] for s in after):.1f}), tolerance {tolerance:g} MiB")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minibatches", type=int, default=10_000)
+    ap.add_argument("--every", type=int, default=500, help="minibatches per schedule and per sample")
+    ap.add_argument("--warmup", type=int, default=1_000, help="minibatches before the memory baseline")
+    ap.add_argument("--tolerance-mib", type=float, default=8.0, help="allowed RSS growth after warm-up per rank")
+    ap.add_argument("--kinds", default="pipedream,2bw")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if args.minibatches % args.every or args.warmup >= args.minibatches:
+        ap.error("--minibatches must be a multiple of --every and larger than --warmup")
+
+    runs, problems = {}, []
+    for kind in args.kinds.split(","):
+        m = 2 if kind in ("2bw", "flush", "gpipe") else 1
+        t0 = time.perf_counter()
+        ranks = launch(soak_worker, 2, kind, m, args.minibatches, args.every, return_all=True, timeout_s=3600)
+        wall = time.perf_counter() - t0
+        problems += check(kind, m, ranks, args.warmup, args.tolerance_mib)
+        runs[kind] = {"microbatches": m, "wall_s": round(wall, 1), "ranks": ranks}
+
+    print(f"soak: {args.minibatches} minibatches of {BATCH} on 2 processes, RSS sampled every {args.every}; "
+          f"baseline after {args.warmup}; tolerance {args.tolerance_mib:g} MiB")
+    head = f"{'kind':<10} {'rank':>4} {'stage':>5} {'RSS start':>10} {'after warm-up':>14} {'end':>8} " \
+           f"{'max growth':>11} {'versions':>9} {'bound':>6} {'wall s':>7}"
+    print(head)
+    print("-" * len(head))
+    for kind, run in runs.items():
+        for r in run["ranks"]:
+            print(f"{kind:<10} {r['rank']:>4} {r['stage']:>5} {r['start_rss_mib']:>10.1f} "
+                  f"{r['rss_after_warmup_mib']:>14.1f} {r['samples'][-1]['rss_mib']:>8.1f} "
+                  f"{r['rss_growth_mib']:>11.2f} {r['versions_peak']:>9} {r['version_bound']:>6} {run['wall_s']:>7.1f}")
+    for kind, run in runs.items():
+        series = ", ".join(f"{s['rss_mib']:.1f}" for s in run["ranks"][0]["samples"])
+        print(f"{kind} rank 0 RSS every {args.every} (MiB): {series}")
+    result = {"config": vars(args), "python": platform.python_version(), "torch": torch.__version__,
+              "passed": not problems, "problems": problems, "runs": runs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    for p in problems:
+        print("FAIL:", p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
