@@ -141,7 +141,7 @@ def launch(
     comm_timeout_s: float | None = None,
     return_all: bool = False,
     threads: int = 1,
-    failure_grace_s: float = 5.0,
+    failure_grace_s: float = 3.0,
 ) -> Any:
     """Run ``fn(rank, *args)`` on ``nprocs`` local processes; return rank 0's result.
 

@@ -442,14 +442,15 @@ class Pipeline:
         mine = self.stage_state_dict() if self.replica == 0 else {}
         if not self.distributed:
             return mine
-        if dst is None:
-            parts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
-            dist.gather_object(mine, parts, dst=dst)
-            if self.rank != dst:
-                return None
+        with self._failure_guard("gathering the state"):
+            if dst is None:
+                parts: list[Any] = [None] * self.world_size
+                dist.all_gather_object(parts, mine)
+            else:
+                parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
+                dist.gather_object(mine, parts, dst=dst)
+        if dst is not None and self.rank != dst:
+            return None
         full: dict[str, torch.Tensor] = {}
         for p in parts:
             full.update(p)
@@ -485,14 +486,15 @@ class Pipeline:
             meta.update(minibatches=self.last_schedule.minibatches, microbatches=self.last_schedule.microbatches)
         if not self.distributed:
             return Trace(list(self._events), meta=meta)
-        if dst is None:
-            parts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, self._events)
-        else:
-            parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
-            dist.gather_object(self._events, parts, dst=dst)
-            if self.rank != dst:
-                return None
+        with self._failure_guard("gathering the trace"):
+            if dst is None:
+                parts: list[Any] = [None] * self.world_size
+                dist.all_gather_object(parts, self._events)
+            else:
+                parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
+                dist.gather_object(self._events, parts, dst=dst)
+        if dst is not None and self.rank != dst:
+            return None
         events = [e for p in parts for e in p]
         events.sort(key=lambda e: (e.start_s, e.rank))
         return Trace(events, meta=meta)
