@@ -56,3 +56,16 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
     rb = json.loads((tmp_path / "killed" / "report.json").read_text())["history"]
     assert [r["train_loss"] for r in ra] == [r["train_loss"] for r in rb]
     assert [r["test_accuracy"] for r in ra] == [r["test_accuracy"] for r in rb]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint-every", "0"], "--checkpoint-every must be a positive number of minibatches"),
+    (["--failure-timeout", "0"], "--failure-timeout must be a positive number of seconds"),
+])
+def test_bad_reliability_options_are_refused_before_any_worker_starts(argv, message, tmp_path: Path, capsys) -> None:
+    from torchpipedream.cli import main
+
+    rc = main(["train", "--out", str(tmp_path / "x"), "--no-progress", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
