@@ -141,5 +141,6 @@ def test_comm_failures_are_told_from_own_failures():
     assert is_comm_failure(CommTimeout("x", peer=1, closed=True))
     assert is_comm_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
     assert not is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_comm_failure(RuntimeError("reading the data timed out"))  # the user's own failure
     assert not is_comm_failure(ValueError("bad"))
     assert not is_comm_failure(PipelineFailure("rank 2 (stage 2) failed"))

@@ -59,9 +59,11 @@ FAULT_ENV = "TORCHPIPEDREAM_FAULT"
 _CLOSE_TAG = 97
 T = TypeVar("T")
 
-# Phrases in gloo's and c10d's errors that mean "the other side is gone or did not answer".
-_COMM_PHRASES = ("connection closed", "connection reset", "read error", "write error", "timed out",
-                 "pair closure", "broken pipe", "did not complete within", "socket", "gloo")
+# Phrases of torch.distributed's own errors (gloo, NCCL, c10d, the gradient all-reduce's
+# deadline) that mean "the other side is gone or did not answer"; kept specific so that a
+# user's error mentioning a timeout is still reported as this rank's own failure.
+_COMM_PHRASES = ("gloo", "nccl", "processgroup", "connection closed", "connection reset", "pair closure",
+                 "gradient all-reduce did not complete")
 
 
 class PipelineFailure(RuntimeError):
