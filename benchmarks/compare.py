@@ -116,7 +116,8 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
     from torchpipedream.profiler import profile
     from torchpipedream.schedules import build_schedule
     from torchpipedream.simulate import Costs, simulate
-    from torchpipedream.topology import Topology, measure_copy_bandwidth, measure_message_overhead
+    from torchpipedream.topology import (Topology, measure_concurrency_slowdown, measure_copy_bandwidth,
+                                         measure_message_overhead)
 
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
@@ -126,12 +127,15 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
                     optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
     plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
     sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)
-    # This host's per-message cost (LogP's o, at the size of one cut's message) and copy
-    # bandwidth (for the copy on update of a stashed version, at a stage's weight size).
+    # This host's per-message cost (LogP's o, at the size of one cut's message), copy bandwidth
+    # (for the copy on update of a stashed version, at a stage's weight size) and slowdown of
+    # `workers` processes computing at once.
     cut = max((st.output_bytes for st in plan.stages[:-1]), default=0) // m
     overhead = measure_message_overhead(int(cut)) if plan.num_stages > 1 else 0.0
     copy_bw = measure_copy_bandwidth(max(st.parameter_bytes for st in plan.stages))
-    sim = simulate(sched, Costs.from_plan(plan, microbatches=m, message_overhead_s=overhead, copy_Bps=copy_bw))
+    slowdown = measure_concurrency_slowdown(workers)  # the profile ran alone; the workers run together
+    sim = simulate(sched, Costs.from_plan(plan, microbatches=m, message_overhead_s=overhead, copy_Bps=copy_bw,
+                                          compute_slowdown=slowdown))
     predicted = 16 * work.batch_size / sim.makespan_s
     return plan, predicted
 

@@ -2,8 +2,9 @@
 
 For each schedule kind: profile the model (one CPU thread) as the schedule runs it (at the
 microbatch size, with the SGD update timed as the runtime makes it), measure this host's
-message overhead (gloo isend / irecv, LogP's o) at the activation size and its memory copy
-bandwidth at a stage's weight size, plan it on 2 local workers (straight, 2 stages),
+message overhead (the runtime's pack + gloo isend, irecv + unpack: LogP's o) at the
+activation size, its memory copy bandwidth at a stage's weight size and how much slower two
+processes compute together than one alone, plan it on 2 local workers (straight, 2 stages),
 simulate the schedule with those costs, then run the same schedule with the runtime on 2
 local processes (gloo) and compare minibatches per second. The ratio measured / predicted is
 the figure of merit (target >= 0.85). A second ratio uses the simulator with the compute the
@@ -35,8 +36,8 @@ from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.comm import pack, unpack
 from torchpipedream.schedules import build_schedule
 from torchpipedream.simulate import Costs, simulate
-from torchpipedream.topology import (Topology, measure_copy_bandwidth, measure_loopback_bandwidth,
-                                     measure_message_overhead)
+from torchpipedream.topology import (Topology, measure_concurrency_slowdown, measure_copy_bandwidth,
+                                     measure_loopback_bandwidth, measure_message_overhead)
 
 BATCH = 64
 
@@ -103,9 +104,11 @@ def main() -> None:
     ap.add_argument("--kinds", default="pipedream,flush,gpipe")
     ap.add_argument("--minibatches", type=int, default=24)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (the fastest counts)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="profile + predict + run this many times per kind, interleaved (the machine drifts)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "runtime_vs_sim.json"))
-    ap.add_argument("--trace-dir", default=None, help="save each measured trace here as <kind>.json")
+    ap.add_argument("--trace-dir", default=None, help="save each measured trace here as <kind>_<round>.json")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -115,7 +118,7 @@ def main() -> None:
     rows = []
     print(f"model: mlp512x7, batch {BATCH}; loopback bandwidth {bw / 1e9:.2f} GB/s")
     print(f"{'kind':10} {'m':>2} {'N':>3} {'predicted mb/s':>15} {'measured mb/s':>14} {'ratio':>6}  split")
-    for kind in args.kinds.split(","):
+    for kind, round_ in [(k, r) for r in range(args.rounds) for k in args.kinds.split(",")]:
         m = 1 if kind in ("pipedream", "naive") else args.microbatches
         # Profiled as the schedule runs it: microbatches of BATCH/m samples (small GEMMs are
         # less efficient than 1/m of a large one) and the update as the runtime makes it.
@@ -125,8 +128,9 @@ def main() -> None:
         sched = build_schedule(plan, kind, minibatches=args.minibatches)
         overhead = measure_message_overhead(int(plan.stages[0].output_bytes // m))
         copy_bw = measure_copy_bandwidth(max(st.parameter_bytes for st in plan.stages))
+        slowdown = measure_concurrency_slowdown(2)
         costs = Costs.from_plan(plan, sched.microbatches, bandwidth_fn=None, bandwidth_Bps=bw, latency_s=0.0,
-                                message_overhead_s=overhead, copy_Bps=copy_bw)
+                                message_overhead_s=overhead, copy_Bps=copy_bw, compute_slowdown=slowdown)
         fwd, bwd, step_s = costs.forward_s, costs.backward_s, costs.step_s
         sim = simulate(sched, costs)
         res = launch(worker, 2, plan, kind, args.minibatches, m, args.repeats, timeout_s=600)
@@ -148,7 +152,7 @@ def main() -> None:
         measured = args.minibatches / res["makespan_s"]
         split = [len(s.layers) for s in plan.stages]
         rows.append({
-            "kind": kind, "microbatches": m, "minibatches": args.minibatches, "split_layers": split,
+            "kind": kind, "round": round_, "microbatches": m, "minibatches": args.minibatches, "split_layers": split,
             "predicted_minibatches_per_s": predicted, "measured_minibatches_per_s": measured,
             "ratio": measured / predicted, "predicted_makespan_s": sim.makespan_s,
             "predicted_with_measured_compute_minibatches_per_s": predicted_got,
@@ -156,7 +160,7 @@ def main() -> None:
             "measured_makespans_s": res["all_makespans_s"],
             "microbatch_forward_ms": [f * 1e3 for f in fwd], "microbatch_backward_ms": [b * 1e3 for b in bwd],
             "step_ms": [u * 1e3 for u in step_s], "message_overhead_us": overhead * 1e6,
-            "copy_GBps": copy_bw / 1e9,
+            "copy_GBps": copy_bw / 1e9, "compute_slowdown": slowdown,
             "cpu_share": res["cpu_share"], "busy_share": res["busy_share"],
             "pack_unpack_us": res["protocol_s"] * 1e6, "header_and_padding_bytes": res["header_bytes"],
             "activation_bytes": res["activation_bytes"],
@@ -170,7 +174,8 @@ def main() -> None:
         for st in range(2):
             for k, planned in (("F", costs.forward_s[st] * 1e3), ("B", costs.backward_s[st] * 1e3)):
                 d = [e.duration_s * 1e3 for e in trace.events if e.stage == st and e.kind == k]
-                print(f"    stage {st} {k}: measured {statistics.median(d):6.2f} ms, profiled {planned:6.2f} ms")
+                print(f"    stage {st} {k}: measured {statistics.median(d):6.2f} ms, profiled {planned:6.2f} ms "
+                      f"(× {slowdown:.2f} for two at once: {planned * slowdown:6.2f} ms)")
             u = [e.duration_s * 1e3 for e in trace.events if e.stage == st and e.kind == "U"]
             u_sim = [e.duration_s * 1e3 for e in sim.trace.events if e.stage == st and e.kind == "U"]
             print(f"    stage {st} U: measured {statistics.median(u):6.2f} ms, predicted {statistics.median(u_sim):6.2f} ms")
@@ -181,12 +186,20 @@ def main() -> None:
                           f"predicted {overhead * 1e3:.2f} ms + waiting)")
         if args.trace_dir:
             Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-            res["trace"].save(Path(args.trace_dir) / f"{kind}.json")
+            res["trace"].save(Path(args.trace_dir) / f"{kind}_{round_}.json")
     for r in rows:
         print(f"{r['kind']}: message protocol costs {r['pack_unpack_us']:.0f} us (pack + unpack) and "
               f"{r['header_and_padding_bytes']} bytes of header/padding per {r['activation_bytes'] / 1024:.0f} KiB activation")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "loopback_Bps": bw, "threads": 1,
+    summary = {}
+    print(f"{'kind':10} {'rounds':>6} {'median ratio':>13} {'min':>5} {'max':>5}  (measured / predicted)")
+    for kind in args.kinds.split(","):
+        ratios = sorted(r["ratio"] for r in rows if r["kind"] == kind)
+        summary[kind] = {"median_ratio": statistics.median(ratios), "min_ratio": ratios[0], "max_ratio": ratios[-1],
+                         "median_ratio_vs_measured_compute": statistics.median(
+                             r["ratio_vs_measured_compute"] for r in rows if r["kind"] == kind)}
+        print(f"{kind:10} {len(ratios):>6} {statistics.median(ratios):>13.2f} {ratios[0]:>5.2f} {ratios[-1]:>5.2f}")
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows, "loopback_Bps": bw, "threads": 1,
                                           "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
                                           "cpu_count": __import__("os").cpu_count()}, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -436,3 +436,21 @@ def test_microbatches_profile_one_microbatch_times_their_number():
     assert set(_SEEN_BATCH) == {3}
     with pytest.raises(ProfilerError, match="cannot be split into 4 microbatches"):
         profile(_WithPerCallOp(), torch.randn(2, 16), warmup=0, iters=1, microbatches=4)
+
+
+class _FixedCostSGD(torch.optim.SGD):
+    """SGD whose step costs a fixed 5 ms per call, however many parameters it updates."""
+
+    def step(self, closure=None):
+        time.sleep(0.005)
+        return super().step(closure)
+
+
+def test_optimizer_time_counts_the_fixed_cost_of_a_step_once_per_update():
+    # 3 layers with weights: timed one by one, each step pays the 5 ms; a stage (or the whole
+    # model) pays it once per update, and the per-layer shares must add up to that.
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    g = profile(model, torch.randn(4, 8), warmup=1, iters=3, optimizer=lambda ps: _FixedCostSGD(ps, lr=0.1))
+    total = g.totals()["optimizer_ms"]
+    assert 5.0 <= total < 2 * 5.0
+    assert all(l.optimizer_ms > 0 for l in g.layers if l.parameter_bytes)

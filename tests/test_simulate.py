@@ -341,3 +341,16 @@ def test_message_overhead_is_charged_to_both_ranks() -> None:
     assert res.makespan_s == pytest.approx(2 * (F + B) + 4 * o)
     base = simulate(build_schedule(straight(2), "pipedream", minibatches=1), equal(2, bandwidth_Bps=float("inf")))
     assert base.makespan_s == pytest.approx(2 * (F + B))
+
+
+def test_compute_slowdown_scales_compute_and_updates_not_transfers() -> None:
+    # flush on 2 stages, one batch of 2 microbatches: (m + p − 1)(F + B) of compute plus the
+    # update; with workers k times slower every F, B and U takes k times longer.
+    n, k, step = 2, 1.5, 0.5
+    sched = build_schedule(straight(n), "flush", minibatches=1, microbatches=2)
+    base = simulate(sched, equal(n, step_s=step, bandwidth_Bps=float("inf")))
+    slow = simulate(sched, equal(n, step_s=step, bandwidth_Bps=float("inf"), compute_slowdown=k))
+    assert base.makespan_s == pytest.approx(3 * (F + B) + step)
+    assert slow.makespan_s == pytest.approx(k * base.makespan_s)
+    with pytest.raises(SimulationError, match="compute_slowdown"):
+        simulate(sched, equal(n, compute_slowdown=0.5))

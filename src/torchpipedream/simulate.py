@@ -78,6 +78,9 @@ class Costs:
         copy_Bps: memory copy bandwidth for the copy on update of a stashed version (bytes/s).
         message_overhead_s: CPU time a send or a receive takes from its rank (LogP's o), on
             top of the link's latency and bandwidth; e.g. ``measure_message_overhead``.
+        compute_slowdown: factor on every F, B and U: workers that share a host compute slower
+            together than the one process that was profiled (``measure_concurrency_slowdown``;
+            1.0 for a device per worker).
     """
 
     forward_s: list[float]
@@ -92,6 +95,7 @@ class Costs:
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
     copy_Bps: float = DEFAULT_COPY_BPS
     message_overhead_s: float = 0.0
+    compute_slowdown: float = 1.0
 
     @classmethod
     def from_plan(cls, plan: Plan, microbatches: int = 1, **overrides: Any) -> "Costs":
@@ -145,6 +149,8 @@ class Costs:
             raise SimulationError(f"costs.step_s has {len(steps)} entries but the plan has {n} stages")
         if self.latency_s < 0 or any(not x >= 0 for x in steps):
             raise SimulationError("costs.latency_s and costs.step_s must be >= 0")
+        if not 1.0 <= self.compute_slowdown < math.inf:
+            raise SimulationError(f"costs.compute_slowdown must be a finite number >= 1, got {self.compute_slowdown!r}")
         if not self.message_overhead_s >= 0:
             raise SimulationError(f"costs.message_overhead_s must be >= 0, got {self.message_overhead_s!r}")
         if not self.copy_Bps > 0:
@@ -258,10 +264,12 @@ def stash_copies(actions: list[Action]) -> set[int]:
 def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     """The event loop: advance any rank that can run until all lists are done."""
     plan = schedule.plan
-    fwd, bwd, outb = costs.forward_s, costs.backward_s, costs.output_bytes or [0.0] * plan.num_stages
+    slow = costs.compute_slowdown
+    fwd, bwd = [f * slow for f in costs.forward_s], [b * slow for b in costs.backward_s]
+    outb = costs.output_bytes or [0.0] * plan.num_stages
     params = costs.parameter_bytes or [0.0] * plan.num_stages
     lat, ovh = costs.latency_s, costs.message_overhead_s
-    step_s = costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * plan.num_stages
+    step_s = [u * slow for u in (costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * plan.num_stages)]
     F, B, SA, RA, SG, RG, AR, U = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT,
                                    Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.OPTIMIZER_STEP)
     stage_of = {r: plan.stage_of_rank(r) for r in schedule.actions}

@@ -387,12 +387,14 @@ def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeo
 
 
 def measure_message_overhead(nbytes: int = 64 * 2**10, repeats: int = 50, timeout_s: float = 60.0) -> float:
-    """Seconds of CPU a gloo message of ``nbytes`` costs each of two local processes (LogP's o).
+    """Seconds of CPU one activation message of ``nbytes`` costs each of two local processes
+    (LogP's o), sent the way the runtime sends it.
 
-    The median time the calling thread spends in ``isend`` (sender) and in posting the
-    matching ``irecv`` (receiver), averaged over the two sides: what the simulator's
-    ``Costs.message_overhead_s`` charges on each side of every message. Small messages on a
-    CPU are dominated by this, not by bandwidth.
+    The sender packs the message (runtime.comm.pack) and calls ``isend``; the receiver posts
+    the ``irecv`` ahead of time and unpacks after arrival. Each is timed after other compute
+    (profiler.disturb_caches), as in a pipeline, and the medians of the two sides are
+    averaged: what the simulator's ``Costs.message_overhead_s`` charges on each side of
+    every message. Small messages on a CPU are dominated by this, not by bandwidth.
     """
     return float(_run_pair(_overhead_worker, nbytes, repeats, timeout_s, "message overhead"))
 
@@ -420,6 +422,43 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float
         return src.numel() * 4 / statistics.median(times[2:])
     finally:
         torch.set_num_threads(old)
+
+
+def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5) -> float:
+    """How much slower each of ``workers`` one-thread processes computes when they all run at
+    once on this host than one process alone (>= 1; 1.0 = fully independent cores).
+
+    A profile is taken by one process; a pipeline of N local workers computes N at a time,
+    sharing caches, memory bandwidth and perhaps the hyperthreads of one core. On the 2-core
+    development machine the run's forwards and backwards took 10-40% longer than their
+    profile, so predictions for local workers scale compute by this factor
+    (``Costs.compute_slowdown``). The work is stage-like: 64×512 by 512×512 matrix products.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        pool.map(_gemm_rate, [0.05] * workers)  # start-up and first-call costs out of the way
+        alone = pool.apply(_gemm_rate, (seconds,))
+        together = pool.map(_gemm_rate, [seconds] * workers)
+    mean_together = sum(together) / len(together)
+    return max(1.0, alone / mean_together) if mean_together > 0 else math.inf
+
+
+def _gemm_rate(seconds: float) -> float:
+    """Stage-like matrix products per second on one thread for ``seconds``."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g) * 0.04
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        x = torch.relu(x @ w) + 0.01
+        n += 1
+    return n / (time.perf_counter() - t0)
 
 
 def _run_pair(target: Any, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
@@ -454,22 +493,34 @@ def _overhead_worker(rank: int, port: int, nbytes: int, repeats: int, queue: Any
     import torch
     import torch.distributed as dist
 
+    from .profiler import disturb_caches
+    from .runtime.comm import pack, post_recv, post_send, unpack
+
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        cpu = torch.device("cpu")
+        act = torch.randn(max(1, nbytes // 4))
+        size = pack(1, [act], [], cpu).numel()
         calls = []
         for i in range(repeats + 5):
-            if rank == 1:
+            buf = torch.empty(size, dtype=torch.uint8)
+            disturb_caches()
+            if rank == 1:  # the receiver posts early (the runtime prefetches), then unpacks
                 t0 = time.perf_counter()
-                work = dist.irecv(buf, src=0)
+                work = post_recv(buf, 0, 0)
                 took = time.perf_counter() - t0
             dist.barrier()
-            if rank == 0:
+            if rank == 0:  # the sender packs and sends, as an SA does
                 t0 = time.perf_counter()
-                work = dist.isend(buf, dst=1)
+                work = post_send(pack(1, [act], [], cpu), 1, 0)
                 took = time.perf_counter() - t0
             work.wait()
+            if rank == 1:
+                disturb_caches()
+                t0 = time.perf_counter()
+                unpack(buf)
+                took += time.perf_counter() - t0
             if i >= 5:
                 calls.append(took)
         both = [None, None]

@@ -205,7 +205,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     model = build_model(cfg)
     x, y, _, _ = load_data(cfg)
     graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
-                    name=cfg.model, optimizer=optimizer_factory(cfg))
+                    name=cfg.model, optimizer=optimizer_factory(cfg), microbatches=_microbatches(cfg))
     if saved_plan is not None:  # resume on the checkpoint's plan (re-planning could pick another)
         try:
             saved_plan.validate(layer_names=graph.names, world_size=workers)
