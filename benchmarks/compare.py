@@ -110,8 +110,14 @@ def tpd_model(work: Workload, split_parts: int) -> nn.Module:
     return split_wide_layers(model, split_parts) if split_parts > 1 else model
 
 
-def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1):
-    """Profile in this process (1 thread), plan with the planner, predict with the simulator."""
+def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1,
+             profiles: int = 3):
+    """Profile in this process (1 thread), plan with the planner, predict with the simulator.
+
+    This machine's speed drifts by 20-30% within minutes, so the plan comes from the first
+    profile and the prediction is the median over ``profiles`` independent predictions of
+    that plan (each with its own profile and host measurements), not one sample.
+    """
     from torchpipedream.planner import plan as make_plan
     from torchpipedream.profiler import profile
     from torchpipedream.schedules import build_schedule
@@ -122,22 +128,29 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
     m = microbatches if schedule in ("2bw", "flush", "gpipe") else 1
-    # Profiled as the schedule runs the model: in microbatches of batch/m samples.
-    graph = profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
-                    optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
-    plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
-    sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)
-    # This host's per-message cost (LogP's o, at the size of one cut's message), copy bandwidth
-    # (for the copy on update of a stashed version, at a stage's weight size) and slowdown of
-    # `workers` processes computing at once.
-    cut = max((st.output_bytes for st in plan.stages[:-1]), default=0) // m
-    overhead = measure_message_overhead(int(cut)) if plan.num_stages > 1 else 0.0
-    copy_bw = measure_copy_bandwidth(max(st.parameter_bytes for st in plan.stages))
-    slowdown = measure_concurrency_slowdown(workers)  # the profile ran alone; the workers run together
-    sim = simulate(sched, Costs.from_plan(plan, microbatches=m, message_overhead_s=overhead, copy_Bps=copy_bw,
-                                          compute_slowdown=slowdown))
-    predicted = 16 * work.batch_size / sim.makespan_s
-    return plan, predicted
+    plan, sched, predictions = None, None, []
+    for _ in range(profiles):
+        # Profiled as the schedule runs the model: in microbatches of batch/m samples.
+        graph = profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
+        if plan is None:
+            plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
+            sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)
+        per_stage = {k: [sum(getattr(graph[n], k) for n in st.layers) / 1e3 for st in plan.stages]
+                     for k in ("forward_ms", "backward_ms", "optimizer_ms")}
+        # This host's per-message cost (LogP's o, at the size of one cut's message), copy
+        # bandwidth (for the copy on update of a stashed version, at a stage's weight size) and
+        # slowdown of `workers` processes computing at once (the profile ran alone).
+        cut = max((st.output_bytes for st in plan.stages[:-1]), default=0) // m
+        costs = Costs.from_plan(
+            plan, microbatches=m,
+            forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
+            step_s=per_stage["optimizer_ms"],
+            message_overhead_s=measure_message_overhead(int(cut)) if plan.num_stages > 1 else 0.0,
+            copy_Bps=measure_copy_bandwidth(max(st.parameter_bytes for st in plan.stages)),
+            compute_slowdown=measure_concurrency_slowdown(workers))
+        predictions.append(16 * work.batch_size / simulate(sched, costs).makespan_s)
+    return plan, statistics.median(predictions)
 
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,

@@ -116,3 +116,17 @@ def test_resume_without_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
     rc = main(["train", "--model", "mlp", "--workers", "2", "--out", str(tmp_path / "x"), "--resume", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "--resume: no complete checkpoint in" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(240)
+def test_a_failing_worker_ends_the_command_with_its_error_not_a_launcher_traceback(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    # rank 1 raises in the forward of its 5th minibatch (test fault injection, runtime/failures.py)
+    monkeypatch.setenv("TORCHPIPEDREAM_FAULT", "rank=1,minibatch=4,mode=raise")
+    out = tmp_path / "run"
+    rc = main(["train", "--workers", "2", "--stages", "2", "--epochs", "1", "--max-minibatches", "8",
+               "--out", str(out), "--no-progress", "--timeout", "60"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("torchpipedream train: training failed:")
+    assert "rank 1" in err and "--resume" in err

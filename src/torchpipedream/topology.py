@@ -474,8 +474,21 @@ def _run_pair(target: Any, nbytes: int, repeats: int, timeout_s: float, what: st
     procs = [ctx.Process(target=target, args=(r, port, nbytes, repeats, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
+    import queue as queues
+    import time
+
+    deadline = time.monotonic() + timeout_s
     try:
-        result = queue.get(timeout=timeout_s)
+        while True:  # poll, so that a process that dies is reported at once, not at the deadline
+            try:
+                result = queue.get(timeout=0.2)
+                break
+            except queues.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"a measuring process exited with code {dead[0]}" if dead else f"no answer in {timeout_s:g} s"
+                    raise RuntimeError(f"{what} measurement failed: {why} (run it from a script's "
+                                       "`if __name__ == '__main__':` block: it spawns processes)") from None
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from ..plan import SCHEDULE_KINDS
 
@@ -74,7 +75,16 @@ def _handle(args: argparse.Namespace) -> int:
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
-    report = run(cfg)
+    from ..runtime.launch import LaunchError
+
+    try:
+        report = run(cfg)
+    except LaunchError as exc:
+        # A worker failed: its own error and traceback are in the message; the launcher's
+        # stack on top of it would only bury them. Checkpoints written so far are kept.
+        print(f"torchpipedream train: training failed: {exc}\n"
+              f"checkpoints so far are in {cfg.out}/checkpoints; continue with --resume", file=sys.stderr)
+        return 1
     if report:  # under torchrun only rank 0 reports
         print(format_report(report))
     return 0
