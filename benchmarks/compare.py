@@ -2,8 +2,9 @@
 torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble).
 
 Same model, global batch, optimizer (SGD) and number of processes (2 by default, 1 thread
-each, gloo) for every row; rows of one model run interleaved in one invocation. For each row:
-samples/s (median of timed windows after warm-up), ratio to DDP, ratio to the perfect-scaling
+each, gloo) for every row; the rows of one model run in ``--passes`` interleaved passes (row 1,
+row 2, ..., row 1, row 2, ...) so that the machine's drift hits every row alike. For each row:
+samples/s (median over passes of the median timed window after warm-up), ratio to DDP, ratio to the perfect-scaling
 limit (processes × the one-thread single process), the simulator's predicted samples/s for
 torchpipedream's rows, and peak RSS per rank. A CPU probe (two concurrent single-thread
 processes against one) runs at the start and end; if they disagree by more than 15% the run is
@@ -20,18 +21,21 @@ Writes benchmarks/results/compare.json, compare.md and compare.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import Workload, cpu_probe, peak_rss_mb, run_ddp, run_single, run_torch_pipelining  # noqa: E402
+from peers import (Workload, cpu_probe, peak_rss_mb, run_ddp, run_single, run_torch_pipelining,  # noqa: E402
+                   training_rate)
 
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
@@ -140,7 +144,7 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
                      for k in ("forward_ms", "backward_ms", "optimizer_ms")}
         # This host's per-message cost (LogP's o, at the size of one cut's message), copy
         # bandwidth (for the copy on update of a stashed version, at a stage's weight size) and
-        # slowdown of `workers` processes computing at once (the profile ran alone).
+        # slowdown of `workers` copies of this model training side by side (the profile ran alone).
         cut = max((st.output_bytes for st in plan.stages[:-1]), default=0) // m
         costs = Costs.from_plan(
             plan, microbatches=m,
@@ -148,7 +152,8 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
             step_s=per_stage["optimizer_ms"],
             message_overhead_s=measure_message_overhead(int(cut)) if plan.num_stages > 1 else 0.0,
             copy_Bps=measure_copy_bandwidth(max(st.parameter_bytes for st in plan.stages)),
-            compute_slowdown=measure_concurrency_slowdown(workers))
+            compute_slowdown=measure_concurrency_slowdown(workers, seconds=1.0,
+                                                          rate=functools.partial(training_rate, work)))
         predictions.append(16 * work.batch_size / simulate(sched, costs).makespan_s)
     return plan, statistics.median(predictions)
 
@@ -182,37 +187,56 @@ def _peer_worker(rank: int, work: Workload, which: str, microbatches: int, warmu
 
 # ----------------------------------------------------------------------------- the run
 def compare_model(work: Workload, procs: int, microbatches: int, windows: int, per_window: int,
-                  split_parts: int = 1) -> list[dict]:
-    rows: list[dict] = []
-
-    def add(name: str, result: dict, predicted: float | None = None, plan: str = "") -> None:
-        rows.append({"model": work.name, "row": name, "samples_per_s": result["samples_per_s"],
-                     "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": result["peak_rss_mb"]})
-        print(f"  {work.name:<15} {name:<26} {result['samples_per_s']:9.1f} samples/s"
-              + (f"   predicted {predicted:9.1f}" if predicted else "") + (f"   [{plan}]" if plan else ""), flush=True)
-
-    add("single, 1 thread", run_single(work, 1, warmup=2, windows=windows, steps=3))
-    add(f"single, {procs} threads", run_single(work, procs, warmup=2, windows=windows, steps=3))
+                  split_parts: int = 1, passes: int = 2) -> list[dict]:
+    """Every row of one model, measured in ``passes`` interleaved passes (row 1, row 2, ...,
+    row 1, row 2, ...): the machine's speed drifts by 20-30% within minutes, and interleaving
+    spreads a slow spell over every row instead of the rows that happened to run in it. A
+    row's samples/s is the median over its passes of each pass's median window."""
     torch.set_num_threads(1)
-    add("torch DDP", launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900))
+    jobs: list[tuple[str, Any, float | None, str]] = [
+        ("single, 1 thread", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), None, ""),
+        (f"single, {procs} threads", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), None, ""),
+        ("torch DDP", lambda: launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900),
+         None, ""),
+    ]
     for s in TORCH_SCHEDULES:
-        try:
-            res = launch(_peer_worker, procs, work, s, microbatches, 2, windows, 3, timeout_s=900)
-        except Exception as exc:  # a peer that cannot run this model is reported, not fatal
-            print(f"  {work.name:<15} torch {s}: failed: {str(exc).splitlines()[0][:200]}", flush=True)
-            continue
-        add(f"torch.pipelining {s}", res)
+        jobs.append((f"torch.pipelining {s}", lambda s=s: launch(_peer_worker, procs, work, s, microbatches, 2,
+                                                                 windows, 3, timeout_s=900), None, ""))
     for s in TPD_SCHEDULES:
         plan, predicted = plan_for(work, procs, s, microbatches, split_parts)
-        try:
-            res = launch(_tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, split_parts,
-                         timeout_s=900)
-        except Exception as exc:  # reported as a failed row: the table must show it, not hide it
-            print(f"  {work.name:<15} torchpipedream {s}: FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
-            rows.append({"model": work.name, "row": f"torchpipedream {s}", "samples_per_s": 0.0, "failed": str(exc)[:500],
-                         "predicted_samples_per_s": predicted, "plan": plan.summary, "peak_rss_mb": []})
+        jobs.append((f"torchpipedream {s}", lambda s=s, plan=plan: launch(
+            _tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, split_parts, timeout_s=900),
+            predicted, plan.summary))
+    results: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
+    failed: dict[str, str] = {}
+    for pass_ in range(passes):
+        for name, run, predicted, plan in jobs:
+            if name in failed:
+                continue
+            try:
+                res = run()
+            except Exception as exc:  # a row that cannot run is reported as failed, not hidden
+                failed[name] = str(exc)[:500]
+                print(f"  {work.name:<15} {name}: FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
+                continue
+            torch.set_num_threads(1)
+            results[name].append(res)
+            print(f"  {work.name:<15} {name:<32} pass {pass_ + 1}: {res['samples_per_s']:9.1f} samples/s"
+                  + (f"   predicted {predicted:9.1f}" if predicted else "") + (f"   [{plan}]" if plan else ""),
+                  flush=True)
+    rows: list[dict] = []
+    for name, _, predicted, plan in jobs:
+        got = results[name]
+        if name in failed and not got:
+            if name.startswith("torchpipedream"):  # our own failures stay in the table
+                rows.append({"model": work.name, "row": name, "samples_per_s": 0.0, "failed": failed[name],
+                             "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": []})
             continue
-        add(f"torchpipedream {s}", res, predicted, plan.summary)
+        rss = [max(r["peak_rss_mb"][i] for r in got) for i in range(len(got[0]["peak_rss_mb"]))]
+        rows.append({"model": work.name, "row": name,
+                     "samples_per_s": statistics.median(r["samples_per_s"] for r in got),
+                     "passes_samples_per_s": [r["samples_per_s"] for r in got],
+                     "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": rss})
     ddp = next(r["samples_per_s"] for r in rows if r["row"] == "torch DDP")
     single1 = rows[0]["samples_per_s"]
     for r in rows:
@@ -261,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(WORKLOADS))
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--windows", type=int, default=3, help="timed windows per row and pass")
+    ap.add_argument("--passes", type=int, default=2, help="interleaved passes over all rows of a model")
     ap.add_argument("--per-window", type=int, default=16, help="minibatches per torchpipedream schedule")
     ap.add_argument("--split-wide", type=int, default=4, metavar="PARTS",
                     help="torchpipedream rows: split linear layers with >= 1024 outputs into PARTS column parts so "
@@ -275,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in WORKLOADS:
             ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
         rows += compare_model(WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window,
-                              args.split_wide)
+                              args.split_wide, args.passes)
     end = cpu_probe()
     print(f"CPU probe at end: {end:.2f}", flush=True)
     if abs(end - start) / max(start, end) > 0.15:

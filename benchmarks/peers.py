@@ -86,6 +86,23 @@ def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, 
     return {"samples_per_s": work.batch_size / statistics.median(times), "peak_rss_mb": [peak_rss_mb()]}
 
 
+def training_rate(work: Workload, seconds: float) -> float:
+    """Training steps per second of ``work`` on one thread for about ``seconds`` (the work of
+    ``measure_concurrency_slowdown``: how much slower two copies run side by side)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = work.build()
+    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    x, y = _batches(work, 0, 1)[0]
+    n, t0 = 0, time.perf_counter()
+    while n == 0 or time.perf_counter() - t0 < seconds:
+        opt.zero_grad(set_to_none=True)
+        work.loss_fn(model(x), y).backward()
+        opt.step()
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
 def _gather(value: float) -> list[float]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)

@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = [
     "Level",
@@ -424,7 +424,8 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float
         torch.set_num_threads(old)
 
 
-def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5) -> float:
+def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
+                                 rate: Callable[[float], float] | None = None) -> float:
     """How much slower each of ``workers`` one-thread processes computes when they all run at
     once on this host than one process alone (>= 1; 1.0 = fully independent cores).
 
@@ -432,15 +433,24 @@ def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5) -> floa
     sharing caches, memory bandwidth and perhaps the hyperthreads of one core. On the 2-core
     development machine the run's forwards and backwards took 10-40% longer than their
     profile, so predictions for local workers scale compute by this factor
-    (``Costs.compute_slowdown``). The work is stage-like: 64×512 by 512×512 matrix products.
+    (``Costs.compute_slowdown``). ``rate(seconds)`` is the work: a picklable function that
+    computes for about ``seconds`` and returns units of work per second. The default is
+    stage-like 64×512 by 512×512 matrix products; memory-bound models (convolutions) slow
+    down more, so pass one that trains the model itself when there is one.
     """
     import multiprocessing as mp
 
+    work = rate or _gemm_rate
     ctx = mp.get_context("spawn")
+    limit = 60.0 + 4 * seconds  # a pool whose workers cannot start would wait for ever
     with ctx.Pool(workers) as pool:
-        pool.map(_gemm_rate, [0.05] * workers)  # start-up and first-call costs out of the way
-        alone = pool.apply(_gemm_rate, (seconds,))
-        together = pool.map(_gemm_rate, [seconds] * workers)
+        try:
+            pool.map_async(work, [min(0.05, seconds)] * workers).get(limit)  # start-up costs out of the way
+            alone = pool.apply_async(work, (seconds,)).get(limit)
+            together = pool.map_async(work, [seconds] * workers).get(limit)
+        except mp.TimeoutError:
+            raise RuntimeError(f"concurrency measurement got no answer in {limit:g} s (run it from a script's "
+                               "`if __name__ == '__main__':` block: it spawns processes)") from None
     mean_together = sum(together) / len(together)
     return max(1.0, alone / mean_together) if mean_together > 0 else math.inf
 
