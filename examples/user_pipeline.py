@@ -54,6 +54,9 @@ def main() -> None:
     trace = pipe.trace(dst=0)  # the measured timeline of the last run (collective)
     if dist.get_rank() == 0:
         trace.save("user_pipeline_trace.json")  # torchpipedream timeline user_pipeline_trace.json --out t.png
+    # Leave together: a gloo group destroyed while a peer still talks to it can abort that
+    # peer ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
