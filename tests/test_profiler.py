@@ -383,59 +383,23 @@ def test_optimizer_step_is_timed_per_layer_on_copies():
     assert profile(model, x, warmup=0, iters=1).totals()["optimizer_ms"] == 0
 
 
-_SEEN_BATCH: list[int] = []
-
-
-class _PerCallCost(torch.autograd.Function):
-    """A fixed cost per call whatever the batch (like a small GEMM's overhead); records the batch."""
-
-    @staticmethod
-    def forward(ctx, x):
-        _SEEN_BATCH.append(x.shape[0])
-        time.sleep(0.004)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(0.004)
-        return grad
-
-
-def per_call_op(x):
-    return _PerCallCost.apply(x)
-
-
-torch.fx.wrap("per_call_op")
-
-
-class _WithPerCallOp(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return per_call_op(self.a(x))
-
-
 def test_microbatches_profile_one_microbatch_times_their_number():
+    # slow_op costs a fixed 10 ms forward / 25 ms backward per call, whatever the batch: each
+    # of 4 microbatches pays it, so the minibatch costs ~4x what one call of 8 samples does
     x = torch.randn(8, 16)
-    whole = profile(_WithPerCallOp(), x, warmup=0, iters=3)
-    _SEEN_BATCH.clear()
-    split = profile(_WithPerCallOp(), x, warmup=0, iters=3, microbatches=4)
-    assert set(_SEEN_BATCH) == {2}  # ran on one microbatch of 8/4 samples
-    # a fixed cost per call is paid by each of the 4 microbatches: ~4x the whole batch's
-    assert split["per_call_op"].forward_ms >= 4 * 4.0
-    assert whole["per_call_op"].forward_ms < 2 * 4.0 + 4.0
-    assert split["per_call_op"].backward_ms >= 4 * 4.0
+    whole = profile(_WithSlowOp(), x, warmup=0, iters=2)
+    split = profile(_WithSlowOp(), x, warmup=0, iters=2, microbatches=4)
+    assert split["slow_op"].output_shapes == [[2, 16]]  # ran on one microbatch of 8/4 samples
+    assert split["slow_op"].forward_ms >= 4 * 9.0 and split["slow_op"].backward_ms >= 4 * 23.0
+    assert whole["slow_op"].forward_ms < 2 * 10.0
     # the graph still describes one minibatch: its batch size and activation bytes
     assert split.batch_size == 8 and split.meta["microbatches"] == 4
     assert split["a"].activation_bytes == whole["a"].activation_bytes == 8 * 16 * 4
     # an uneven split profiles the largest microbatch; too few samples is a clear error
-    _SEEN_BATCH.clear()
-    profile(_WithPerCallOp(), torch.randn(10, 16), warmup=0, iters=1, microbatches=4)
-    assert set(_SEEN_BATCH) == {3}
+    uneven = profile(_WithSlowOp(), torch.randn(10, 16), warmup=0, iters=1, microbatches=4)
+    assert uneven["slow_op"].output_shapes == [[3, 16]]
     with pytest.raises(ProfilerError, match="cannot be split into 4 microbatches"):
-        profile(_WithPerCallOp(), torch.randn(2, 16), warmup=0, iters=1, microbatches=4)
+        profile(_WithSlowOp(), torch.randn(2, 16), warmup=0, iters=1, microbatches=4)
 
 
 class _FixedCostSGD(torch.optim.SGD):
