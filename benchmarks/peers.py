@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torchpipedream.topology import concurrent_rates
+
 
 @dataclass
 class Workload:
@@ -66,13 +68,14 @@ def _batches(work: Workload, seed: int, count: int) -> list[tuple[torch.Tensor, 
     return [work.make_batch(work.batch_size, g) for _ in range(count)]
 
 
-def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, steps: int = 3) -> dict:
-    """One process, ``threads`` intra-op threads, plain training."""
+def _plain_step(work: Workload, threads: int, batches: int) -> Callable[[], None]:
+    """One training step of ``work`` in this process per call (``threads`` intra-op threads),
+    cycling over ``batches`` fixed minibatches."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = work.build()
     opt = torch.optim.SGD(model.parameters(), lr=work.lr)
-    data = _batches(work, 0, 4)
+    data = _batches(work, 0, batches)
     i = [0]
 
     def step() -> None:
@@ -82,6 +85,12 @@ def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, 
         work.loss_fn(model(x), y).backward()
         opt.step()
 
+    return step
+
+
+def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, steps: int = 3) -> dict:
+    """One process, ``threads`` intra-op threads, plain training."""
+    step = _plain_step(work, threads, 4)
     times = _timed_windows(step, warmup, windows, steps)
     return {"samples_per_s": work.batch_size / statistics.median(times), "peak_rss_mb": [peak_rss_mb()]}
 
@@ -89,16 +98,10 @@ def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, 
 def training_rate(work: Workload, seconds: float) -> float:
     """Training steps per second of ``work`` on one thread for about ``seconds`` (the work of
     ``measure_concurrency_slowdown``: how much slower two copies run side by side)."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = work.build()
-    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
-    x, y = _batches(work, 0, 1)[0]
+    step = _plain_step(work, 1, 1)
     n, t0 = 0, time.perf_counter()
     while n == 0 or time.perf_counter() - t0 < seconds:
-        opt.zero_grad(set_to_none=True)
-        work.loss_fn(model(x), y).backward()
-        opt.step()
+        step()
         n += 1
     return n / (time.perf_counter() - t0)
 
@@ -198,12 +201,7 @@ def run_torch_pipelining(
 
 def cpu_probe(seconds: float = 0.5) -> float:
     """Work rate of two concurrent processes relative to one (≈2.0 on two free cores)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(2) as pool:
-        one = pool.apply(_spin, (seconds,))
-        two = pool.map(_spin, [seconds, seconds])
+    one, two = concurrent_rates(2, seconds, _spin)
     return sum(two) / one
 
 

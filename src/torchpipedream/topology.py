@@ -438,21 +438,27 @@ def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
     stage-like 64×512 by 512×512 matrix products; memory-bound models (convolutions) slow
     down more, so pass one that trains the model itself when there is one.
     """
+    alone, together = concurrent_rates(workers, seconds, rate or _gemm_rate)
+    mean_together = sum(together) / len(together)
+    return max(1.0, alone / mean_together) if mean_together > 0 else math.inf
+
+
+def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float]) -> tuple[float, list[float]]:
+    """``rate(seconds)`` in one spawned process alone, then in ``workers`` processes at once:
+    (rate alone, rates together). A warm-up call first keeps start-up costs out of both."""
     import multiprocessing as mp
 
-    work = rate or _gemm_rate
     ctx = mp.get_context("spawn")
     limit = 60.0 + 4 * seconds  # a pool whose workers cannot start would wait for ever
     with ctx.Pool(workers) as pool:
         try:
-            pool.map_async(work, [min(0.05, seconds)] * workers).get(limit)  # start-up costs out of the way
-            alone = pool.apply_async(work, (seconds,)).get(limit)
-            together = pool.map_async(work, [seconds] * workers).get(limit)
+            pool.map_async(rate, [min(0.05, seconds)] * workers).get(limit)
+            alone = pool.apply_async(rate, (seconds,)).get(limit)
+            together = pool.map_async(rate, [seconds] * workers).get(limit)
         except mp.TimeoutError:
             raise RuntimeError(f"concurrency measurement got no answer in {limit:g} s (run it from a script's "
                                "`if __name__ == '__main__':` block: it spawns processes)") from None
-    mean_together = sum(together) / len(together)
-    return max(1.0, alone / mean_together) if mean_together > 0 else math.inf
+    return alone, list(together)
 
 
 def _gemm_rate(seconds: float) -> float:
