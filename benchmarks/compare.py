@@ -122,12 +122,12 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
     profile and the prediction is the median over ``profiles`` independent predictions of
     that plan (each with its own profile and host measurements), not one sample.
     """
+    from torchpipedream.host_costs import measure_local_costs
     from torchpipedream.planner import plan as make_plan
     from torchpipedream.profiler import profile
     from torchpipedream.schedules import build_schedule
     from torchpipedream.simulate import Costs, simulate
-    from torchpipedream.topology import (Topology, measure_concurrency_slowdown, measure_copy_bandwidth,
-                                         measure_message_overhead)
+    from torchpipedream.topology import Topology
 
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
@@ -142,18 +142,14 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
             sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)
         per_stage = {k: [sum(getattr(graph[n], k) for n in st.layers) / 1e3 for st in plan.stages]
                      for k in ("forward_ms", "backward_ms", "optimizer_ms")}
-        # This host's per-message cost (LogP's o, at the size of one cut's message), copy
-        # bandwidth (for the copy on update of a stashed version, at a stage's weight size) and
-        # slowdown of `workers` copies of this model training side by side (the profile ran alone).
-        cut = max((st.output_bytes for st in plan.stages[:-1]), default=0) // m
+        # This host's terms, measured as the runtime pays them (host_costs.py): message
+        # overhead, copy bandwidth, all-reduces, and the slowdown of `workers` copies of this
+        # model training side by side (the profile ran alone).
         costs = Costs.from_plan(
             plan, microbatches=m,
             forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
             step_s=per_stage["optimizer_ms"],
-            message_overhead_s=measure_message_overhead(int(cut)) if plan.num_stages > 1 else 0.0,
-            copy_Bps=measure_copy_bandwidth(max(st.parameter_bytes for st in plan.stages)),
-            compute_slowdown=measure_concurrency_slowdown(workers, seconds=1.0,
-                                                          rate=functools.partial(training_rate, work)))
+            **measure_local_costs(plan, m, rate=functools.partial(training_rate, work)))
         predictions.append(16 * work.batch_size / simulate(sched, costs).makespan_s)
     return plan, statistics.median(predictions)
 

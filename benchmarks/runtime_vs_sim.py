@@ -36,8 +36,9 @@ from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.comm import pack, unpack
 from torchpipedream.schedules import build_schedule
 from torchpipedream.simulate import Costs, simulate
-from torchpipedream.topology import (Topology, measure_concurrency_slowdown, measure_copy_bandwidth,
-                                     measure_loopback_bandwidth, measure_message_overhead)
+from torchpipedream.host_costs import (measure_concurrency_slowdown, measure_copy_bandwidth,
+                                       measure_loopback_bandwidth, measure_message_overhead)
+from torchpipedream.topology import Topology
 
 BATCH = 64
 

@@ -99,6 +99,8 @@ def oracle(g: LayerGraph, counts: list[int], bws: list[float], *, schedule="pipe
                         a_in = cut[i - 1] if i > 0 else 0.0
                         d = -(-(total - ranks[s][0]) // m)
                         mem = max(mem, _memory(schedule, w, a_in, d, mu))
+                    if schedule in ("flush", "gpipe"):  # every minibatch fills and drains k stages
+                        t *= (mu + k - 1) / mu
                     best_mem_any = min(best_mem_any, mem)
                     if memory is None or mem <= memory:
                         best = min(best, t)
@@ -235,6 +237,24 @@ def test_big_weights_everywhere_give_a_straight_pipeline():
     p = plan(g, "16:10GB/s")
     assert p.summary == "straight ×16"
     assert p.noam == 16
+
+
+def test_flush_pays_its_fill_and_drain_so_depth_is_part_of_the_objective():
+    # Two equal layers with small weights (2 MB in all, a 2 ms all-reduce at 1 GB/s):
+    # pipelining them halves the bottleneck (30 ms, no all-reduce) and wins for pipedream; but
+    # flush with 4 microbatches fills and drains 2 stages every minibatch, (4 + 1)/4 · 30 =
+    # 37.5 ms, against data parallelism's (60 + 2)/2 = 31 ms with no bubble.
+    g = _chain([(30, 10**6, 10**3)] * 2)
+    assert plan(g, "2:1GB/s", schedule="pipedream").summary == "straight ×2"
+    p = plan(g, "2:1GB/s", schedule="flush", microbatches=4)
+    assert p.summary == "data parallel ×2"
+    assert p.predicted["time_per_minibatch_s"] * 1e3 == pytest.approx(31.0)
+    # forced to 2 stages, the prediction carries the bubble: 30 · 5/4
+    forced = plan(g, "2:1GB/s", schedule="flush", microbatches=4, num_stages=2)
+    assert forced.predicted["time_per_minibatch_s"] * 1e3 == pytest.approx(37.5)
+    # with heavy weights (an all-reduce of 1 GB) the bubble is the lesser cost again
+    heavy = _chain([(30, 10**9, 10**3)] * 2)
+    assert plan(heavy, "2:1GB/s", schedule="flush", microbatches=4).summary == "straight ×2"
 
 
 # ------------------------------------------------------------------ the Plan it returns

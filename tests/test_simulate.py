@@ -85,6 +85,25 @@ def test_allreduce_ring_cost() -> None:
     assert len(ars) == r and all(e.end_s == pytest.approx(3.0 + ring) for e in ars)
 
 
+def test_measured_allreduce_replaces_the_ring_formula() -> None:
+    # A stage whose all-reduce was measured (Costs.allreduce_s) is charged that time, not the
+    # formula's; an unreplicated stage (None) is charged nothing; bad entries are refused.
+    plan = Plan(stages=[Stage(layers=["a"], replicas=2, ranks=[0, 1]), Stage(layers=["b"], ranks=[2])])
+    costs = Costs(forward_s=[1.0, 1.0], backward_s=[2.0, 2.0], parameter_bytes=[8e6, 1.0], bandwidth_Bps=1e6,
+                  allreduce_s=[0.75, None])
+    res = simulate(build_schedule(plan, "pipedream", minibatches=2), costs)
+    ars = [e for e in res.trace.events if e.kind == "AR"]
+    assert {e.rank for e in ars} == {0, 1} and len(ars) == 2  # one update per replica (one minibatch each)
+    assert max(e.end_s for e in ars) - max(e.start_s for e in ars) == pytest.approx(0.75)  # from the last arrival
+    formula = simulate(build_schedule(plan, "pipedream", minibatches=2), Costs(
+        forward_s=[1.0, 1.0], backward_s=[2.0, 2.0], parameter_bytes=[8e6, 1.0], bandwidth_Bps=1e6))
+    assert formula.makespan_s > res.makespan_s + 7  # the ring moves 8 MB at 1 MB/s: 8 s, not 0.75 s
+    for bad, match in (([0.5], "2 stages"), ([-1.0, None], ">= 0")):
+        with pytest.raises(SimulationError, match=match):
+            simulate(build_schedule(plan, "pipedream", minibatches=2), Costs(
+                forward_s=[1.0, 1.0], backward_s=[2.0, 2.0], allreduce_s=bad))
+
+
 def test_allreduce_waits_for_slowest_replica() -> None:
     plan = Plan(stages=[Stage(layers=["a"], replicas=2, ranks=[0, 1]), Stage(layers=["b"], ranks=[2])])
     costs = Costs(forward_s=[1.0, 1.0], backward_s=[1.0, 1.0], bandwidth_Bps=float("inf"))

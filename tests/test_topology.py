@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchpipedream.host_costs import measure_allreduce
 from torchpipedream.topology import (
     LOCAL_BANDWIDTH_BPS,
     Level,
@@ -176,6 +177,17 @@ def test_measured_loopback_bandwidth_is_positive():
     t = Topology.local(workers=2, measure=True)
     bw = t.levels[0].bandwidth_Bps
     assert 1e6 < bw < 1e12
+
+
+@pytest.mark.timeout(120)
+def test_measured_allreduce_grows_with_size_and_needs_two_workers():
+    # 16 MB through gloo's ring takes milliseconds more than 4 KB; both are real times.
+    small = measure_allreduce(4096, workers=2, repeats=5)
+    large = measure_allreduce(16 * 2**20, workers=2, repeats=5)
+    assert 0 < small < large < 10.0
+    assert large > small + 16 * 2**20 / 50e9  # no faster than memory can move the bytes
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        measure_allreduce(4096, workers=1)
 
 
 def test_memory_spec_is_exact_even_when_not_round():

@@ -15,7 +15,10 @@ stage, in order). With B(X) the slowest link inside a rank set X (``Topology.spa
   not overlapped as in the paper's max(): our schedules run ALLREDUCE as its own action);
 * cut time    = 2 · a_j / B(ranks of both stages)   (activation forward + gradient back;
   overlapped with compute as in the paper, so a cut is its own term in the max);
-* time per minibatch = max over stages and cuts (the slowest pipeline element).
+* bottleneck  = max over stages and cuts (the slowest pipeline element);
+* time per minibatch = bottleneck · (μ + n − 1) / μ for schedules that flush every minibatch
+  (flush, gpipe: n stages, μ microbatches, the fill and drain of each minibatch), the
+  bottleneck itself for the others (pipedream, 2bw, naive keep the pipeline full).
 
 Memory per worker of a stage, with d = ceil(workers from this stage to the end / m) minibatches
 in flight and ``f`` = ``optimizer_state_factor`` extra weight copies (gradient, momentum):
@@ -60,6 +63,7 @@ __all__ = [
     "stage_time_ms",
     "stage_memory_bytes",
     "in_flight",
+    "fill_drain_factor",
     "Evaluation",
     "DEFAULT_OPTIMIZER_STATE_FACTOR",
 ]
@@ -91,6 +95,18 @@ def allreduce_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float) ->
 def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
     """Time per minibatch of a stage with ``replicas`` workers: (compute + all-reduce) / m."""
     return (compute_ms + allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)) / replicas
+
+
+def fill_drain_factor(schedule: str, microbatches: int, depth: int) -> float:
+    """Time per minibatch over the bottleneck for a pipeline ``depth`` stages deep.
+
+    flush and gpipe drain the pipeline at every minibatch: its μ microbatches take μ + n − 1
+    bottleneck slots of 1/μ of a minibatch each, i.e. (μ + n − 1)/μ (the bubble of GPipe's
+    paper). pipedream, 2bw and naive keep it full across minibatches: 1.
+    """
+    if schedule in ("flush", "gpipe"):
+        return (microbatches + depth - 1) / microbatches
+    return 1.0
 
 
 def in_flight(workers_to_end: int, replicas: int) -> int:
@@ -126,7 +142,10 @@ def stage_memory_bytes(schedule: str, parameter_bytes: float, input_bytes: float
 # ------------------------------------------------------------------ evaluation
 @dataclass
 class Evaluation:
-    """The cost model applied to one placement: per-stage and per-cut times, memory, bottleneck."""
+    """The cost model applied to one placement: per-stage and per-cut times, memory, bottleneck.
+
+    ``time_ms`` is the bottleneck (what the bisection searches on); ``minibatch_ms`` the time
+    per minibatch, the bottleneck times the schedule's :func:`fill_drain_factor`."""
 
     stage_ms: list[float]
     allreduce_ms: list[float]
@@ -136,6 +155,7 @@ class Evaluation:
     bottleneck: str
     bottleneck_stage: int
     ranks: list[list[int]] = field(default_factory=list)
+    minibatch_ms: float = 0.0
 
 
 def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple[int, int, int]],
@@ -166,7 +186,8 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
     for s, c in enumerate(cut_ms):
         if c > t:
             t, what, where = c, f"transfer between stages {s} and {s + 1}", s
-    return Evaluation(stage_ms, ar_ms, cut_ms, mem, t, what, where, ranks)
+    return Evaluation(stage_ms, ar_ms, cut_ms, mem, t, what, where, ranks,
+                      t * fill_drain_factor(schedule, microbatches, len(stages)))
 
 
 # ------------------------------------------------------------------ the exact fast search
@@ -486,7 +507,9 @@ def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replica
                             schedule: str = "pipedream", microbatches: int = 1,
                             optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
                             ) -> tuple[float, list[tuple[int, int, int]]]:
-    """Best contiguous split for a fixed replica configuration (e.g. the paper's "15-1")."""
+    """Best contiguous split for a fixed replica configuration (e.g. the paper's "15-1"):
+    (time per minibatch in ms, stages). The depth is fixed, so the split that minimises the
+    bottleneck also minimises the time per minibatch."""
     K, N = len(replicas), len(blocks)
     if K > N:
         raise PlanError(f"{K} stages but the graph has only {N} blocks to split")
@@ -520,7 +543,7 @@ def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replica
         j = i - 1
     stages.reverse()
     ev = evaluate(blocks, topology, stages, schedule, microbatches, optimizer_state_factor)
-    return ev.time_ms, stages
+    return ev.minibatch_ms, stages
 
 
 # ------------------------------------------------------------------ the public entry point
@@ -602,27 +625,45 @@ def plan(
         stages = _hierarchical(blocks, topo, allow_fewer_workers)
         checks = 0
     else:
-        prob = _Problem(blocks, topo, schedule, microbatches, memory, optimizer_state_factor, num_stages, straight)
-        result = None
-        if allow_fewer_workers and memory is not None:
-            best: tuple[float, list[tuple[int, int, int]]] | None = None
-            for Wu in range(1, W + 1):
-                r = _search(prob, Wu, True, rtol)
-                if r is not None and (best is None or r[0] < best[0] * (1 - 1e-12)):
-                    best = r
-            result = best
-        else:
-            result = _search(prob, W, not allow_fewer_workers, rtol)
+        def problem(depth: int | None) -> _Problem:
+            return _Problem(blocks, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight)
+
+        # flush and gpipe pay (μ + n − 1)/μ on the bottleneck, so depth is part of the objective:
+        # search each depth n (fixed-depth searches are exact) from shallow to deep, and stop
+        # once even a perfectly balanced plan of that depth (total compute / W) cannot win.
+        depths: list[int | None] = [num_stages]
+        if num_stages is None and fill_drain_factor(schedule, microbatches, 2) > 1 and not (
+                straight and not allow_fewer_workers):
+            depths = list(range(1, min(N, W) + 1))
+        result: tuple[float, list[tuple[int, int, int]]] | None = None
+        checks = 0
+        for depth in depths:
+            factor = fill_drain_factor(schedule, microbatches, depth) if depth else 1.0
+            if result is not None and blocks_total_ms(blocks) / W * factor >= result[0]:
+                break
+            prob = problem(depth)
+            if allow_fewer_workers and memory is not None:
+                found = [_search(prob, Wu, True, rtol) for Wu in range(1, W + 1)]
+            else:
+                found = [_search(prob, W, not allow_fewer_workers, rtol)]
+            checks += prob.checks
+            for r in found:
+                if r is not None and (result is None or r[0] * factor < result[0] * (1 - 1e-12)):
+                    result = (r[0] * factor, r[1])
         if result is None:
-            raise _nothing_fits(prob, memory, W, allow_fewer_workers, num_stages, straight)
+            raise _nothing_fits(problem(num_stages), memory, W, allow_fewer_workers, num_stages, straight)
         stages = result[1]
-        checks = prob.checks
     elapsed = time.perf_counter() - t0
     return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
                        elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
                                              allow_fewer_workers=allow_fewer_workers, memory_bytes=memory,
                                              microbatches=microbatches,
                                              optimizer_state_factor=optimizer_state_factor))
+
+
+def blocks_total_ms(blocks: Sequence[Block]) -> float:
+    """Compute of every block: a lower bound on W workers' time per minibatch is this / W."""
+    return float(sum(b.compute_ms for b in blocks))
 
 
 def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: bool, num_stages: int | None,
@@ -690,13 +731,13 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
         ))
     workers = sum(m for _, _, m in stages)
     dp = evaluate(blocks, topo, [(0, len(blocks) - 1, topo.num_workers)], schedule, microbatches, f)
-    t_s = ev.time_ms / 1e3
+    t_s = ev.minibatch_ms / 1e3
     predicted: dict[str, Any] = {
         "time_per_minibatch_s": t_s,
         "minibatches_per_s": (1.0 / t_s) if t_s > 0 else None,
         "samples_per_s": (graph.batch_size / t_s) if (graph.batch_size and t_s > 0) else None,
-        "speedup_over_data_parallel": (dp.time_ms / ev.time_ms) if ev.time_ms > 0 else None,
-        "data_parallel_time_per_minibatch_s": dp.time_ms / 1e3,
+        "speedup_over_data_parallel": (dp.minibatch_ms / ev.minibatch_ms) if ev.minibatch_ms > 0 else None,
+        "data_parallel_time_per_minibatch_s": dp.minibatch_ms / 1e3,
         "bottleneck_stage": ev.bottleneck_stage,
         "bottleneck": ev.bottleneck,
         "peak_memory_bytes": int(math.ceil(max(ev.memory_bytes))),
@@ -716,5 +757,5 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
              noam=in_flight(workers, stages[0][2]), topology=topo.to_spec(), predicted=predicted, meta=meta)
     p.validate(layer_names=graph.names, world_size=workers)
     log.debug("planned %s in %.3f s: %s, %.3f ms per minibatch", graph.meta.get("source", "graph"), elapsed,
-             p.summary, ev.time_ms)
+             p.summary, ev.minibatch_ms)
     return p

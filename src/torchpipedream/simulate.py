@@ -10,7 +10,8 @@
 * a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived, then
   takes ``o``;
 * AR starts when every replica of the stage has reached it and costs a ring all-reduce,
-  2(r−1)/r · |w| / B (+ 2(r−1) latencies), after which all replicas continue;
+  2(r−1)/r · |w| / B (+ 2(r−1) latencies), or the stage's measured all-reduce time when
+  ``Costs.allreduce_s`` gives one, after which all replicas continue;
 * U takes the stage's optimizer step, plus a copy of its weights (|w| / copy bandwidth) when
   the version it replaces is still used by a later F or B of the rank (copy on update:
   weight stashing keeps the old version, as the runtime does).
@@ -81,6 +82,10 @@ class Costs:
         compute_slowdown: factor on every F, B and U: workers that share a host compute slower
             together than the one process that was profiled (``measure_concurrency_slowdown``;
             1.0 for a device per worker).
+        allreduce_s: measured seconds of each stage's all-reduce (``measure_allreduce`` at the
+            stage's weight size and replica count), replacing the ring formula; None (or a
+            None entry) keeps the formula. Collectives on a CPU cost far more than their bytes
+            over the link: gloo on loopback moves 2 MB in ~3 ms, against 1 ms by the formula.
     """
 
     forward_s: list[float]
@@ -96,6 +101,7 @@ class Costs:
     copy_Bps: float = DEFAULT_COPY_BPS
     message_overhead_s: float = 0.0
     compute_slowdown: float = 1.0
+    allreduce_s: list[float | None] | None = None
 
     @classmethod
     def from_plan(cls, plan: Plan, microbatches: int = 1, **overrides: Any) -> "Costs":
@@ -155,6 +161,11 @@ class Costs:
             raise SimulationError(f"costs.message_overhead_s must be >= 0, got {self.message_overhead_s!r}")
         if not self.copy_Bps > 0:
             raise SimulationError(f"costs.copy_Bps must be > 0, got {self.copy_Bps!r}")
+        if self.allreduce_s is not None:
+            if len(self.allreduce_s) != n:
+                raise SimulationError(f"costs.allreduce_s has {len(self.allreduce_s)} entries but the plan has {n} stages")
+            if any(x is not None and not 0 <= x < math.inf for x in self.allreduce_s):
+                raise SimulationError(f"costs.allreduce_s must be seconds >= 0 (or None), got {self.allreduce_s}")
 
 
 @dataclass
@@ -291,7 +302,10 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     queued = set(ready)
     for s, st in enumerate(plan.stages):
         r = st.replicas
-        if r > 1:
+        measured = costs.allreduce_s[s] if costs.allreduce_s is not None else None
+        if r > 1 and measured is not None:
+            ar_cost[s] = float(measured)
+        elif r > 1:
             bw = min(costs.bandwidth(a, b) for a in st.ranks for b in st.ranks if a != b)
             ar_cost[s] = 2 * (r - 1) * lat + (2 * (r - 1) / r * params[s] / bw if bw != float("inf") else 0.0)
 

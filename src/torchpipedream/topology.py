@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 __all__ = [
     "Level",
@@ -254,7 +254,12 @@ class Topology:
         processes (a second or two); otherwise :data:`LOCAL_BANDWIDTH_BPS` is used.
         """
         n = workers if workers is not None else (os.cpu_count() or 1)
-        bw = measure_loopback_bandwidth() if measure else LOCAL_BANDWIDTH_BPS
+        if measure:
+            from .host_costs import measure_loopback_bandwidth
+
+            bw = measure_loopback_bandwidth()
+        else:
+            bw = LOCAL_BANDWIDTH_BPS
         return cls([Level(n, bw, "loopback")], name="local")
 
     # -------------------------------------------------------------- parsing
@@ -379,213 +384,3 @@ class Topology:
 
     def __repr__(self) -> str:
         return f"Topology({self.to_spec()!r}, {self.num_workers} workers)"
-
-
-def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeout_s: float = 60.0) -> float:
-    """Bytes/s of a gloo send/recv between two processes on 127.0.0.1 (best of ``repeats``)."""
-    return _run_pair(_loopback_worker, nbytes, repeats, timeout_s, "loopback")
-
-
-def measure_message_overhead(nbytes: int = 64 * 2**10, repeats: int = 50, timeout_s: float = 60.0) -> float:
-    """Seconds of CPU one activation message of ``nbytes`` costs each of two local processes
-    (LogP's o), sent the way the runtime sends it.
-
-    The sender packs the message (runtime.comm.pack) and calls ``isend``; the receiver posts
-    the ``irecv`` ahead of time and unpacks after arrival. Each is timed after other compute
-    (profiler.disturb_caches), as in a pipeline, and the medians of the two sides are
-    averaged: what the simulator's ``Costs.message_overhead_s`` charges on each side of
-    every message. Small messages on a CPU are dominated by this, not by bandwidth.
-    """
-    return float(_run_pair(_overhead_worker, nbytes, repeats, timeout_s, "message overhead"))
-
-
-def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float:
-    """Bytes/s of one-thread memory copies of ``nbytes`` on this host (median of ``repeats``):
-    the simulator's ``Costs.copy_Bps`` for the copy on update of a stashed weight version.
-    Caches make small copies several times faster than large ones, so measure at the size of
-    a stage's weights."""
-    import statistics
-    import time
-
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        src = torch.ones(max(1, nbytes // 4))
-        dst = torch.empty_like(src)
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        return src.numel() * 4 / statistics.median(times[2:])
-    finally:
-        torch.set_num_threads(old)
-
-
-def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
-                                 rate: Callable[[float], float] | None = None) -> float:
-    """How much slower each of ``workers`` one-thread processes computes when they all run at
-    once on this host than one process alone (>= 1; 1.0 = fully independent cores).
-
-    A profile is taken by one process; a pipeline of N local workers computes N at a time,
-    sharing caches, memory bandwidth and perhaps the hyperthreads of one core. On the 2-core
-    development machine the run's forwards and backwards took 10-40% longer than their
-    profile, so predictions for local workers scale compute by this factor
-    (``Costs.compute_slowdown``). ``rate(seconds)`` is the work: a picklable function that
-    computes for about ``seconds`` and returns units of work per second. The default is
-    stage-like 64×512 by 512×512 matrix products; memory-bound models (convolutions) slow
-    down more, so pass one that trains the model itself when there is one.
-    """
-    alone, together = concurrent_rates(workers, seconds, rate or _gemm_rate)
-    mean_together = sum(together) / len(together)
-    return max(1.0, alone / mean_together) if mean_together > 0 else math.inf
-
-
-def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float]) -> tuple[float, list[float]]:
-    """``rate(seconds)`` in one spawned process alone, then in ``workers`` processes at once:
-    (rate alone, rates together). A warm-up call first keeps start-up costs out of both."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    limit = 60.0 + 4 * seconds  # a pool whose workers cannot start would wait for ever
-    with ctx.Pool(workers) as pool:
-        try:
-            pool.map_async(rate, [min(0.05, seconds)] * workers).get(limit)
-            alone = pool.apply_async(rate, (seconds,)).get(limit)
-            together = pool.map_async(rate, [seconds] * workers).get(limit)
-        except mp.TimeoutError:
-            raise RuntimeError(f"concurrency measurement got no answer in {limit:g} s (run it from a script's "
-                               "`if __name__ == '__main__':` block: it spawns processes)") from None
-    return alone, list(together)
-
-
-def _gemm_rate(seconds: float) -> float:
-    """Stage-like matrix products per second on one thread for ``seconds``."""
-    import time
-
-    import torch
-
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g) * 0.04
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        x = torch.relu(x @ w) + 0.01
-        n += 1
-    return n / (time.perf_counter() - t0)
-
-
-def _run_pair(target: Any, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
-    """Run ``target(rank, port, nbytes, repeats, queue)`` on two spawned processes; rank 0's answer."""
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, nbytes, repeats, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    import queue as queues
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:  # poll, so that a process that dies is reported at once, not at the deadline
-            try:
-                result = queue.get(timeout=0.2)
-                break
-            except queues.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    why = f"a measuring process exited with code {dead[0]}" if dead else f"no answer in {timeout_s:g} s"
-                    raise RuntimeError(f"{what} measurement failed: {why} (run it from a script's "
-                                       "`if __name__ == '__main__':` block: it spawns processes)") from None
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-    if isinstance(result, str):
-        raise RuntimeError(f"{what} measurement failed: {result}")
-    return float(result)
-
-
-def _overhead_worker(rank: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
-    import statistics
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from .profiler import disturb_caches
-    from .runtime.comm import pack, post_recv, post_send, unpack
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        cpu = torch.device("cpu")
-        act = torch.randn(max(1, nbytes // 4))
-        size = pack(1, [act], [], cpu).numel()
-        calls = []
-        for i in range(repeats + 5):
-            buf = torch.empty(size, dtype=torch.uint8)
-            disturb_caches()
-            if rank == 1:  # the receiver posts early (the runtime prefetches), then unpacks
-                t0 = time.perf_counter()
-                work = post_recv(buf, 0, 0)
-                took = time.perf_counter() - t0
-            dist.barrier()
-            if rank == 0:  # the sender packs and sends, as an SA does
-                t0 = time.perf_counter()
-                work = post_send(pack(1, [act], [], cpu), 1, 0)
-                took = time.perf_counter() - t0
-            work.wait()
-            if rank == 1:
-                disturb_caches()
-                t0 = time.perf_counter()
-                unpack(buf)
-                took += time.perf_counter() - t0
-            if i >= 5:
-                calls.append(took)
-        both = [None, None]
-        dist.all_gather_object(both, statistics.median(calls))
-        if rank == 0:
-            queue.put(sum(both) / 2)
-        dist.destroy_process_group()
-    except Exception as exc:  # reported to the parent as one line
-        if rank == 0:
-            queue.put(f"{type(exc).__name__}: {exc}")
-
-
-def _loopback_worker(rank: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        buf = torch.zeros(nbytes // 4, dtype=torch.float32)
-        best = math.inf
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            best = min(best, time.perf_counter() - t0)
-        if rank == 0:
-            queue.put(2 * nbytes / best)
-        dist.destroy_process_group()
-    except Exception as exc:  # reported to the parent as one line
-        if rank == 0:
-            queue.put(f"{type(exc).__name__}: {exc}")

@@ -192,8 +192,14 @@ def explain_plan(plan: Plan, graph: LayerGraph) -> str:
     return line + "."
 
 
-def prepare(cfg: TrainConfig) -> Prepared:
-    """Check options, profile the model, plan (or load and check a plan) and predict its time."""
+def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
+    """Check options, profile the model, plan (or load and check a plan) and predict its time.
+
+    With ``measure_host`` (a local run on this machine's cores, no --topology) the prediction
+    charges this host's measured message overhead, all-reduces and copy bandwidth
+    (host_costs.measure_local_costs, a few seconds of spawned processes) instead of the link
+    model's bytes / bandwidth, which on CPU workers predicts gloo's collectives 3-10× too fast.
+    """
     from .profiler import profile
     from .schedules import build_schedule
     from .simulate import Costs, simulate
@@ -230,7 +236,13 @@ def prepare(cfg: TrainConfig) -> Prepared:
     n = len(_batches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
     sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=_microbatches(cfg),
                            **({"vertical_sync": True} if cfg.vertical_sync else {}))
-    sim = simulate(sched, Costs.from_plan(plan, microbatches=_microbatches(cfg)))
+    host: dict[str, Any] = {}
+    if measure_host and not cfg.topology and plan.num_workers > 1:
+        from .host_costs import measure_local_costs
+
+        log.info("measuring this host's message, all-reduce and copy costs for the prediction")
+        host = measure_local_costs(plan, _microbatches(cfg))
+    sim = simulate(sched, Costs.from_plan(plan, microbatches=_microbatches(cfg), **host))
     predicted = {
         "time_per_minibatch_s": sim.makespan_s / n,
         "samples_per_s": cfg.batch_size * n / sim.makespan_s if sim.makespan_s > 0 else float("inf"),
@@ -432,7 +444,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         return _run_under_torchrun(cfg)
     from .runtime import launch
 
-    prep = prepare(cfg)
+    prep = prepare(cfg, measure_host=True)
     log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
     result = launch(_worker, prep.plan.num_workers, prep, timeout_s=max(cfg.timeout_s * 4, 600.0))
     return _write_outputs(prep, result, Path(cfg.out))

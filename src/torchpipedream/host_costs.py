@@ -1,0 +1,313 @@
+"""What this host's runtime really pays, measured: the host terms of the simulator's Costs.
+
+The planner's and simulator's link model (bytes / bandwidth) describes GPUs on real links. On
+CPU workers that share a host, other costs dominate, and each is measured here the way the
+runtime incurs it:
+
+* ``measure_message_overhead``: CPU time per message on each side (LogP's o);
+* ``measure_allreduce``: a gloo all-reduce of a stage's flat gradient buffer;
+* ``measure_copy_bandwidth``: the copy on update of a stashed weight version;
+* ``measure_concurrency_slowdown``: N workers computing side by side against one alone;
+* ``measure_loopback_bandwidth``: gloo send/recv between two local processes
+  (``Topology.local(measure=True)``).
+
+``measure_local_costs(plan)`` measures what a plan needs and returns keyword overrides for
+:meth:`~torchpipedream.simulate.Costs.from_plan`. Every function spawns processes (except the
+copy bandwidth), so call them from a script's ``if __name__ == "__main__":`` block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = [
+    "measure_local_costs",
+    "measure_message_overhead",
+    "measure_allreduce",
+    "measure_copy_bandwidth",
+    "measure_concurrency_slowdown",
+    "measure_loopback_bandwidth",
+    "concurrent_rates",
+]
+
+
+def measure_local_costs(plan: "Plan", microbatches: int = 1,
+                        rate: Callable[[float], float] | None = None) -> dict[str, Any]:
+    """Measure the host terms a plan's run on this machine's local workers pays, as keyword
+    overrides for ``Costs.from_plan``: the copy bandwidth at the largest stage's weights, the
+    per-message overhead at the largest cut's microbatch message (pipelines), each replicated
+    stage's all-reduce at its weight size and replica count, and with ``rate`` (a picklable
+    ``rate(seconds) -> work/s`` that trains the model) the concurrency slowdown of the plan's
+    workers. About 2 s per spawned measurement on the 2-core development machine.
+    """
+    m = max(1, int(microbatches))
+    out: dict[str, Any] = {"copy_Bps": measure_copy_bandwidth(int(max(st.parameter_bytes for st in plan.stages)))}
+    if plan.num_stages > 1:
+        cut = max(st.output_bytes for st in plan.stages[:-1]) // m
+        out["message_overhead_s"] = measure_message_overhead(int(cut))
+    if any(st.replicas > 1 for st in plan.stages):
+        # the runtime reduces one flat buffer: the weights' gradients plus a sample-count slot
+        out["allreduce_s"] = [measure_allreduce(int(st.parameter_bytes) + 4, st.replicas) if st.replicas > 1 else None
+                              for st in plan.stages]
+    if rate is not None and plan.num_workers > 1:
+        out["compute_slowdown"] = measure_concurrency_slowdown(plan.num_workers, seconds=1.0, rate=rate)
+    return out
+
+
+def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeout_s: float = 60.0) -> float:
+    """Bytes/s of a gloo send/recv between two processes on 127.0.0.1 (best of ``repeats``)."""
+    return _run_group(_loopback_worker, 2, nbytes, repeats, timeout_s, "loopback")
+
+
+def measure_message_overhead(nbytes: int = 64 * 2**10, repeats: int = 50, timeout_s: float = 60.0) -> float:
+    """Seconds of CPU one activation message of ``nbytes`` costs each of two local processes
+    (LogP's o), sent the way the runtime sends it.
+
+    The sender packs the message (runtime.comm.pack) and calls ``isend``; the receiver posts
+    the ``irecv`` ahead of time and unpacks after arrival. Each is timed after other compute
+    (profiler.disturb_caches), as in a pipeline, and the medians of the two sides are
+    averaged: what the simulator's ``Costs.message_overhead_s`` charges on each side of
+    every message. Small messages on a CPU are dominated by this, not by bandwidth.
+    """
+    return _run_group(_overhead_worker, 2, nbytes, repeats, timeout_s, "message overhead")
+
+
+def measure_allreduce(nbytes: int, workers: int = 2, repeats: int = 20, timeout_s: float = 60.0) -> float:
+    """Seconds one all-reduce of ``nbytes`` (a flat float32 tensor, as the runtime reduces a
+    replicated stage's gradients) takes among ``workers`` local gloo processes, once all have
+    arrived: median of ``repeats``, each after other compute (profiler.disturb_caches) and a
+    barrier, slowest rank. The simulator's ``Costs.allreduce_s`` for a stage of that weight
+    size and replica count. On the 2-core development machine gloo takes ~1.5 ms even for
+    256 KB and ~3 ms for 2 MB: the ring formula at the link's bandwidth says 0.1 and 1 ms.
+    """
+    if workers < 2:
+        raise ValueError(f"an all-reduce needs at least 2 workers, got {workers}")
+    return _run_group(_allreduce_worker, workers, nbytes, repeats, timeout_s, "all-reduce")
+
+
+def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float:
+    """Bytes/s of one-thread memory copies of ``nbytes`` on this host (median of ``repeats``):
+    the simulator's ``Costs.copy_Bps`` for the copy on update of a stashed weight version.
+    Caches make small copies several times faster than large ones, so measure at the size of
+    a stage's weights."""
+    import statistics
+    import time
+
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(max(1, nbytes // 4))
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return src.numel() * 4 / statistics.median(times[2:])
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
+                                 rate: Callable[[float], float] | None = None) -> float:
+    """How much slower each of ``workers`` one-thread processes computes when they all run at
+    once on this host than one process alone (>= 1; 1.0 = fully independent cores).
+
+    A profile is taken by one process; a pipeline of N local workers computes N at a time,
+    sharing caches, memory bandwidth and perhaps the hyperthreads of one core. On the 2-core
+    development machine the run's forwards and backwards took 10-40% longer than their
+    profile, so predictions for local workers scale compute by this factor
+    (``Costs.compute_slowdown``). ``rate(seconds)`` is the work: a picklable function that
+    computes for about ``seconds`` and returns units of work per second. The default is
+    stage-like 64×512 by 512×512 matrix products; memory-bound models (convolutions) slow
+    down more, so pass one that trains the model itself when there is one.
+    """
+    alone, together = concurrent_rates(workers, seconds, rate or _gemm_rate)
+    mean_together = sum(together) / len(together)
+    return max(1.0, alone / mean_together) if mean_together > 0 else math.inf
+
+
+def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float]) -> tuple[float, list[float]]:
+    """``rate(seconds)`` in one spawned process alone, then in ``workers`` processes at once:
+    (rate alone, rates together). A warm-up call first keeps start-up costs out of both."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    limit = 60.0 + 4 * seconds  # a pool whose workers cannot start would wait for ever
+    with ctx.Pool(workers) as pool:
+        try:
+            pool.map_async(rate, [min(0.05, seconds)] * workers).get(limit)
+            alone = pool.apply_async(rate, (seconds,)).get(limit)
+            together = pool.map_async(rate, [seconds] * workers).get(limit)
+        except mp.TimeoutError:
+            raise RuntimeError(f"concurrency measurement got no answer in {limit:g} s (run it from a script's "
+                               "`if __name__ == '__main__':` block: it spawns processes)") from None
+    return alone, list(together)
+
+
+def _gemm_rate(seconds: float) -> float:
+    """Stage-like matrix products per second on one thread for ``seconds``."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g) * 0.04
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        x = torch.relu(x @ w) + 0.01
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
+    """Run ``target(rank, world, port, nbytes, repeats, queue)`` on ``workers`` spawned
+    processes; rank 0's answer."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, workers, port, nbytes, repeats, queue)) for r in range(workers)]
+    for p in procs:
+        p.start()
+    import queue as queues
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:  # poll, so that a process that dies is reported at once, not at the deadline
+            try:
+                result = queue.get(timeout=0.2)
+                break
+            except queues.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"a measuring process exited with code {dead[0]}" if dead else f"no answer in {timeout_s:g} s"
+                    raise RuntimeError(f"{what} measurement failed: {why} (run it from a script's "
+                                       "`if __name__ == '__main__':` block: it spawns processes)") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+    if isinstance(result, str):
+        raise RuntimeError(f"{what} measurement failed: {result}")
+    return float(result)
+
+
+def _overhead_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .profiler import disturb_caches
+    from .runtime.comm import pack, post_recv, post_send, unpack
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        cpu = torch.device("cpu")
+        act = torch.randn(max(1, nbytes // 4))
+        size = pack(1, [act], [], cpu).numel()
+        calls = []
+        for i in range(repeats + 5):
+            buf = torch.empty(size, dtype=torch.uint8)
+            disturb_caches()
+            if rank == 1:  # the receiver posts early (the runtime prefetches), then unpacks
+                t0 = time.perf_counter()
+                work = post_recv(buf, 0, 0)
+                took = time.perf_counter() - t0
+            dist.barrier()
+            if rank == 0:  # the sender packs and sends, as an SA does
+                t0 = time.perf_counter()
+                work = post_send(pack(1, [act], [], cpu), 1, 0)
+                took = time.perf_counter() - t0
+            work.wait()
+            if rank == 1:
+                disturb_caches()
+                t0 = time.perf_counter()
+                unpack(buf)
+                took += time.perf_counter() - t0
+            if i >= 5:
+                calls.append(took)
+        both = [None, None]
+        dist.all_gather_object(both, statistics.median(calls))
+        if rank == 0:
+            queue.put(sum(both) / 2)
+        dist.destroy_process_group()
+    except Exception as exc:  # reported to the parent as one line
+        if rank == 0:
+            queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        buf = torch.zeros(nbytes // 4, dtype=torch.float32)
+        best = math.inf
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            best = min(best, time.perf_counter() - t0)
+        if rank == 0:
+            queue.put(2 * nbytes / best)
+        dist.destroy_process_group()
+    except Exception as exc:  # reported to the parent as one line
+        if rank == 0:
+            queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def _allreduce_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .profiler import disturb_caches
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        flat = torch.ones(max(1, nbytes // 4))
+        times = []
+        for i in range(repeats + 3):
+            disturb_caches()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(flat)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, statistics.median(times))
+        if rank == 0:
+            queue.put(max(everyone))
+        dist.destroy_process_group()
+    except Exception as exc:  # reported to the parent as one line
+        if rank == 0:
+            queue.put(f"{type(exc).__name__}: {exc}")
