@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from torchpipedream.actions import Kind
-from torchpipedream.plan import Plan
+from torchpipedream.plan import Plan, Stage
 from torchpipedream.runtime import Pipeline, PipelineError, StageSplitError, forward_only, split_stages
 from torchpipedream.runtime.comm import CommError, decode_header, encode_header, pack, unpack
-from torchpipedream.runtime.weights import WeightVersions
+from torchpipedream.runtime.weights import WeightVersions, updates_are_minibatch_means
+from torchpipedream.schedules import build_schedule
 
 
 class Skip(nn.Module):
@@ -200,6 +201,33 @@ def test_single_worker_flush_equals_plain_training_with_partial_batch():
     assert ev["samples"] == 6 and 0.0 <= ev["accuracy"] <= 1.0
     trace = pipe.trace()
     assert {e.kind for e in trace.events} == {"F"}  # the last run was the evaluation
+
+
+def test_which_schedules_start_backward_from_minibatch_means():
+    two = Plan.straight([["a"], ["b"]])
+    dp = Plan(stages=[Stage(layers=["a"], replicas=2, ranks=[0, 1])])
+    assert updates_are_minibatch_means(build_schedule(two, "pipedream", minibatches=6), False, "mean")
+    assert not updates_are_minibatch_means(build_schedule(two, "pipedream", minibatches=6), False, "sum")
+    assert not updates_are_minibatch_means(build_schedule(two, "flush", minibatches=2, microbatches=3), False, "mean")
+    assert not updates_are_minibatch_means(build_schedule(dp, "pipedream", minibatches=4), True, "mean")
+
+
+@pytest.mark.parametrize("sizes", [[8, 8, 5], [7]])
+def test_single_worker_pipedream_with_mean_gradients_equals_plain_training(sizes):
+    # One microbatch per update: the backward starts from the minibatch's mean loss and the
+    # update applies it unscaled; the weights must equal plain training's, a last smaller
+    # minibatch included.
+    batches = _data(sizes)
+    plan = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="pipedream")
+    pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5),
+                    loss_fn=nn.CrossEntropyLoss())
+    losses = pipe.train_step(batches)
+    assert pipe.weights.grads_are_means
+    ref, ref_losses = _plain_training(batches, lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5))
+    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    got = pipe.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-6)
 
 
 def test_minibatch_smaller_than_microbatches_leaves_empty_microbatches():

@@ -274,7 +274,10 @@ class Engine:
             if ctx.loss is None:  # empty microbatch
                 roots, grad_outputs = [], None
             else:
-                root = ctx.loss * ctx.samples if self.loss_reduction == "mean" else ctx.loss
+                # the gradient of the summed loss (weights.py, "Loss scaling by construction"),
+                # or of the minibatch's mean when every update applies one whole minibatch
+                summed = self.loss_reduction == "mean" and not self.weights.grads_are_means
+                root = ctx.loss * ctx.samples if summed else ctx.loss
                 roots, grad_outputs = [root], None
         else:
             grads = self._out_grads.pop(mb, None)

@@ -46,7 +46,7 @@ from .comm import P2P
 from .engine import Engine, MicrobatchResult, as_tuple
 from .failures import FailureBoard, PipelineFailure, close_connections, install_fault, is_comm_failure
 from .stage_split import split_stages
-from .weights import OptimizerFactory, WeightVersions
+from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means
 
 __all__ = ["Pipeline", "PipelineError", "PipelineFailure", "forward_only"]
 
@@ -330,6 +330,8 @@ class Pipeline:
         n_mb, m = sched.minibatches, sched.microbatches
         actions = sched.actions[self.rank] if train else forward_only(sched)[self.rank]
         base = self.weights.version
+        self.weights.grads_are_means = train and updates_are_minibatch_means(
+            sched, any(st.replicas > 1 for st in self.plan.stages), self.loss_reduction)
         if train:
             uses: dict[int, int] = {}
             for a in actions:

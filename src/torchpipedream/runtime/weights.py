@@ -40,6 +40,13 @@ contributed to it, summed over the stage's replicas in the same all-reduce as th
 So the applied gradient is the mean over all samples of the update whatever the number of
 microbatches, stages or replicas, and stays exact for a smaller last microbatch. With
 ``loss_reduction="sum"`` the gradient of the summed loss is applied unchanged.
+
+Where every update applies exactly one whole minibatch (:func:`updates_are_minibatch_means`:
+one microbatch per minibatch, no replicated stage, one backward per update on every rank, a
+mean-reducing loss) the engine back-propagates the mean loss itself and the update skips the
+division (``grads_are_means``): the same gradient without a pass over the stage's gradients,
+which on a CPU costs as much as a tenth of the step (a 75 MB stage of the FC-heavy model: 15
+of 55 ms).
 """
 
 from __future__ import annotations
@@ -52,11 +59,34 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["WeightVersions", "OptimizerFactory"]
+from ..actions import Kind, Schedule
+
+__all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means"]
 
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def updates_are_minibatch_means(schedule: "Schedule", replicated: bool, loss_reduction: str) -> bool:
+    """Whether the backward may start from each minibatch's mean loss so that updates apply
+    gradients as they are (no division by the update's samples): a mean-reducing loss, one
+    microbatch per minibatch, no replicated stage (an all-reduce sums several minibatches)
+    and exactly one backward between consecutive updates on every rank. The answer depends on
+    the schedule alone, so every rank reaches the same one (the gradients that travel between
+    stages must be in one form)."""
+    if loss_reduction != "mean" or replicated or schedule.microbatches != 1:
+        return False
+    for actions in schedule.actions.values():
+        backwards = 0
+        for a in actions:
+            if a.kind is Kind.BACKWARD:
+                backwards += 1
+            elif a.kind is Kind.OPTIMIZER_STEP:
+                if backwards != 1:
+                    return False
+                backwards = 0
+    return True
 
 
 class WeightVersions:
@@ -76,6 +106,9 @@ class WeightVersions:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = optimizer(self.params) if self.params else None
         self.loss_reduction = loss_reduction
+        # True while a schedule runs whose backwards start from minibatch means (see the
+        # module docstring): the update then applies the gradient without rescaling it.
+        self.grads_are_means = False
         self.version = 0
         self._uses: dict[int, int] = {}
         self._views: dict[int, dict[str, torch.Tensor]] = {}
@@ -230,7 +263,8 @@ class WeightVersions:
             if self.loss_reduction == "mean":
                 if self._samples <= 0:
                     raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
-                scale = 1.0 / self._samples
+                if not self.grads_are_means:
+                    scale = 1.0 / self._samples
             present = [g for g in grads if g is not None]
             with torch.no_grad():
                 if present and scale != 1.0:
