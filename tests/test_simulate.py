@@ -85,6 +85,15 @@ def test_allreduce_ring_cost() -> None:
     assert len(ars) == r and all(e.end_s == pytest.approx(3.0 + ring) for e in ars)
 
 
+def test_allreduce_efficiency_comes_from_the_plans_topology() -> None:
+    # e = 0.25: the ring formula at a quarter of the link's speed, as the planner charges it.
+    r, w = 2, 8e6
+    plan = Plan(stages=[Stage(layers=["a"], replicas=r, ranks=list(range(r)))], topology="2:1MB/s~0us%25")
+    res = simulate(build_schedule(plan, "pipedream", minibatches=r),
+                   Costs.from_plan(plan, forward_s=[1.0], backward_s=[2.0], parameter_bytes=[w]))
+    assert res.makespan_s == pytest.approx(3.0 + 2 * (r - 1) / r * w / (0.25 * 1e6))
+
+
 def test_measured_allreduce_replaces_the_ring_formula() -> None:
     # A stage whose all-reduce was measured (Costs.allreduce_s) is charged that time, not the
     # formula's; an unreplicated stage (None) is charged nothing; bad entries are refused.

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from torchpipedream.host_costs import measure_allreduce
 from torchpipedream.topology import (
+    LOCAL_ALLREDUCE_EFFICIENCY,
     LOCAL_BANDWIDTH_BPS,
     Level,
     Topology,
@@ -117,9 +118,11 @@ def test_examples_of_bandwidth_and_span():
     bws=st.lists(st.floats(1.0, 1e13), min_size=3, max_size=3),
     memory=st.one_of(st.none(), st.integers(1, 10**13)),
     latency=st.floats(0, 1e-2),
+    efficiency=st.one_of(st.just(1.0), st.just(0.4), st.floats(1e-6, 1.0)),
 )
-def test_spec_and_dict_round_trip(counts, bws, memory, latency):
-    t = Topology([Level(c, b) for c, b in zip(counts, bws)], memory_bytes=memory, latency_s=latency)
+def test_spec_and_dict_round_trip(counts, bws, memory, latency, efficiency):
+    t = Topology([Level(c, b) for c, b in zip(counts, bws)], memory_bytes=memory, latency_s=latency,
+                 allreduce_efficiency=efficiency)
     assert Topology.parse(t.to_spec()) == t
     assert Topology.from_dict(json.loads(json.dumps(t.to_dict()))) == t
 
@@ -188,6 +191,17 @@ def test_measured_allreduce_grows_with_size_and_needs_two_workers():
     assert large > small + 16 * 2**20 / 50e9  # no faster than memory can move the bytes
     with pytest.raises(ValueError, match="at least 2 workers"):
         measure_allreduce(4096, workers=1)
+
+
+def test_allreduce_efficiency_spec_and_local_default():
+    assert Topology.parse("2:1GB/s%40").allreduce_efficiency == pytest.approx(0.4)
+    assert Topology.parse("2:1GB/s").allreduce_efficiency == 1.0
+    assert Topology.parse("local:2").allreduce_efficiency == LOCAL_ALLREDUCE_EFFICIENCY < 1
+    t = Topology.parse("2:1GB/s%25")
+    assert t.allreduce_bandwidth([0, 1]) == pytest.approx(0.25e9) and t.span_bandwidth([0, 1]) == 1e9
+    for bad, match in (("2:1GB/s%0", r"\(0, 1\]"), ("2:1GB/s%120", r"\(0, 1\]"), ("2:1GB/s%fast", "percent")):
+        with pytest.raises(TopologyError, match=match):
+            Topology.parse(bad)
 
 
 def test_memory_spec_is_exact_even_when_not_round():

@@ -173,7 +173,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
     for s, (i, j, m) in enumerate(stages):
         compute = sum(b.compute_ms for b in blocks[i:j + 1])
         params = sum(b.parameter_bytes for b in blocks[i:j + 1])
-        bw = topology.span_bandwidth(ranks[s])
+        bw = topology.allreduce_bandwidth(ranks[s])
         ar_ms.append(allreduce_ms(params, m, bw))
         stage_ms.append(stage_time_ms(compute, params, m, bw))
         input_bytes = blocks[i - 1].cut_bytes if i > 0 else 0
@@ -205,7 +205,8 @@ class _Problem:
         self.a = np.array([float(b.cut_bytes) for b in blocks])
         self.a_in = np.concatenate([[0.0], self.a[:-1]])  # input bytes of a stage starting at i
         self.sizes = topology.sizes
-        self.beff = topology.effective_bandwidths
+        self.beff = topology.effective_bandwidths  # links: cuts
+        self.bar = topology.allreduce_bandwidths  # all-reduces
         self.classes = [0] if straight else list(range(len(self.sizes)))
         self.schedule, self.mu, self.memory, self.f = schedule, microbatches, memory, f
         self.num_stages = num_stages
@@ -225,7 +226,7 @@ class _Problem:
         single = kk == 0
         if math.isinf(T):
             return np.broadcast_to(np.where(single, 1, 2), comp.shape).astype(np.int64)
-        B = np.asarray(self.beff, dtype=np.float64)[np.maximum(kk, 1)]
+        B = np.asarray(self.bar, dtype=np.float64)[np.maximum(kk, 1)]
         q = w * (2e3 / B)  # all-reduce time scale 2|w|/B in ms
         bq = comp + q
         disc = bq * bq - (4.0 * T) * q
@@ -301,7 +302,7 @@ class _Problem:
         int_max = np.iinfo(np.int64).max
         pads = {k: np.full((C, pad[k]), int_max) for k in self.classes if pad[k]}
         pms = np.empty((K1, C, Wu), dtype=np.int64)
-        bfac = np.array([2e3 / beff[max(k, 1)] for k in self.classes])[:, None, None]
+        bfac = np.array([2e3 / self.bar[max(k, 1)] for k in self.classes])[:, None, None]
         has_single = self.classes[0] == 0
         for j in range(N):
             j1 = j + 1
@@ -460,7 +461,7 @@ def _hierarchical(blocks: Sequence[Block], topology: Topology, allow_fewer: bool
         Tk = np.full((c + 1, N, N), np.inf)
         for m in range(1, c + 1):
             inner = comp if below_full is None else below_full
-            ar = 2.0 * (m - 1) / m * wts / B * 1e3
+            ar = 2.0 * (m - 1) / m * wts / (B * topology.allreduce_efficiency) * 1e3
             Tk[m] = np.where(valid, (inner + ar) / m, np.inf)
         cut = 2.0 * a[:-1] / B * 1e3  # cut after block s, s = 0..N-2
         Ak = np.full((c + 1, N, N), np.inf)
@@ -524,7 +525,7 @@ def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replica
     arg = np.full((K, N), -1, dtype=np.int64)
     for s in range(K):
         m, r0 = int(replicas[s]), int(starts[s])
-        bw = topology.span_bandwidth(range(r0, r0 + m))
+        bw = topology.allreduce_bandwidth(range(r0, r0 + m))
         for j in range(s, N - (K - 1 - s)):
             for i in range(s, j + 1):
                 t = stage_time_ms(Cp[j + 1] - Cp[i], Wp[j + 1] - Wp[i], m, bw)

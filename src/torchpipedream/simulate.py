@@ -10,7 +10,7 @@
 * a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived, then
   takes ``o``;
 * AR starts when every replica of the stage has reached it and costs a ring all-reduce,
-  2(r−1)/r · |w| / B (+ 2(r−1) latencies), or the stage's measured all-reduce time when
+  2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``), or the stage's measured all-reduce time when
   ``Costs.allreduce_s`` gives one, after which all replicas continue;
 * U takes the stage's optimizer step, plus a copy of its weights (|w| / copy bandwidth) when
   the version it replaces is still used by a later F or B of the rank (copy on update:
@@ -82,6 +82,8 @@ class Costs:
         compute_slowdown: factor on every F, B and U: workers that share a host compute slower
             together than the one process that was profiled (``measure_concurrency_slowdown``;
             1.0 for a device per worker).
+        allreduce_efficiency: share of the ring formula's speed an all-reduce reaches
+            (``Topology.allreduce_efficiency``; ``from_plan`` takes the plan topology's).
         allreduce_s: measured seconds of each stage's all-reduce (``measure_allreduce`` at the
             stage's weight size and replica count), replacing the ring formula; None (or a
             None entry) keeps the formula. Collectives on a CPU cost far more than their bytes
@@ -101,6 +103,7 @@ class Costs:
     copy_Bps: float = DEFAULT_COPY_BPS
     message_overhead_s: float = 0.0
     compute_slowdown: float = 1.0
+    allreduce_efficiency: float = 1.0
     allreduce_s: list[float | None] | None = None
 
     @classmethod
@@ -128,6 +131,7 @@ class Costs:
                 if topo.num_workers >= plan.num_workers:
                     kw["bandwidth_fn"] = topo.bandwidth
                     kw["latency_s"] = topo.latency_s
+                    kw["allreduce_efficiency"] = topo.allreduce_efficiency
                 else:
                     log.warning("topology %r has fewer workers than the plan; using %g B/s links",
                                 plan.topology, DEFAULT_BANDWIDTH_BPS)
@@ -161,6 +165,8 @@ class Costs:
             raise SimulationError(f"costs.message_overhead_s must be >= 0, got {self.message_overhead_s!r}")
         if not self.copy_Bps > 0:
             raise SimulationError(f"costs.copy_Bps must be > 0, got {self.copy_Bps!r}")
+        if not 0 < self.allreduce_efficiency <= 1:
+            raise SimulationError(f"costs.allreduce_efficiency must be in (0, 1], got {self.allreduce_efficiency!r}")
         if self.allreduce_s is not None:
             if len(self.allreduce_s) != n:
                 raise SimulationError(f"costs.allreduce_s has {len(self.allreduce_s)} entries but the plan has {n} stages")
@@ -307,6 +313,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
             ar_cost[s] = float(measured)
         elif r > 1:
             bw = min(costs.bandwidth(a, b) for a in st.ranks for b in st.ranks if a != b)
+            bw *= costs.allreduce_efficiency
             ar_cost[s] = 2 * (r - 1) * lat + (2 * (r - 1) / r * params[s] / bw if bw != float("inf") else 0.0)
 
     while ready:

@@ -8,11 +8,12 @@ innermost first: with ``4x4``, ranks 0-3 are server 0, ranks 4-7 server 1, ...
 Two ranks talk over the slowest link of every level up to the first level at which they sit
 in the same component; :meth:`Topology.bandwidth` returns that bandwidth.
 
-Compact spec (CLI): ``COUNTS:BANDWIDTHS[@MEMORY][~LATENCY]``, innermost first::
+Compact spec (CLI): ``COUNTS:BANDWIDTHS[@MEMORY][~LATENCY][%ALLREDUCE]``, innermost first::
 
     16:10GB/s                       16 workers on one 10 GB/s link level
     4x4:10GB/s,1.25GB/s             4 workers per server (10 GB/s), 4 servers (1.25 GB/s)
     4x4:10GB/s,10Gbps@16GB          the same, 16 GB per worker
+    2:2GB/s%40                      all-reduces reach 40% of the ring formula's speed
     A   A:8   B   C   local   local:4   presets; ``:N`` sets the outermost count
 
 Units: B/s, KB/s, MB/s, GB/s, TB/s (powers of 1000), KiB/s, MiB/s, GiB/s (powers of 1024),
@@ -27,6 +28,8 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -50,6 +53,11 @@ DEFAULT_LATENCY_S = 20e-6
 #: Measured with ``Topology.local(measure=True)`` (16 MiB tensors, best of 5) on the project's
 #: 2-core development machine: about 2 GB/s; rounded down so that plans are not optimistic.
 LOCAL_BANDWIDTH_BPS = 2.0e9
+
+#: The share of the ring formula's speed (2(m−1)/m · |w| / B) that gloo's all-reduce reaches
+#: between local processes: on the development machine 2 MB took 2.8 ms and 16 MB 20 ms against
+#: 1.05 and 8.4 ms by the formula at 2 GB/s (``host_costs.measure_allreduce``), i.e. 0.37-0.42.
+LOCAL_ALLREDUCE_EFFICIENCY = 0.4
 
 
 class TopologyError(ValueError):
@@ -142,6 +150,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _percent_share(text: str) -> float:
+    """``text`` percent as a share, correctly rounded (``"40"`` -> 0.4)."""
+    return float(Fraction(text.strip()) / 100)
+
+
+def _percent_text(share: float) -> str:
+    """A short text ``t`` with ``_percent_share(t) == share``, exact (the spec round-trips)."""
+    for short in (f"{share * 100:.15g}", repr(share * 100)):
+        if _percent_share(short) == share:
+            return short
+    return format(Decimal(share) * 100, "f")  # a binary float times 100 is a finite decimal
+
+
 class Topology:
     """Levels of (count, bandwidth), innermost first, plus per-worker memory and message latency.
 
@@ -150,6 +171,10 @@ class Topology:
         memory_bytes: memory per worker (None = unlimited).
         latency_s: per-message latency (the planner ignores it; the simulator may use it).
         name: preset name, kept for display.
+        allreduce_efficiency: the share of the ring formula's speed an all-reduce reaches
+            (0 < e <= 1; 1 = the links' bandwidth): the planner and simulator charge an
+            all-reduce 2(m−1)/m · |w| / (e · B). Collectives of CPU processes are slow next to
+            their point-to-point links (``LOCAL_ALLREDUCE_EFFICIENCY``).
     """
 
     def __init__(
@@ -158,11 +183,13 @@ class Topology:
         memory_bytes: int | None = None,
         latency_s: float = DEFAULT_LATENCY_S,
         name: str = "",
+        allreduce_efficiency: float = 1.0,
     ) -> None:
         self.levels: tuple[Level, ...] = tuple(levels)
         self.memory_bytes = memory_bytes
         self.latency_s = latency_s
         self.name = name
+        self.allreduce_efficiency = allreduce_efficiency
         self._check()
 
     def _check(self) -> None:
@@ -183,6 +210,9 @@ class Topology:
             raise TopologyError(f"memory_bytes must be > 0 or None, got {self.memory_bytes!r}")
         if not isinstance(self.latency_s, (int, float)) or self.latency_s < 0 or math.isnan(self.latency_s):
             raise TopologyError(f"latency_s must be >= 0, got {self.latency_s!r}")
+        e = self.allreduce_efficiency
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise TopologyError(f"allreduce efficiency must be in (0, 1] (a share of the ring formula's speed), got {e!r}")
 
     # ------------------------------------------------------------- structure
     @property
@@ -204,6 +234,16 @@ class Topology:
         for lv in self.levels:
             out.append(min(out[-1], float(lv.bandwidth_Bps)))
         return out
+
+    @property
+    def allreduce_bandwidths(self) -> list[float]:
+        """``effective_bandwidths`` times ``allreduce_efficiency``: what an all-reduce over a
+        level-k span achieves in the ring formula."""
+        return [b * self.allreduce_efficiency for b in self.effective_bandwidths]
+
+    def allreduce_bandwidth(self, ranks: Sequence[int]) -> float:
+        """The bandwidth the ring formula uses for an all-reduce among ``ranks``."""
+        return self.span_bandwidth(ranks) * self.allreduce_efficiency
 
     def level_crossed(self, rank_a: int, rank_b: int) -> int:
         """The outermost level a link between two ranks crosses (0 for the same rank)."""
@@ -260,7 +300,7 @@ class Topology:
             bw = measure_loopback_bandwidth()
         else:
             bw = LOCAL_BANDWIDTH_BPS
-        return cls([Level(n, bw, "loopback")], name="local")
+        return cls([Level(n, bw, "loopback")], name="local", allreduce_efficiency=LOCAL_ALLREDUCE_EFFICIENCY)
 
     # -------------------------------------------------------------- parsing
     @classmethod
@@ -271,6 +311,13 @@ class Topology:
         text = spec.strip()
         latency = DEFAULT_LATENCY_S
         memory: int | None = None
+        efficiency: float | None = None
+        if "%" in text:
+            text, eff = text.rsplit("%", 1)
+            try:
+                efficiency = _percent_share(eff)
+            except (ValueError, ZeroDivisionError):
+                raise TopologyError(f"{spec!r}: after '%' give the all-reduce efficiency in percent, e.g. %40") from None
         if "~" in text:
             text, lat = text.split("~", 1)
             latency = _quantity(lat, _TIME_UNITS, "latency", "s")
@@ -289,6 +336,9 @@ class Topology:
             if memory is not None:
                 topo.memory_bytes = memory
             topo.latency_s = latency
+            if efficiency is not None:
+                topo.allreduce_efficiency = efficiency
+                topo._check()
             return topo
         if not tail:
             raise TopologyError(
@@ -303,7 +353,8 @@ class Topology:
             raise TopologyError(
                 f"{spec!r}: {len(counts)} level count(s) but {len(bws)} bandwidth(s); give one bandwidth per level"
             )
-        return cls([Level(c, b) for c, b in zip(counts, bws)], memory_bytes=memory, latency_s=latency)
+        return cls([Level(c, b) for c, b in zip(counts, bws)], memory_bytes=memory, latency_s=latency,
+                   allreduce_efficiency=1.0 if efficiency is None else efficiency)
 
     def to_spec(self) -> str:
         """The compact spec; ``Topology.parse(t.to_spec())`` equals ``t`` (level names aside)."""
@@ -317,6 +368,8 @@ class Topology:
             if _quantity(text, _TIME_UNITS, "latency", "s") != self.latency_s:
                 text = f"{float(self.latency_s)!r}s"
             spec += "~" + text
+        if self.allreduce_efficiency != 1.0:
+            spec += "%" + _percent_text(self.allreduce_efficiency)
         return spec
 
     # ----------------------------------------------------------------- JSON
@@ -326,6 +379,7 @@ class Topology:
             "memory_bytes": self.memory_bytes,
             "latency_s": self.latency_s,
             "name": self.name,
+            "allreduce_efficiency": self.allreduce_efficiency,
         }
 
     @classmethod
@@ -348,7 +402,7 @@ class Topology:
             memory = parse_bytes(memory)
         try:
             return cls(levels, memory_bytes=memory, latency_s=data.get("latency_s", DEFAULT_LATENCY_S),
-                       name=str(data.get("name", "")))
+                       name=str(data.get("name", "")), allreduce_efficiency=data.get("allreduce_efficiency", 1.0))
         except TopologyError as exc:
             raise TopologyError(f"{source}: {exc}") from None
 
@@ -380,6 +434,7 @@ class Topology:
             == [(lv.count, float(lv.bandwidth_Bps)) for lv in other.levels]
             and self.memory_bytes == other.memory_bytes
             and self.latency_s == other.latency_s
+            and self.allreduce_efficiency == other.allreduce_efficiency
         )
 
     def __repr__(self) -> str:
