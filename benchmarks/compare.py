@@ -5,7 +5,9 @@ Same model, global batch, optimizer (SGD) and number of processes (2 by default,
 each, gloo) for every row; the rows of one model run in ``--passes`` interleaved passes (row 1,
 row 2, ..., row 1, row 2, ...) so that the machine's drift hits every row alike. For each row:
 samples/s (median over passes of the median timed window after warm-up), ratio to DDP, ratio to the perfect-scaling
-limit (processes × the one-thread single process), the simulator's predicted samples/s for
+limit (processes × the one-thread single process) and to the side-by-side ceiling (perfect
+scaling divided by how much slower that many copies of the model's own training step run side
+by side than one alone), the simulator's predicted samples/s for
 torchpipedream's rows, and peak RSS per rank. A CPU probe (two concurrent single-thread
 processes against one) runs at the start and end; if they disagree by more than 15% the run is
 flagged and should be repeated. torchpipedream's rows run the model with its wide linear layers
@@ -120,7 +122,8 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
 
     This machine's speed drifts by 20-30% within minutes, so the plan comes from the first
     profile and the prediction is the median over ``profiles`` independent predictions of
-    that plan (each with its own profile and host measurements), not one sample.
+    that plan (each with its own profile and host measurements), not one sample. Returns
+    (plan, predicted samples/s, the measured side-by-side slowdowns of the model's training).
     """
     from torchpipedream.host_costs import measure_local_costs
     from torchpipedream.planner import plan as make_plan
@@ -132,7 +135,7 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
     m = microbatches if schedule in ("2bw", "flush", "gpipe") else 1
-    plan, sched, predictions = None, None, []
+    plan, sched, predictions, slowdowns = None, None, [], []
     for _ in range(profiles):
         # Profiled as the schedule runs the model: in microbatches of batch/m samples.
         graph = profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
@@ -149,9 +152,10 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
             plan, microbatches=m,
             forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
             step_s=per_stage["optimizer_ms"],
-            **measure_local_costs(plan, m, rate=functools.partial(training_rate, work)))
+            **measure_local_costs(plan, m, rate=functools.partial(training_rate, work, microbatches=m)))
         predictions.append(16 * work.batch_size / simulate(sched, costs).makespan_s)
-    return plan, statistics.median(predictions)
+        slowdowns.append(costs.compute_slowdown)
+    return plan, statistics.median(predictions), slowdowns
 
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
@@ -198,8 +202,10 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     for s in TORCH_SCHEDULES:
         jobs.append((f"torch.pipelining {s}", lambda s=s: launch(_peer_worker, procs, work, s, microbatches, 2,
                                                                  windows, 3, timeout_s=900), None, ""))
+    slowdowns: list[float] = []
     for s in TPD_SCHEDULES:
-        plan, predicted = plan_for(work, procs, s, microbatches, split_parts)
+        plan, predicted, measured = plan_for(work, procs, s, microbatches, split_parts)
+        slowdowns += measured
         jobs.append((f"torchpipedream {s}", lambda s=s, plan=plan: launch(
             _tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, split_parts, timeout_s=900),
             predicted, plan.summary))
@@ -235,9 +241,15 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
                      "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": rss})
     ddp = next(r["samples_per_s"] for r in rows if r["row"] == "torch DDP")
     single1 = rows[0]["samples_per_s"]
+    # What `procs` copies of this model's own training step reach side by side on this host,
+    # as a share of perfect scaling (host_costs.measure_concurrency_slowdown, measured before
+    # the runs): a ceiling for any scheme of `procs` one-thread processes.
+    slowdown = statistics.median(slowdowns) if slowdowns else 1.0
     for r in rows:
         r["vs_ddp"] = r["samples_per_s"] / ddp
         r["vs_perfect_scaling"] = r["samples_per_s"] / (procs * single1)
+        r["side_by_side_slowdown"] = slowdown
+        r["vs_side_by_side_ceiling"] = r["samples_per_s"] / (procs * single1 / slowdown)
         r["measured_vs_predicted"] = (r["samples_per_s"] / r["predicted_samples_per_s"]
                                       if r["predicted_samples_per_s"] else None)
     return rows
@@ -245,14 +257,15 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
 
 def _markdown(rows: list[dict], probes: tuple[float, float], procs: int) -> str:
     lines = [f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; {procs} processes.",
-             "", "| model | row | plan | samples/s | × DDP | × perfect scaling | predicted | measured / predicted | peak RSS per rank (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| model | row | plan | samples/s | × DDP | × perfect scaling | × side-by-side ceiling | predicted | "
+             "measured / predicted | peak RSS per rank (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         pred = f"{r['predicted_samples_per_s']:.0f}" if r["predicted_samples_per_s"] else "-"
         mvp = f"{r['measured_vs_predicted']:.2f}" if r["measured_vs_predicted"] else "-"
         rss = ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
         lines.append(f"| {r['model']} | {r['row']} | {r['plan'] or '-'} | {r['samples_per_s']:.1f} | {r['vs_ddp']:.2f} | "
-                     f"{r['vs_perfect_scaling']:.2f} | {pred} | {mvp} | {rss} |")
+                     f"{r['vs_perfect_scaling']:.2f} | {r['vs_side_by_side_ceiling']:.2f} | {pred} | {mvp} | {rss} |")
     return "\n".join(lines)
 
 

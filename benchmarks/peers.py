@@ -68,9 +68,9 @@ def _batches(work: Workload, seed: int, count: int) -> list[tuple[torch.Tensor, 
     return [work.make_batch(work.batch_size, g) for _ in range(count)]
 
 
-def _plain_step(work: Workload, threads: int, batches: int) -> Callable[[], None]:
+def _plain_step(work: Workload, threads: int, batches: int, microbatches: int = 1) -> Callable[[], None]:
     """One training step of ``work`` in this process per call (``threads`` intra-op threads),
-    cycling over ``batches`` fixed minibatches."""
+    cycling over ``batches`` fixed minibatches, each in ``microbatches`` accumulated parts."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = work.build()
@@ -82,7 +82,8 @@ def _plain_step(work: Workload, threads: int, batches: int) -> Callable[[], None
         x, y = data[i[0] % len(data)]
         i[0] += 1
         opt.zero_grad(set_to_none=True)
-        work.loss_fn(model(x), y).backward()
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            work.loss_fn(model(xs), ys).backward()
         opt.step()
 
     return step
@@ -95,10 +96,12 @@ def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, 
     return {"samples_per_s": work.batch_size / statistics.median(times), "peak_rss_mb": [peak_rss_mb()]}
 
 
-def training_rate(work: Workload, seconds: float) -> float:
+def training_rate(work: Workload, seconds: float, microbatches: int = 1) -> float:
     """Training steps per second of ``work`` on one thread for about ``seconds`` (the work of
-    ``measure_concurrency_slowdown``: how much slower two copies run side by side)."""
-    step = _plain_step(work, 1, 1)
+    ``measure_concurrency_slowdown``: how much slower two copies run side by side), each step
+    in ``microbatches`` parts as a microbatched schedule runs it: small microbatches of a
+    weight-heavy model stream the weights once per part and slow each other down far more."""
+    step = _plain_step(work, 1, 1, microbatches)
     n, t0 = 0, time.perf_counter()
     while n == 0 or time.perf_counter() - t0 < seconds:
         step()

@@ -77,7 +77,8 @@ def test_busy_link_delays_next_message_but_not_the_sender() -> None:
 def test_allreduce_ring_cost() -> None:
     r, w, bw = 4, 8e6, 1e6
     plan = Plan(stages=[Stage(layers=["a"], replicas=r, ranks=list(range(r)))])
-    costs = Costs(forward_s=[1.0], backward_s=[2.0], parameter_bytes=[w], bandwidth_Bps=bw, latency_s=0.01)
+    costs = Costs(forward_s=[1.0], backward_s=[2.0], parameter_bytes=[w], bandwidth_Bps=bw, latency_s=0.01,
+                  accumulate_Bps=float("inf"))
     res = simulate(build_schedule(plan, "pipedream", minibatches=r), costs)
     ring = 2 * (r - 1) / r * w / bw + 2 * (r - 1) * 0.01
     assert res.makespan_s == pytest.approx(3.0 + ring)
@@ -90,8 +91,27 @@ def test_allreduce_efficiency_comes_from_the_plans_topology() -> None:
     r, w = 2, 8e6
     plan = Plan(stages=[Stage(layers=["a"], replicas=r, ranks=list(range(r)))], topology="2:1MB/s~0us%25")
     res = simulate(build_schedule(plan, "pipedream", minibatches=r),
-                   Costs.from_plan(plan, forward_s=[1.0], backward_s=[2.0], parameter_bytes=[w]))
+                   Costs.from_plan(plan, forward_s=[1.0], backward_s=[2.0], parameter_bytes=[w],
+                                   accumulate_Bps=float("inf")))
     assert res.makespan_s == pytest.approx(3.0 + 2 * (r - 1) / r * w / (0.25 * 1e6))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_backwards_that_accumulate_pay_a_pass_over_the_gradients(m: int) -> None:
+    # flush on one unreplicated stage, 2 batches of m microbatches: the first B of each update
+    # hands its gradient over, the other m − 1 add theirs (|w| / accumulate_Bps each).
+    w, acc = 6.0, 2.0
+    plan = Plan.straight([["a"]])
+    sched = build_schedule(plan, "flush", minibatches=2, microbatches=m)
+    res = simulate(sched, Costs(forward_s=[F], backward_s=[B], parameter_bytes=[w], accumulate_Bps=acc))
+    assert res.makespan_s == pytest.approx(2 * m * (F + B) + 2 * (m - 1) * w / acc)
+    # on a replicated stage every B adds into the persistent all-reduce buffers
+    dp = Plan(stages=[Stage(layers=["a"], replicas=2, ranks=[0, 1])])
+    both = simulate(build_schedule(dp, "flush", minibatches=1, microbatches=2 * m), Costs(
+        forward_s=[F], backward_s=[B], parameter_bytes=[w], accumulate_Bps=acc, bandwidth_Bps=float("inf")))
+    assert both.makespan_s == pytest.approx(m * (F + B + w / acc))
+    with pytest.raises(SimulationError, match="accumulate_Bps"):
+        simulate(sched, Costs(forward_s=[F], backward_s=[B], accumulate_Bps=0.0))
 
 
 def test_measured_allreduce_replaces_the_ring_formula() -> None:

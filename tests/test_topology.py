@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchpipedream.host_costs import measure_allreduce
+from torchpipedream.host_costs import measure_accumulate_bandwidth, measure_allreduce
 from torchpipedream.topology import (
     LOCAL_ALLREDUCE_EFFICIENCY,
     LOCAL_BANDWIDTH_BPS,
@@ -202,6 +202,11 @@ def test_allreduce_efficiency_spec_and_local_default():
     for bad, match in (("2:1GB/s%0", r"\(0, 1\]"), ("2:1GB/s%120", r"\(0, 1\]"), ("2:1GB/s%fast", "percent")):
         with pytest.raises(TopologyError, match=match):
             Topology.parse(bad)
+
+
+def test_measured_accumulate_bandwidth_is_a_plausible_memory_speed():
+    bps = measure_accumulate_bandwidth(8 * 2**20, repeats=3)
+    assert 1e8 < bps < 1e12
 
 
 def test_memory_spec_is_exact_even_when_not_round():

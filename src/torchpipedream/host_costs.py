@@ -7,6 +7,7 @@ runtime incurs it:
 * ``measure_message_overhead``: CPU time per message on each side (LogP's o);
 * ``measure_allreduce``: a gloo all-reduce of a stage's flat gradient buffer;
 * ``measure_copy_bandwidth``: the copy on update of a stashed weight version;
+* ``measure_accumulate_bandwidth``: a backward adding its gradient into an existing one;
 * ``measure_concurrency_slowdown``: N workers computing side by side against one alone;
 * ``measure_loopback_bandwidth``: gloo send/recv between two local processes
   (``Topology.local(measure=True)``).
@@ -29,6 +30,7 @@ __all__ = [
     "measure_message_overhead",
     "measure_allreduce",
     "measure_copy_bandwidth",
+    "measure_accumulate_bandwidth",
     "measure_concurrency_slowdown",
     "measure_loopback_bandwidth",
     "concurrent_rates",
@@ -38,14 +40,17 @@ __all__ = [
 def measure_local_costs(plan: "Plan", microbatches: int = 1,
                         rate: Callable[[float], float] | None = None) -> dict[str, Any]:
     """Measure the host terms a plan's run on this machine's local workers pays, as keyword
-    overrides for ``Costs.from_plan``: the copy bandwidth at the largest stage's weights, the
+    overrides for ``Costs.from_plan``: the copy and gradient-accumulation bandwidths at the
+    largest stage's weights, the
     per-message overhead at the largest cut's microbatch message (pipelines), each replicated
     stage's all-reduce at its weight size and replica count, and with ``rate`` (a picklable
     ``rate(seconds) -> work/s`` that trains the model) the concurrency slowdown of the plan's
     workers. About 2 s per spawned measurement on the 2-core development machine.
     """
     m = max(1, int(microbatches))
-    out: dict[str, Any] = {"copy_Bps": measure_copy_bandwidth(int(max(st.parameter_bytes for st in plan.stages)))}
+    largest = int(max(st.parameter_bytes for st in plan.stages))
+    out: dict[str, Any] = {"copy_Bps": measure_copy_bandwidth(largest),
+                           "accumulate_Bps": measure_accumulate_bandwidth(largest)}
     if plan.num_stages > 1:
         cut = max(st.output_bytes for st in plan.stages[:-1]) // m
         out["message_overhead_s"] = measure_message_overhead(int(cut))
@@ -110,6 +115,35 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
         return src.numel() * 4 / statistics.median(times[2:])
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_accumulate_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 10) -> float:
+    """Gradient bytes per second one thread adds into an existing gradient (``acc += new``,
+    as autograd accumulates a microbatch's weight gradient), each add after other compute
+    (profiler.disturb_caches), median of ``repeats``: the simulator's ``Costs.accumulate_Bps``.
+    Measure at the size of a stage's weights."""
+    import statistics
+    import time
+
+    import torch
+
+    from .profiler import disturb_caches
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        acc = torch.ones(max(1, nbytes // 4))
+        times = []
+        for _ in range(repeats + 2):
+            new = torch.full_like(acc, 0.5)  # a fresh gradient, as each backward makes one
+            disturb_caches()
+            t0 = time.perf_counter()
+            acc.add_(new)
+            times.append(time.perf_counter() - t0)
+            del new
+        return acc.numel() * 4 / statistics.median(times[2:])
     finally:
         torch.set_num_threads(old)
 

@@ -12,6 +12,10 @@
 * AR starts when every replica of the stage has reached it and costs a ring all-reduce,
   2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``), or the stage's measured all-reduce time when
   ``Costs.allreduce_s`` gives one, after which all replicas continue;
+* a B that adds its weight gradient into an existing one (every B of a replicated stage,
+  whose gradients live in persistent buffers; elsewhere every B of an update but its first)
+  also takes |w| / ``Costs.accumulate_Bps``: the profile times a backward that hands over
+  fresh gradient tensors, and on a CPU the add is a pass over the stage's gradients;
 * U takes the stage's optimizer step, plus a copy of its weights (|w| / copy bandwidth) when
   the version it replaces is still used by a later F or B of the rank (copy on update:
   weight stashing keeps the old version, as the runtime does).
@@ -41,7 +45,8 @@ from .plan import Plan
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
 
-__all__ = ["Costs", "SimResult", "simulate", "stash_copies", "DEFAULT_BANDWIDTH_BPS", "DEFAULT_COPY_BPS",
+__all__ = ["Costs", "SimResult", "simulate", "stash_copies", "accumulating_backwards", "DEFAULT_BANDWIDTH_BPS",
+           "DEFAULT_COPY_BPS", "DEFAULT_ACCUMULATE_BPS",
            "DEFAULT_OPTIMIZER_STATE_FACTOR"]
 
 log = logging.getLogger(__name__)
@@ -52,6 +57,11 @@ DEFAULT_BANDWIDTH_BPS = 10e9
 #: one-thread ``Tensor.copy_`` on the project's 2-core development machine moves 12-13 GB/s
 #: (40+ GB/s while it fits in cache); pass a measured ``copy_Bps`` for other hardware.
 DEFAULT_COPY_BPS = 12e9
+#: Gradient bytes added per second when a backward accumulates into an existing gradient
+#: (``grad += new``, three passes over the bytes): 5.2-6.2 GB/s for 2-76 MB on one thread of
+#: the development machine (``host_costs.measure_accumulate_bandwidth``); pass a measured
+#: ``accumulate_Bps`` for other hardware.
+DEFAULT_ACCUMULATE_BPS = 5e9
 #: Optimizer state (+ gradient buffer) per worker in multiples of the stage's weights; the
 #: planner's default (momentum buffer + gradient), so simulated and planned memory agree.
 DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
@@ -82,6 +92,8 @@ class Costs:
         compute_slowdown: factor on every F, B and U: workers that share a host compute slower
             together than the one process that was profiled (``measure_concurrency_slowdown``;
             1.0 for a device per worker).
+        accumulate_Bps: gradient bytes per second a backward adds into an existing gradient
+            (``measure_accumulate_bandwidth``), charged at the B actions that accumulate.
         allreduce_efficiency: share of the ring formula's speed an all-reduce reaches
             (``Topology.allreduce_efficiency``; ``from_plan`` takes the plan topology's).
         allreduce_s: measured seconds of each stage's all-reduce (``measure_allreduce`` at the
@@ -103,6 +115,7 @@ class Costs:
     copy_Bps: float = DEFAULT_COPY_BPS
     message_overhead_s: float = 0.0
     compute_slowdown: float = 1.0
+    accumulate_Bps: float = DEFAULT_ACCUMULATE_BPS
     allreduce_efficiency: float = 1.0
     allreduce_s: list[float | None] | None = None
 
@@ -165,6 +178,8 @@ class Costs:
             raise SimulationError(f"costs.message_overhead_s must be >= 0, got {self.message_overhead_s!r}")
         if not self.copy_Bps > 0:
             raise SimulationError(f"costs.copy_Bps must be > 0, got {self.copy_Bps!r}")
+        if not self.accumulate_Bps > 0:
+            raise SimulationError(f"costs.accumulate_Bps must be > 0, got {self.accumulate_Bps!r}")
         if not 0 < self.allreduce_efficiency <= 1:
             raise SimulationError(f"costs.allreduce_efficiency must be in (0, 1], got {self.allreduce_efficiency!r}")
         if self.allreduce_s is not None:
@@ -278,6 +293,23 @@ def stash_copies(actions: list[Action]) -> set[int]:
     return copies
 
 
+def accumulating_backwards(actions: list[Action], replicated: bool) -> set[int]:
+    """Positions of the B actions in one rank's list that add their weight gradient into an
+    existing one, as the runtime's WeightVersions makes them: on a replicated stage every B
+    (its gradients live in persistent all-reduce buffers), elsewhere every B after the first
+    since the last U (the first hands over fresh gradient tensors, as the profile times it)."""
+    out: set[int] = set()
+    first = True
+    for p, a in enumerate(actions):
+        if a.kind is Kind.BACKWARD:
+            if replicated or not first:
+                out.add(p)
+            first = False
+        elif a.kind is Kind.OPTIMIZER_STEP:
+            first = True
+    return out
+
+
 def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     """The event loop: advance any rank that can run until all lists are done."""
     plan = schedule.plan
@@ -293,6 +325,8 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     acts = schedule.actions
     copy_at = {r: stash_copies(lst) for r, lst in acts.items()}
     copy_s = [b / costs.copy_Bps for b in params]
+    adds_at = {r: accumulating_backwards(lst, plan.stages[stage_of[r][0]].replicas > 1) for r, lst in acts.items()}
+    add_s = [b / costs.accumulate_Bps for b in params]
     clock = {r: 0.0 for r in acts}
     pc = {r: 0 for r in acts}
     link_free: dict[tuple[int, int], float] = {}
@@ -328,7 +362,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
             a = lst[p]
             k = a.kind
             if k is F or k is B:
-                d = fwd[s] if k is F else bwd[s]
+                d = fwd[s] if k is F else bwd[s] + (add_s[s] if p in adds_at[r] else 0.0)
                 emit(Ev(r, s, KV[k], a.id, t, t + d, 0, text(a), q, a.version))
                 t += d
             elif k is SA or k is SG:
