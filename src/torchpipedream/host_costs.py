@@ -65,7 +65,7 @@ def measure_local_costs(plan: "Plan", microbatches: int = 1,
 
 def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeout_s: float = 60.0) -> float:
     """Bytes/s of a gloo send/recv between two processes on 127.0.0.1 (best of ``repeats``)."""
-    return _run_group(_loopback_worker, 2, nbytes, repeats, timeout_s, "loopback")
+    return _run_group(_loopback, 2, nbytes, repeats, timeout_s, "loopback")
 
 
 def measure_message_overhead(nbytes: int = 64 * 2**10, repeats: int = 50, timeout_s: float = 60.0) -> float:
@@ -78,7 +78,7 @@ def measure_message_overhead(nbytes: int = 64 * 2**10, repeats: int = 50, timeou
     averaged: what the simulator's ``Costs.message_overhead_s`` charges on each side of
     every message. Small messages on a CPU are dominated by this, not by bandwidth.
     """
-    return _run_group(_overhead_worker, 2, nbytes, repeats, timeout_s, "message overhead")
+    return _run_group(_message_overhead, 2, nbytes, repeats, timeout_s, "message overhead")
 
 
 def measure_allreduce(nbytes: int, workers: int = 2, repeats: int = 20, timeout_s: float = 60.0) -> float:
@@ -91,7 +91,7 @@ def measure_allreduce(nbytes: int, workers: int = 2, repeats: int = 20, timeout_
     """
     if workers < 2:
         raise ValueError(f"an all-reduce needs at least 2 workers, got {workers}")
-    return _run_group(_allreduce_worker, workers, nbytes, repeats, timeout_s, "all-reduce")
+    return _run_group(_allreduce, workers, nbytes, repeats, timeout_s, "all-reduce")
 
 
 def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float:
@@ -202,8 +202,8 @@ def _gemm_rate(seconds: float) -> float:
 
 
 def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
-    """Run ``target(rank, world, port, nbytes, repeats, queue)`` on ``workers`` spawned
-    processes; rank 0's answer."""
+    """Run the measurement ``target(rank, world, nbytes, repeats) -> float`` on ``workers``
+    spawned one-thread processes joined by a gloo group; rank 0's answer."""
     import multiprocessing as mp
     import socket
 
@@ -212,7 +212,8 @@ def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: 
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, workers, port, nbytes, repeats, queue)) for r in range(workers)]
+    procs = [ctx.Process(target=_group_worker, args=(target, r, workers, port, nbytes, repeats, queue))
+             for r in range(workers)]
     for p in procs:
         p.start()
     import queue as queues
@@ -240,7 +241,25 @@ def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: 
     return float(result)
 
 
-def _overhead_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+def _group_worker(target: Any, rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+    """One measuring process: join the group, measure, put rank 0's answer (or the error, as
+    one line) on ``queue``."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        answer = target(rank, world, nbytes, repeats)
+        if rank == 0:
+            queue.put(answer)
+        dist.destroy_process_group()
+    except Exception as exc:  # reported to the parent as one line
+        if rank == 0:
+            queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def _message_overhead(rank: int, world: int, nbytes: int, repeats: int) -> float:
     import statistics
     import time
 
@@ -250,73 +269,57 @@ def _overhead_worker(rank: int, world: int, port: int, nbytes: int, repeats: int
     from .profiler import disturb_caches
     from .runtime.comm import pack, post_recv, post_send, unpack
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        cpu = torch.device("cpu")
-        act = torch.randn(max(1, nbytes // 4))
-        size = pack(1, [act], [], cpu).numel()
-        calls = []
-        for i in range(repeats + 5):
-            buf = torch.empty(size, dtype=torch.uint8)
+    cpu = torch.device("cpu")
+    act = torch.randn(max(1, nbytes // 4))
+    size = pack(1, [act], [], cpu).numel()
+    calls = []
+    for i in range(repeats + 5):
+        buf = torch.empty(size, dtype=torch.uint8)
+        disturb_caches()
+        if rank == 1:  # the receiver posts early (the runtime prefetches), then unpacks
+            t0 = time.perf_counter()
+            work = post_recv(buf, 0, 0)
+            took = time.perf_counter() - t0
+        dist.barrier()
+        if rank == 0:  # the sender packs and sends, as an SA does
+            t0 = time.perf_counter()
+            work = post_send(pack(1, [act], [], cpu), 1, 0)
+            took = time.perf_counter() - t0
+        work.wait()
+        if rank == 1:
             disturb_caches()
-            if rank == 1:  # the receiver posts early (the runtime prefetches), then unpacks
-                t0 = time.perf_counter()
-                work = post_recv(buf, 0, 0)
-                took = time.perf_counter() - t0
-            dist.barrier()
-            if rank == 0:  # the sender packs and sends, as an SA does
-                t0 = time.perf_counter()
-                work = post_send(pack(1, [act], [], cpu), 1, 0)
-                took = time.perf_counter() - t0
-            work.wait()
-            if rank == 1:
-                disturb_caches()
-                t0 = time.perf_counter()
-                unpack(buf)
-                took += time.perf_counter() - t0
-            if i >= 5:
-                calls.append(took)
-        both = [None, None]
-        dist.all_gather_object(both, statistics.median(calls))
-        if rank == 0:
-            queue.put(sum(both) / 2)
-        dist.destroy_process_group()
-    except Exception as exc:  # reported to the parent as one line
-        if rank == 0:
-            queue.put(f"{type(exc).__name__}: {exc}")
+            t0 = time.perf_counter()
+            unpack(buf)
+            took += time.perf_counter() - t0
+        if i >= 5:
+            calls.append(took)
+    both = [None, None]
+    dist.all_gather_object(both, statistics.median(calls))
+    return sum(both) / 2
 
 
-def _loopback_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+def _loopback(rank: int, world: int, nbytes: int, repeats: int) -> float:
     import time
 
     import torch
     import torch.distributed as dist
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        buf = torch.zeros(nbytes // 4, dtype=torch.float32)
-        best = math.inf
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            best = min(best, time.perf_counter() - t0)
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32)
+    best = math.inf
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
         if rank == 0:
-            queue.put(2 * nbytes / best)
-        dist.destroy_process_group()
-    except Exception as exc:  # reported to the parent as one line
-        if rank == 0:
-            queue.put(f"{type(exc).__name__}: {exc}")
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
 
 
-def _allreduce_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
+def _allreduce(rank: int, world: int, nbytes: int, repeats: int) -> float:
     import statistics
     import time
 
@@ -325,23 +328,15 @@ def _allreduce_worker(rank: int, world: int, port: int, nbytes: int, repeats: in
 
     from .profiler import disturb_caches
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        flat = torch.ones(max(1, nbytes // 4))
-        times = []
-        for i in range(repeats + 3):
-            disturb_caches()
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(flat)
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, statistics.median(times))
-        if rank == 0:
-            queue.put(max(everyone))
-        dist.destroy_process_group()
-    except Exception as exc:  # reported to the parent as one line
-        if rank == 0:
-            queue.put(f"{type(exc).__name__}: {exc}")
+    flat = torch.ones(max(1, nbytes // 4))
+    times = []
+    for i in range(repeats + 3):
+        disturb_caches()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, statistics.median(times))
+    return max(everyone)
