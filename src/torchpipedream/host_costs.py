@@ -19,8 +19,9 @@ copy bandwidth), so call them from a script's ``if __name__ == "__main__":`` blo
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -99,24 +100,19 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float
     the simulator's ``Costs.copy_Bps`` for the copy on update of a stashed weight version.
     Caches make small copies several times faster than large ones, so measure at the size of
     a stage's weights."""
-    import statistics
     import time
 
     import torch
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    def once() -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+    with _one_thread():
         src = torch.ones(max(1, nbytes // 4))
         dst = torch.empty_like(src)
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        return src.numel() * 4 / statistics.median(times[2:])
-    finally:
-        torch.set_num_threads(old)
+        return src.numel() * 4 / _median_seconds(once, repeats)
 
 
 def measure_accumulate_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 10) -> float:
@@ -124,28 +120,45 @@ def measure_accumulate_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 10) ->
     as autograd accumulates a microbatch's weight gradient), each add after other compute
     (profiler.disturb_caches), median of ``repeats``: the simulator's ``Costs.accumulate_Bps``.
     Measure at the size of a stage's weights."""
-    import statistics
     import time
 
     import torch
 
     from .profiler import disturb_caches
 
+    def once() -> float:
+        new = torch.full_like(acc, 0.5)  # a fresh gradient, as each backward makes one
+        disturb_caches()
+        t0 = time.perf_counter()
+        acc.add_(new)
+        return time.perf_counter() - t0
+
+    with _one_thread():
+        acc = torch.ones(max(1, nbytes // 4))
+        return acc.numel() * 4 / _median_seconds(once, repeats)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the block with one intra-op thread (a worker's setting), then restore."""
+    import torch
+
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        acc = torch.ones(max(1, nbytes // 4))
-        times = []
-        for _ in range(repeats + 2):
-            new = torch.full_like(acc, 0.5)  # a fresh gradient, as each backward makes one
-            disturb_caches()
-            t0 = time.perf_counter()
-            acc.add_(new)
-            times.append(time.perf_counter() - t0)
-            del new
-        return acc.numel() * 4 / statistics.median(times[2:])
+        yield
     finally:
         torch.set_num_threads(old)
+
+
+def _median_seconds(once: Callable[[], float], repeats: int, warmup: int = 2) -> float:
+    """Median of ``repeats`` calls of ``once()`` (each returns the seconds it timed) after
+    ``warmup`` untimed ones."""
+    import statistics
+
+    for _ in range(warmup):
+        once()
+    return statistics.median(once() for _ in range(repeats))
 
 
 def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,

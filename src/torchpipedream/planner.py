@@ -453,7 +453,7 @@ def _hierarchical(blocks: Sequence[Block], topology: Topology, allow_fewer: bool
     valid = ii <= jj
     comp = np.where(valid, Cp[np.minimum(jj + 1, N)] - Cp[ii], np.inf)
     wts = np.where(valid, Wp[np.minimum(jj + 1, N)] - Wp[ii], 0.0)
-    beff = topology.effective_bandwidths
+    beff, bar = topology.effective_bandwidths, topology.allreduce_bandwidths
     below_full = None  # A^{k-1}(i→j, full component), (N, N)
     levels_choice = []
     for k, lv in enumerate(topology.levels, start=1):
@@ -461,7 +461,7 @@ def _hierarchical(blocks: Sequence[Block], topology: Topology, allow_fewer: bool
         Tk = np.full((c + 1, N, N), np.inf)
         for m in range(1, c + 1):
             inner = comp if below_full is None else below_full
-            ar = 2.0 * (m - 1) / m * wts / (B * topology.allreduce_efficiency) * 1e3
+            ar = 2.0 * (m - 1) / m * wts / bar[k] * 1e3
             Tk[m] = np.where(valid, (inner + ar) / m, np.inf)
         cut = 2.0 * a[:-1] / B * 1e3  # cut after block s, s = 0..N-2
         Ak = np.full((c + 1, N, N), np.inf)

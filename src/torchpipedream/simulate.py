@@ -10,8 +10,9 @@
 * a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived, then
   takes ``o``;
 * AR starts when every replica of the stage has reached it and costs a ring all-reduce,
-  2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``), or the stage's measured all-reduce time when
-  ``Costs.allreduce_s`` gives one, after which all replicas continue;
+  2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``), or
+  the stage's measured all-reduce time when ``Costs.allreduce_s`` gives one, after which
+  all replicas continue;
 * a B that adds its weight gradient into an existing one (every B of a replicated stage,
   whose gradients live in persistent buffers; elsewhere every B of an update but its first)
   also takes |w| / ``Costs.accumulate_Bps``: the profile times a backward that hands over

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
-def updates_are_minibatch_means(schedule: "Schedule", replicated: bool, loss_reduction: str) -> bool:
+def updates_are_minibatch_means(schedule: Schedule, replicated: bool, loss_reduction: str) -> bool:
     """Whether the backward may start from each minibatch's mean loss so that updates apply
     gradients as they are (no division by the update's samples): a mean-reducing loss, one
     microbatch per minibatch, no replicated stage (an all-reduce sums several minibatches)
