@@ -12,7 +12,9 @@ torchpipedream's rows, and peak RSS per rank. A CPU probe (two concurrent single
 processes against one) runs at the start and end; if they disagree by more than 15% the run is
 flagged and should be repeated. torchpipedream's rows run the model with its wide linear layers
 split into column parts (``--split-wide``, layer_split.py: the same function and training) so
-that the planner can balance stages inside a layer.
+that the planner can balance stages inside a layer. Every row, this process's included,
+allocates with PyTorch's huge pages (``THP_MEM_ALLOC_ENABLE=1``, huge_pages.py) unless the
+environment sets it: ``THP_MEM_ALLOC_ENABLE=0`` runs every row on PyTorch's default.
 
     .venv/bin/python benchmarks/compare.py                       # all models
     .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
@@ -31,9 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
+from torchpipedream.huge_pages import huge_pages_on, prefer_huge_pages
+
+prefer_huge_pages()  # before this process's first tensor; the workers inherit it
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import (Workload, cpu_probe, peak_rss_mb, run_ddp, run_single, run_torch_pipelining,  # noqa: E402
@@ -256,7 +262,9 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
 
 
 def _markdown(rows: list[dict], probes: tuple[float, float], procs: int) -> str:
-    lines = [f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; {procs} processes.",
+    pages = "huge pages" if huge_pages_on() else "PyTorch's default pages"
+    lines = [f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; {procs} processes; "
+             f"every row allocates on {pages}.",
              "", "| model | row | plan | samples/s | × DDP | × perfect scaling | × side-by-side ceiling | predicted | "
              "measured / predicted | peak RSS per rank (MB) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -318,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"probes": [start, end], "args": vars(args), "rows": rows}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps({"probes": [start, end], "args": vars(args),
+                                                      "huge_pages": huge_pages_on(), "rows": rows}, indent=1))
     Path(f"{out}.md").write_text(table + "\n")
     _plot(rows, Path(f"{out}.png"))
     print(f"wrote {out}.json, {out}.md, {out}.png")

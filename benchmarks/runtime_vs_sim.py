@@ -26,9 +26,13 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
+from torchpipedream.huge_pages import prefer_huge_pages
+
+prefer_huge_pages()  # the profile in this process allocates as launch()'s workers do
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
 
 from torchpipedream.planner import plan as make_plan
 from torchpipedream.profiler import profile

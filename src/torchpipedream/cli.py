@@ -15,6 +15,7 @@ import sys
 from typing import Sequence
 
 from . import __version__, commands
+from .huge_pages import prefer_huge_pages
 
 __all__ = ["main", "build_parser", "CommandError"]
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before this process allocates its first tensor (the profile runs here): see huge_pages.py.
+    prefer_huge_pages()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -23,6 +23,8 @@ import contextlib
 import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from .huge_pages import spawning_with_huge_pages
+
 if TYPE_CHECKING:
     from .plan import Plan
 
@@ -187,7 +189,7 @@ def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float
 
     ctx = mp.get_context("spawn")
     limit = 60.0 + 4 * seconds  # a pool whose workers cannot start would wait for ever
-    with ctx.Pool(workers) as pool:
+    with spawning_with_huge_pages(), ctx.Pool(workers) as pool:
         try:
             pool.map_async(rate, [min(0.05, seconds)] * workers).get(limit)
             alone = pool.apply_async(rate, (seconds,)).get(limit)
@@ -227,8 +229,9 @@ def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: 
     queue = ctx.Queue()
     procs = [ctx.Process(target=_group_worker, args=(target, r, workers, port, nbytes, repeats, queue))
              for r in range(workers)]
-    for p in procs:
-        p.start()
+    with spawning_with_huge_pages():  # measured as launch()'s workers will run
+        for p in procs:
+            p.start()
     import queue as queues
     import time
 

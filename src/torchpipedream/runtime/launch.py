@@ -12,6 +12,9 @@ its traceback. When a worker fails, the others get ``failure_grace_s`` to stop o
 killed; the error reported is the root cause, a rank whose own code failed, rather than a
 rank that stopped because a peer failed (:class:`PipelineFailure`). All workers are killed
 when ``timeout_s`` passes.
+
+Workers start with PyTorch's huge-page allocation on (``THP_MEM_ALLOC_ENABLE=1``, see
+``torchpipedream/huge_pages.py``) unless the caller's environment says otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ..huge_pages import spawning_with_huge_pages
 
 __all__ = ["launch", "LaunchError", "free_port", "init_from_env"]
 
@@ -142,6 +147,7 @@ def launch(
     return_all: bool = False,
     threads: int = 1,
     failure_grace_s: float = 3.0,
+    huge_pages: bool = True,
 ) -> Any:
     """Run ``fn(rank, *args)`` on ``nprocs`` local processes; return rank 0's result.
 
@@ -155,6 +161,9 @@ def launch(
         threads: intra-op threads per worker.
         failure_grace_s: after a worker fails, how long the others may take to stop on their
             own before they are killed.
+        huge_pages: start the workers with PyTorch's huge-page allocation on
+            (``THP_MEM_ALLOC_ENABLE=1``; see ``huge_pages.py``) unless the environment
+            already sets it.
 
     Raises:
         LaunchError: a worker raised (the message names its rank and has its traceback) or
@@ -166,11 +175,12 @@ def launch(
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tpd_launch_") as outdir:
-        ctx = mp.start_processes(
-            _worker,
-            args=(fn, args, nprocs, port, backend, comm_timeout_s or timeout_s, outdir, threads),
-            nprocs=nprocs, join=False, start_method="spawn",
-        )
+        with spawning_with_huge_pages(huge_pages):  # spawned workers copy this environment
+            ctx = mp.start_processes(
+                _worker,
+                args=(fn, args, nprocs, port, backend, comm_timeout_s or timeout_s, outdir, threads),
+                nprocs=nprocs, join=False, start_method="spawn",
+            )
         deadline = time.monotonic() + timeout_s
         try:
             failed = _wait_for_workers(ctx.processes, deadline, failure_grace_s)

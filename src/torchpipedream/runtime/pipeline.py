@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..actions import Action, Kind, Schedule
+from ..huge_pages import HUGE_PAGES_ENV
 from ..plan import Plan
 from ..trace import Trace
 from .comm import P2P
@@ -147,6 +148,10 @@ class Pipeline:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL point-to-point uses the current device
+        elif self.rank == 0 and HUGE_PAGES_ENV not in os.environ:
+            log.info("%s is not set: CPU workers allocate weight gradients on 4 KiB pages; "
+                     "`export %s=1` before torchrun makes weight-heavy models train up to ~30%% faster "
+                     "(torchpipedream.launch sets it; see torchpipedream/huge_pages.py)", HUGE_PAGES_ENV, HUGE_PAGES_ENV)
         if seed is not None:
             torch.manual_seed(seed + self.rank)
         modules = split_stages(module_or_stages, plan)
