@@ -123,7 +123,7 @@ def tpd_model(work: Workload, split_parts: int) -> nn.Module:
 
 
 def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1,
-             profiles: int = 3):
+             profiles: int = 3, minibatches: int = 32):
     """Profile in this process (1 thread), plan with the planner, predict with the simulator.
 
     This machine's speed drifts by 20-30% within minutes, so the plan comes from the first
@@ -148,7 +148,7 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
                         optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
         if plan is None:
             plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
-            sched = build_schedule(plan, schedule, minibatches=16, microbatches=m)
+            sched = build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
         per_stage = {k: [sum(getattr(graph[n], k) for n in st.layers) / 1e3 for st in plan.stages]
                      for k in ("forward_ms", "backward_ms", "optimizer_ms")}
         # This host's terms, measured as the runtime pays them (host_costs.py): message
@@ -159,7 +159,7 @@ def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, spl
             forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
             step_s=per_stage["optimizer_ms"],
             **measure_local_costs(plan, m, rate=functools.partial(training_rate, work, microbatches=m)))
-        predictions.append(16 * work.batch_size / simulate(sched, costs).makespan_s)
+        predictions.append(minibatches * work.batch_size / simulate(sched, costs).makespan_s)
         slowdowns.append(costs.compute_slowdown)
     return plan, statistics.median(predictions), slowdowns
 
@@ -208,10 +208,10 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     for s in TORCH_SCHEDULES:
         jobs.append((f"torch.pipelining {s}", lambda s=s: launch(_peer_worker, procs, work, s, microbatches, 2,
                                                                  windows, 3, timeout_s=900), None, ""))
-    slowdowns: list[float] = []
+    slowdowns: dict[str, list[float]] = {}
     for s in TPD_SCHEDULES:
-        plan, predicted, measured = plan_for(work, procs, s, microbatches, split_parts)
-        slowdowns += measured
+        plan, predicted, measured = plan_for(work, procs, s, microbatches, split_parts, minibatches=per_window)
+        slowdowns[f"torchpipedream {s}"] = measured
         jobs.append((f"torchpipedream {s}", lambda s=s, plan=plan: launch(
             _tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, split_parts, timeout_s=900),
             predicted, plan.summary))
@@ -247,14 +247,18 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
                      "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": rss})
     ddp = next(r["samples_per_s"] for r in rows if r["row"] == "torch DDP")
     single1 = rows[0]["samples_per_s"]
-    # What `procs` copies of this model's own training step reach side by side on this host,
-    # as a share of perfect scaling (host_costs.measure_concurrency_slowdown, measured before
-    # the runs): a ceiling for any scheme of `procs` one-thread processes.
-    slowdown = statistics.median(slowdowns) if slowdowns else 1.0
+    # What `procs` copies of this model's own training step (whole minibatches, as the
+    # single-process rows train) reach side by side on this host, as a share of perfect
+    # scaling (host_costs.measure_concurrency_slowdown, measured before the runs with
+    # pipedream's prediction): a ceiling for any scheme of `procs` one-thread processes.
+    # A microbatched schedule's own prediction uses the slowdown of microbatched steps.
+    whole = slowdowns.get("torchpipedream pipedream") or [v for vs in slowdowns.values() for v in vs]
+    slowdown = statistics.median(whole) if whole else 1.0
     for r in rows:
         r["vs_ddp"] = r["samples_per_s"] / ddp
         r["vs_perfect_scaling"] = r["samples_per_s"] / (procs * single1)
         r["side_by_side_slowdown"] = slowdown
+        r["predicted_with_slowdowns"] = slowdowns.get(r["row"])
         r["vs_side_by_side_ceiling"] = r["samples_per_s"] / (procs * single1 / slowdown)
         r["measured_vs_predicted"] = (r["samples_per_s"] / r["predicted_samples_per_s"]
                                       if r["predicted_samples_per_s"] else None)
@@ -304,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--windows", type=int, default=3, help="timed windows per row and pass")
     ap.add_argument("--passes", type=int, default=2, help="interleaved passes over all rows of a model")
-    ap.add_argument("--per-window", type=int, default=16, help="minibatches per torchpipedream schedule")
+    ap.add_argument("--per-window", type=int, default=32,
+                    help="minibatches per torchpipedream schedule (fit() runs an epoch as one schedule; a window "
+                         "pays one fill and drain)")
     ap.add_argument("--split-wide", type=int, default=4, metavar="PARTS",
                     help="torchpipedream rows: split linear layers with >= 1024 outputs into PARTS column parts so "
                          "stages can balance (1 = off; default 4)")
