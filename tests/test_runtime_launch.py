@@ -4,6 +4,8 @@ that fail instead of hanging."""
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 
 import pytest
@@ -127,9 +129,6 @@ def _thp_mode() -> str:
 def allocation_worker(rank: int) -> tuple[str | None, float]:
     """This worker's huge-page switch and the page faults of one fresh 64 MiB gradient-sized
     buffer (allocated, touched, freed; three times)."""
-    import os
-    import resource
-
     torch.empty(4096 * 4096).fill_(1.0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(3):
@@ -142,8 +141,6 @@ def test_workers_allocate_large_buffers_on_huge_pages(monkeypatch):
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     env, faults = launch(allocation_worker, 1, timeout_s=60)
     assert env == "1"
-    import os
-
     assert "THP_MEM_ALLOC_ENABLE" not in os.environ  # the parent's environment is left as it was
     off_env, off_faults = launch(allocation_worker, 1, timeout_s=60, huge_pages=False)
     assert off_env is None
