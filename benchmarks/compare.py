@@ -8,7 +8,9 @@ samples/s (median over passes of the median timed window after warm-up), ratio t
 limit (processes × the one-thread single process) and to the side-by-side ceiling (perfect
 scaling divided by how much slower that many copies of the model's own training step run side
 by side than one alone), the simulator's predicted samples/s for
-torchpipedream's rows, and peak RSS per rank. A CPU probe (two concurrent single-thread
+torchpipedream's rows (predicted afresh in every pass, from a profile and host measurements
+taken just before that pass runs the row; measured / predicted is the median over passes of
+each run against its own prediction), and peak RSS per rank. A CPU probe (two concurrent single-thread
 processes against one) runs at the start and end; if they disagree by more than 15% the run is
 flagged and should be repeated. torchpipedream's rows run the model with its wide linear layers
 split into column parts (``--split-wide``, layer_split.py: the same function and training) so
@@ -43,7 +45,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import (Workload, cpu_probe, peak_rss_mb, run_ddp, run_single, run_torch_pipelining,  # noqa: E402
-                   training_rate)
+                   training_step)
 
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
@@ -122,46 +124,96 @@ def tpd_model(work: Workload, split_parts: int) -> nn.Module:
     return split_wide_layers(model, split_parts) if split_parts > 1 else model
 
 
-def plan_for(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1,
-             profiles: int = 3, minibatches: int = 32):
-    """Profile in this process (1 thread), plan with the planner, predict with the simulator.
-
-    This machine's speed drifts by 20-30% within minutes, so the plan comes from the first
-    profile and the prediction is the median over ``profiles`` independent predictions of
-    that plan (each with its own profile and host measurements), not one sample. Returns
-    (plan, predicted samples/s, the measured side-by-side slowdowns of the model's training).
-    """
-    from torchpipedream.host_costs import measure_local_costs
-    from torchpipedream.planner import plan as make_plan
+def _profile(work: Workload, m: int, split_parts: int):
+    """The model profiled in this process (1 thread) as the schedule runs it: in microbatches
+    of batch/m samples, with the SGD update timed."""
     from torchpipedream.profiler import profile
-    from torchpipedream.schedules import build_schedule
-    from torchpipedream.simulate import Costs, simulate
-    from torchpipedream.topology import Topology
 
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
-    m = microbatches if schedule in ("2bw", "flush", "gpipe") else 1
-    plan, sched, predictions, slowdowns = None, None, [], []
-    for _ in range(profiles):
-        # Profiled as the schedule runs the model: in microbatches of batch/m samples.
-        graph = profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
-        if plan is None:
-            plan = make_plan(graph, Topology.local(workers), schedule=schedule, microbatches=m)
-            sched = build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
-        per_stage = {k: [sum(getattr(graph[n], k) for n in st.layers) / 1e3 for st in plan.stages]
-                     for k in ("forward_ms", "backward_ms", "optimizer_ms")}
-        # This host's terms, measured as the runtime pays them (host_costs.py): message
-        # overhead, copy bandwidth, all-reduces, and the slowdown of `workers` copies of this
-        # model training side by side (the profile ran alone).
-        costs = Costs.from_plan(
-            plan, microbatches=m,
-            forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
-            step_s=per_stage["optimizer_ms"],
-            **measure_local_costs(plan, m, rate=functools.partial(training_rate, work, microbatches=m)))
-        predictions.append(minibatches * work.batch_size / simulate(sched, costs).makespan_s)
-        slowdowns.append(costs.compute_slowdown)
-    return plan, statistics.median(predictions), slowdowns
+    return profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
+                   optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
+
+
+def schedule_microbatches(schedule: str, microbatches: int) -> int:
+    """Microbatches per minibatch as torchpipedream runs ``schedule`` (pipedream: whole minibatches)."""
+    return microbatches if schedule in ("2bw", "flush", "gpipe") else 1
+
+
+def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1,
+                minibatches: int = 32):
+    """The planner's plan for ``workers`` local workers from one profile, and its schedule of
+    ``minibatches`` minibatches (the length one timed window runs)."""
+    from torchpipedream.planner import plan as make_plan
+    from torchpipedream.schedules import build_schedule
+    from torchpipedream.topology import Topology
+
+    m = schedule_microbatches(schedule, microbatches)
+    plan = make_plan(_profile(work, m, split_parts), Topology.local(workers), schedule=schedule, microbatches=m)
+    return plan, build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
+
+
+def predict(work: Workload, plan, sched, schedule: str, microbatches: int, split_parts: int = 1):
+    """The simulator's samples/s for ``sched`` from costs measured now: a fresh profile and this
+    host's terms (host_costs.py: message overhead, copy and accumulate bandwidth, all-reduces,
+    and the slowdown of the plan's workers training side by side). Returns (samples/s, Costs).
+
+    Called right before each run of the row it predicts: this machine's speed drifts by 20-30%
+    within minutes, so a prediction made before all the rows (as up to run 8) compared one
+    moment's costs with another moment's run.
+    """
+    from torchpipedream.host_costs import measure_local_costs
+    from torchpipedream.simulate import Costs, simulate
+
+    m = schedule_microbatches(schedule, microbatches)
+    graph = _profile(work, m, split_parts)
+    per_stage = {k: [sum(getattr(graph[n], k) for n in st.layers) / 1e3 for st in plan.stages]
+                 for k in ("forward_ms", "backward_ms", "optimizer_ms")}
+    costs = Costs.from_plan(
+        plan, microbatches=m,
+        forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
+        step_s=per_stage["optimizer_ms"],
+        **measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m)))
+    return sched.minibatches * work.batch_size / simulate(sched, costs).makespan_s, costs
+
+
+def with_measured_compute(costs, trace) -> Any:
+    """``costs`` with each stage's F, B and U replaced by their medians in a run's ``trace``
+    (which already contain any slowdown, gradient accumulation and stash copy). Simulating
+    with them separates the two ways a prediction misses: the CPU computing at another
+    speed than profiled, and the schedule's waiting and communication (what is left)."""
+    import dataclasses
+
+    def med(stage: int, kind: str) -> float:
+        return statistics.median(e.end_s - e.start_s for e in trace.events if e.stage == stage and e.kind == kind)
+
+    stages = range(len(costs.forward_s))
+    return dataclasses.replace(costs, forward_s=[med(s, "F") for s in stages], backward_s=[med(s, "B") for s in stages],
+                               step_s=[med(s, "U") for s in stages], compute_slowdown=1.0,
+                               copy_Bps=float("inf"), accumulate_Bps=float("inf"))
+
+
+def _predict_and_run(work: Workload, plan, sched, schedule: str, microbatches: int, windows: int, per_window: int,
+                     split_parts: int) -> dict:
+    """One pass of a torchpipedream row: predict it from costs measured now, then run it, then
+    simulate it again with the compute times the run measured (a diagnostic, not the prediction)."""
+    from torchpipedream.simulate import simulate
+
+    predicted, costs = predict(work, plan, sched, schedule, microbatches, split_parts)
+    res = launch(_tpd_worker, plan.num_workers, work, plan, schedule, microbatches, 1, windows, per_window,
+                 split_parts, timeout_s=900)
+    trace = res.pop("trace")
+    got = with_measured_compute(costs, trace)
+    return {**res, "predicted_samples_per_s": predicted, "slowdown": costs.compute_slowdown,
+            "predicted_with_run_compute": sched.minibatches * work.batch_size / simulate(sched, got).makespan_s,
+            "run_compute_vs_profile": _compute_ratio(costs, got)}
+
+
+def _compute_ratio(costs, got) -> float:
+    """Busy seconds per minibatch over all stages with the run's compute against the prediction's
+    (profile × slowdown, without accumulation and copies): how much slower the CPU computed."""
+    profiled = sum(costs.forward_s) + sum(costs.backward_s)
+    return (sum(got.forward_s) + sum(got.backward_s)) / (profiled * costs.compute_slowdown)
 
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
@@ -181,7 +233,9 @@ def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: in
         times.append((time.perf_counter() - t0) / per_window)
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, (statistics.median(times), peak_rss_mb()))
-    return {"samples_per_s": work.batch_size / max(t for t, _ in out), "peak_rss_mb": [r for _, r in out]}
+    trace = pipe.trace()  # the last window's events, every rank's (on rank 0)
+    return {"samples_per_s": work.batch_size / max(t for t, _ in out), "peak_rss_mb": [r for _, r in out],
+            "trace": trace}
 
 
 def _peer_worker(rank: int, work: Workload, which: str, microbatches: int, warmup: int, windows: int,
@@ -199,26 +253,23 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     spreads a slow spell over every row instead of the rows that happened to run in it. A
     row's samples/s is the median over its passes of each pass's median window."""
     torch.set_num_threads(1)
-    jobs: list[tuple[str, Any, float | None, str]] = [
-        ("single, 1 thread", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), None, ""),
-        (f"single, {procs} threads", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), None, ""),
+    jobs: list[tuple[str, Any, bool, str]] = [  # (row, run one pass, predicted?, plan)
+        ("single, 1 thread", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), False, ""),
+        (f"single, {procs} threads", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), False, ""),
         ("torch DDP", lambda: launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900),
-         None, ""),
+         False, ""),
     ]
     for s in TORCH_SCHEDULES:
         jobs.append((f"torch.pipelining {s}", lambda s=s: launch(_peer_worker, procs, work, s, microbatches, 2,
-                                                                 windows, 3, timeout_s=900), None, ""))
-    slowdowns: dict[str, list[float]] = {}
+                                                                 windows, 3, timeout_s=900), False, ""))
     for s in TPD_SCHEDULES:
-        plan, predicted, measured = plan_for(work, procs, s, microbatches, split_parts, minibatches=per_window)
-        slowdowns[f"torchpipedream {s}"] = measured
-        jobs.append((f"torchpipedream {s}", lambda s=s, plan=plan: launch(
-            _tpd_worker, procs, work, plan, s, microbatches, 1, windows, per_window, split_parts, timeout_s=900),
-            predicted, plan.summary))
+        plan, sched = choose_plan(work, procs, s, microbatches, split_parts, minibatches=per_window)
+        jobs.append((f"torchpipedream {s}", functools.partial(_predict_and_run, work, plan, sched, s, microbatches,
+                                                              windows, per_window, split_parts), True, plan.summary))
     results: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
     failed: dict[str, str] = {}
     for pass_ in range(passes):
-        for name, run, predicted, plan in jobs:
+        for name, run, _, plan in jobs:
             if name in failed:
                 continue
             try:
@@ -229,39 +280,56 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
                 continue
             torch.set_num_threads(1)
             results[name].append(res)
+            pred = res.get("predicted_samples_per_s")
             print(f"  {work.name:<15} {name:<32} pass {pass_ + 1}: {res['samples_per_s']:9.1f} samples/s"
-                  + (f"   predicted {predicted:9.1f}" if predicted else "") + (f"   [{plan}]" if plan else ""),
-                  flush=True)
+                  + (f"   predicted {pred:9.1f} (slowdown {res['slowdown']:.2f}; from the run's compute "
+                     f"{res['predicted_with_run_compute']:.1f}, compute × {res['run_compute_vs_profile']:.2f})"
+                     if pred else "")
+                  + (f"   [{plan}]" if plan else ""), flush=True)
     rows: list[dict] = []
     for name, _, predicted, plan in jobs:
         got = results[name]
         if name in failed and not got:
             if name.startswith("torchpipedream"):  # our own failures stay in the table
                 rows.append({"model": work.name, "row": name, "samples_per_s": 0.0, "failed": failed[name],
-                             "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": []})
+                             "predicted_samples_per_s": None, "plan": plan, "peak_rss_mb": []})
             continue
         rss = [max(r["peak_rss_mb"][i] for r in got) for i in range(len(got[0]["peak_rss_mb"]))]
-        rows.append({"model": work.name, "row": name,
-                     "samples_per_s": statistics.median(r["samples_per_s"] for r in got),
-                     "passes_samples_per_s": [r["samples_per_s"] for r in got],
-                     "predicted_samples_per_s": predicted, "plan": plan, "peak_rss_mb": rss})
+        row = {"model": work.name, "row": name,
+               "samples_per_s": statistics.median(r["samples_per_s"] for r in got),
+               "passes_samples_per_s": [r["samples_per_s"] for r in got],
+               "predicted_samples_per_s": None, "plan": plan, "peak_rss_mb": rss}
+        if predicted:
+            # each pass's run against the prediction made just before it
+            row.update(predicted_samples_per_s=statistics.median(r["predicted_samples_per_s"] for r in got),
+                       passes_predicted_samples_per_s=[r["predicted_samples_per_s"] for r in got],
+                       passes_slowdown=[r["slowdown"] for r in got],
+                       measured_vs_predicted=statistics.median(r["samples_per_s"] / r["predicted_samples_per_s"]
+                                                               for r in got),
+                       passes_predicted_with_run_compute=[r["predicted_with_run_compute"] for r in got],
+                       passes_run_compute_vs_profile=[r["run_compute_vs_profile"] for r in got],
+                       measured_vs_run_compute=statistics.median(r["samples_per_s"] / r["predicted_with_run_compute"]
+                                                                 for r in got),
+                       run_compute_vs_profile=statistics.median(r["run_compute_vs_profile"] for r in got))
+        rows.append(row)
     ddp = next(r["samples_per_s"] for r in rows if r["row"] == "torch DDP")
     single1 = rows[0]["samples_per_s"]
     # What `procs` copies of this model's own training step (whole minibatches, as the
     # single-process rows train) reach side by side on this host, as a share of perfect
-    # scaling (host_costs.measure_concurrency_slowdown, measured before the runs with
+    # scaling (host_costs.measure_concurrency_slowdown, measured in each pass with
     # pipedream's prediction): a ceiling for any scheme of `procs` one-thread processes.
     # A microbatched schedule's own prediction uses the slowdown of microbatched steps.
-    whole = slowdowns.get("torchpipedream pipedream") or [v for vs in slowdowns.values() for v in vs]
+    whole = next((r["passes_slowdown"] for r in rows if r["row"] == "torchpipedream pipedream"
+                  and r.get("passes_slowdown")), None) \
+        or [v for r in rows for v in r.get("passes_slowdown", [])]
     slowdown = statistics.median(whole) if whole else 1.0
     for r in rows:
         r["vs_ddp"] = r["samples_per_s"] / ddp
         r["vs_perfect_scaling"] = r["samples_per_s"] / (procs * single1)
         r["side_by_side_slowdown"] = slowdown
-        r["predicted_with_slowdowns"] = slowdowns.get(r["row"])
         r["vs_side_by_side_ceiling"] = r["samples_per_s"] / (procs * single1 / slowdown)
-        r["measured_vs_predicted"] = (r["samples_per_s"] / r["predicted_samples_per_s"]
-                                      if r["predicted_samples_per_s"] else None)
+        for k in ("measured_vs_predicted", "measured_vs_run_compute", "run_compute_vs_profile"):
+            r.setdefault(k, None)
     return rows
 
 
@@ -270,14 +338,19 @@ def _markdown(rows: list[dict], probes: tuple[float, float], procs: int) -> str:
     lines = [f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; {procs} processes; "
              f"every row allocates on {pages}.",
              "", "| model | row | plan | samples/s | × DDP | × perfect scaling | × side-by-side ceiling | predicted | "
-             "measured / predicted | peak RSS per rank (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "measured / predicted | run's compute / predicted compute | measured / predicted from the run's compute "
+             "| peak RSS per rank (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def num(value: float | None, fmt: str = ".2f") -> str:
+        return "-" if value is None else format(value, fmt)
+
     for r in rows:
-        pred = f"{r['predicted_samples_per_s']:.0f}" if r["predicted_samples_per_s"] else "-"
-        mvp = f"{r['measured_vs_predicted']:.2f}" if r["measured_vs_predicted"] else "-"
         rss = ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
         lines.append(f"| {r['model']} | {r['row']} | {r['plan'] or '-'} | {r['samples_per_s']:.1f} | {r['vs_ddp']:.2f} | "
-                     f"{r['vs_perfect_scaling']:.2f} | {r['vs_side_by_side_ceiling']:.2f} | {pred} | {mvp} | {rss} |")
+                     f"{r['vs_perfect_scaling']:.2f} | {r['vs_side_by_side_ceiling']:.2f} | "
+                     f"{num(r['predicted_samples_per_s'], '.0f')} | {num(r['measured_vs_predicted'])} | "
+                     f"{num(r['run_compute_vs_profile'])} | {num(r['measured_vs_run_compute'])} | {rss} |")
     return "\n".join(lines)
 
 

@@ -96,17 +96,12 @@ def run_single(work: Workload, threads: int, warmup: int = 2, windows: int = 5, 
     return {"samples_per_s": work.batch_size / statistics.median(times), "peak_rss_mb": [peak_rss_mb()]}
 
 
-def training_rate(work: Workload, seconds: float, microbatches: int = 1) -> float:
-    """Training steps per second of ``work`` on one thread for about ``seconds`` (the work of
-    ``measure_concurrency_slowdown``: how much slower two copies run side by side), each step
-    in ``microbatches`` parts as a microbatched schedule runs it: small microbatches of a
-    weight-heavy model stream the weights once per part and slow each other down far more."""
-    step = _plain_step(work, 1, 1, microbatches)
-    n, t0 = 0, time.perf_counter()
-    while n == 0 or time.perf_counter() - t0 < seconds:
-        step()
-        n += 1
-    return n / (time.perf_counter() - t0)
+def training_step(work: Workload, microbatches: int = 1) -> Callable[[], None]:
+    """One-thread training of ``work`` as ``measure_concurrency_slowdown``'s step (how much
+    slower copies that wait for each other run side by side), each step in ``microbatches``
+    parts as a microbatched schedule runs it: small microbatches of a weight-heavy model stream
+    the weights once per part and slow each other down far more."""
+    return _plain_step(work, 1, 1, microbatches)
 
 
 def _gather(value: float) -> list[float]:

@@ -8,7 +8,7 @@ runtime incurs it:
 * ``measure_allreduce``: a gloo all-reduce of a stage's flat gradient buffer;
 * ``measure_copy_bandwidth``: the copy on update of a stashed weight version;
 * ``measure_accumulate_bandwidth``: a backward adding its gradient into an existing one;
-* ``measure_concurrency_slowdown``: N workers computing side by side against one alone;
+* ``measure_concurrency_slowdown``: N workers stepping in lockstep against one alone;
 * ``measure_loopback_bandwidth``: gloo send/recv between two local processes
   (``Topology.local(measure=True)``).
 
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+import statistics
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .huge_pages import spawning_with_huge_pages
 
@@ -37,18 +38,19 @@ __all__ = [
     "measure_concurrency_slowdown",
     "measure_loopback_bandwidth",
     "concurrent_rates",
+    "bracketed_slowdown",
 ]
 
 
 def measure_local_costs(plan: "Plan", microbatches: int = 1,
-                        rate: Callable[[float], float] | None = None) -> dict[str, Any]:
+                        make_step: Callable[[], Callable[[], None]] | None = None) -> dict[str, Any]:
     """Measure the host terms a plan's run on this machine's local workers pays, as keyword
     overrides for ``Costs.from_plan``: the copy and gradient-accumulation bandwidths at the
     largest stage's weights, the
     per-message overhead at the largest cut's microbatch message (pipelines), each replicated
-    stage's all-reduce at its weight size and replica count, and with ``rate`` (a picklable
-    ``rate(seconds) -> work/s`` that trains the model) the concurrency slowdown of the plan's
-    workers. About 2 s per spawned measurement on the 2-core development machine.
+    stage's all-reduce at its weight size and replica count, and with ``make_step`` (picklable;
+    returns a function that runs one training step of the model) the concurrency slowdown of
+    the plan's workers (``measure_concurrency_slowdown``). About 2 s per spawned measurement on the 2-core development machine.
     """
     m = max(1, int(microbatches))
     largest = int(max(st.parameter_bytes for st in plan.stages))
@@ -61,8 +63,8 @@ def measure_local_costs(plan: "Plan", microbatches: int = 1,
         # the runtime reduces one flat buffer: the weights' gradients plus a sample-count slot
         out["allreduce_s"] = [measure_allreduce(int(st.parameter_bytes) + 4, st.replicas) if st.replicas > 1 else None
                               for st in plan.stages]
-    if rate is not None and plan.num_workers > 1:
-        out["compute_slowdown"] = measure_concurrency_slowdown(plan.num_workers, seconds=1.0, rate=rate)
+    if make_step is not None and plan.num_workers > 1:
+        out["compute_slowdown"] = measure_concurrency_slowdown(plan.num_workers, seconds=1.0, make_step=make_step)
     return out
 
 
@@ -164,27 +166,113 @@ def _median_seconds(once: Callable[[], float], repeats: int, warmup: int = 2) ->
 
 
 def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
-                                 rate: Callable[[float], float] | None = None) -> float:
-    """How much slower each of ``workers`` one-thread processes computes when they all run at
-    once on this host than one process alone (>= 1; 1.0 = fully independent cores).
+                                 make_step: Callable[[], Callable[[], None]] | None = None,
+                                 repeats: int = 3, timeout_s: float = 120.0) -> float:
+    """How much slower ``workers`` one-thread processes that wait for each other after every
+    step get through their steps than one process alone (>= 1; 1.0 = independent cores, no
+    jitter).
 
-    A profile is taken by one process; a pipeline of N local workers computes N at a time,
-    sharing caches, memory bandwidth and perhaps the hyperthreads of one core. On the 2-core
-    development machine the run's forwards and backwards took 10-40% longer than their
-    profile, so predictions for local workers scale compute by this factor
-    (``Costs.compute_slowdown``). ``rate(seconds)`` is the work: a picklable function that
-    computes for about ``seconds`` and returns units of work per second. The default is
-    stage-like 64×512 by 512×512 matrix products; memory-bound models (convolutions) slow
-    down more, so pass one that trains the model itself when there is one.
+    A profile is taken by one process; a pipeline of N local workers computes N at a time on
+    cores that share caches and memory bandwidth, and each waits for the others' messages, so
+    the group moves at the pace of its slowest member at that moment. Hence the processes
+    here run in lockstep (a barrier after every step) rather than independently: on the 2-core
+    development machine, two independent copies of small_cnn's training step ran at 0.97-1.1×
+    the time of one alone while its data-parallel run computed 15-30% slower than profiled;
+    an all-reduce after every step made the same copies 10-15% slower than without.
+
+    ``make_step()`` (picklable, called once in each spawned process) returns the work: a
+    function that runs one step, e.g. one training step of the model. The default is stage-like
+    64×512 by 512×512 matrix products; pass the model's own training when there is one. The
+    number of steps is calibrated to about ``seconds`` alone; then runs alone and runs of the
+    group alternate (``repeats`` group runs, each between two runs alone: see
+    :func:`bracketed_slowdown`), because a shared host's speed drifts by 20-30% within seconds.
     """
-    alone, together = concurrent_rates(workers, seconds, rate or _gemm_rate)
-    mean_together = sum(together) / len(together)
-    return max(1.0, alone / mean_together) if mean_together > 0 else math.inf
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(workers, timeout=timeout_s)
+    alone: list[float] = []
+    together: list[list[float]] = []
+    with spawning_with_huge_pages(), ctx.Pool(workers, initializer=_lockstep_init,
+                                              initargs=(barrier, make_step or _gemm_step)) as pool:
+        try:
+            calibration = pool.apply_async(_steps_for_seconds, (seconds,)).get(timeout_s)
+            n = max(2, round(seconds * calibration))
+            for _ in range(max(1, int(repeats))):
+                alone.append(pool.apply_async(_run_steps, (n, False)).get(timeout_s))
+                together.append(pool.starmap_async(_run_steps, [(n, True)] * workers, chunksize=1).get(timeout_s))
+            alone.append(pool.apply_async(_run_steps, (n, False)).get(timeout_s))
+        except mp.TimeoutError:
+            raise RuntimeError(f"concurrency measurement got no answer in {timeout_s:g} s (run it from a script's "
+                               "`if __name__ == '__main__':` block: it spawns processes)") from None
+    return bracketed_slowdown(alone, together)
+
+
+def bracketed_slowdown(alone: Sequence[float], together: Sequence[Sequence[float]]) -> float:
+    """The slowdown from alternating measurements ``alone[0], together[0], alone[1], ...,
+    alone[n]`` (step rates, higher is faster; ``together[i]`` holds each worker's rate): the
+    median over ``i`` of the mean of ``alone[i]`` and ``alone[i + 1]`` over the slowest rate in
+    ``together[i]`` (workers that wait for each other move at the slowest one's pace), at
+    least 1.0. Bracketing each group run cancels a drift that is linear over it."""
+    if len(alone) != len(together) + 1 or not together:
+        raise ValueError(f"need one more alone-measurement than together-measurements, got {len(alone)} "
+                         f"and {len(together)}")
+    ratios = []
+    for i, group in enumerate(together):
+        slowest = min(group)
+        if slowest <= 0:
+            return math.inf
+        ratios.append((alone[i] + alone[i + 1]) / 2 / slowest)
+    return max(1.0, statistics.median(ratios))
+
+
+_step: Callable[[], None] | None = None  # this spawned measuring process's step
+_barrier: Any = None
+
+
+def _lockstep_init(barrier: Any, make_step: Callable[[], Callable[[], None]]) -> None:
+    """Pool initializer: one thread, build the step once and warm it up."""
+    import torch
+
+    global _step, _barrier
+    torch.set_num_threads(1)
+    _barrier = barrier
+    _step = make_step()
+    for _ in range(2):
+        _step()
+
+
+def _steps_for_seconds(seconds: float) -> float:
+    """Steps per second of this process's step, run for about ``seconds``."""
+    import time
+
+    assert _step is not None
+    n, t0 = 0, time.perf_counter()
+    while n == 0 or time.perf_counter() - t0 < seconds:
+        _step()
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def _run_steps(n: int, lockstep: bool) -> float:
+    """Steps per second over ``n`` steps; with ``lockstep``, waiting for the group after each."""
+    import time
+
+    assert _step is not None
+    if lockstep:
+        _barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        _step()
+        if lockstep:
+            _barrier.wait()
+    return n / (time.perf_counter() - t0)
 
 
 def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float]) -> tuple[float, list[float]]:
-    """``rate(seconds)`` in one spawned process alone, then in ``workers`` processes at once:
-    (rate alone, rates together). A warm-up call first keeps start-up costs out of both."""
+    """``rate(seconds)`` in ``workers`` spawned processes at once, independently, bracketed by
+    one process alone before and after: (mean rate alone, rates together). A warm-up call
+    first keeps start-up costs out of both."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -192,28 +280,28 @@ def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float
     with spawning_with_huge_pages(), ctx.Pool(workers) as pool:
         try:
             pool.map_async(rate, [min(0.05, seconds)] * workers).get(limit)
-            alone = pool.apply_async(rate, (seconds,)).get(limit)
+            before = pool.apply_async(rate, (seconds,)).get(limit)
             together = pool.map_async(rate, [seconds] * workers).get(limit)
+            after = pool.apply_async(rate, (seconds,)).get(limit)
         except mp.TimeoutError:
             raise RuntimeError(f"concurrency measurement got no answer in {limit:g} s (run it from a script's "
                                "`if __name__ == '__main__':` block: it spawns processes)") from None
-    return alone, list(together)
+    return (before + after) / 2, list(together)
 
 
-def _gemm_rate(seconds: float) -> float:
-    """Stage-like matrix products per second on one thread for ``seconds``."""
-    import time
-
+def _gemm_step() -> Callable[[], None]:
+    """A stage-like step: 20 products of 64×512 by 512×512 on one thread (a few ms)."""
     import torch
 
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g) * 0.04
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        x = torch.relu(x @ w) + 0.01
-        n += 1
-    return n / (time.perf_counter() - t0)
+    x0, w = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g) * 0.04
+
+    def step() -> None:
+        x = x0
+        for _ in range(20):
+            x = torch.relu(x @ w) + 0.01
+
+    return step
 
 
 def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
