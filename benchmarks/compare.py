@@ -156,7 +156,8 @@ def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, 
 def predict(work: Workload, plan, sched, schedule: str, microbatches: int, split_parts: int = 1):
     """The simulator's samples/s for ``sched`` from costs measured now: a fresh profile and this
     host's terms (host_costs.py: message overhead, copy and accumulate bandwidth, all-reduces,
-    and the slowdown of the plan's workers training side by side). Returns (samples/s, Costs).
+    and the slowdown of the plan's workers training side by side). Returns (samples/s, Costs,
+    the simulation).
 
     Called right before each run of the row it predicts: this machine's speed drifts by 20-30%
     within minutes, so a prediction made before all the rows (as up to run 8) compared one
@@ -174,7 +175,16 @@ def predict(work: Workload, plan, sched, schedule: str, microbatches: int, split
         forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
         step_s=per_stage["optimizer_ms"],
         **measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m)))
-    return sched.minibatches * work.batch_size / simulate(sched, costs).makespan_s, costs
+    sim = simulate(sched, costs)
+    return sched.minibatches * work.batch_size / sim.makespan_s, costs, sim
+
+
+def _median_compute(trace, stages: int) -> tuple[list[float], list[float], list[float]]:
+    """Each stage's median F, B and U seconds in ``trace`` (measured or simulated)."""
+    def med(stage: int, kind: str) -> float:
+        return statistics.median(e.end_s - e.start_s for e in trace.events if e.stage == stage and e.kind == kind)
+
+    return tuple([med(s, k) for s in range(stages)] for k in ("F", "B", "U"))  # type: ignore[return-value]
 
 
 def with_measured_compute(costs, trace) -> Any:
@@ -184,12 +194,8 @@ def with_measured_compute(costs, trace) -> Any:
     speed than profiled, and the schedule's waiting and communication (what is left)."""
     import dataclasses
 
-    def med(stage: int, kind: str) -> float:
-        return statistics.median(e.end_s - e.start_s for e in trace.events if e.stage == stage and e.kind == kind)
-
-    stages = range(len(costs.forward_s))
-    return dataclasses.replace(costs, forward_s=[med(s, "F") for s in stages], backward_s=[med(s, "B") for s in stages],
-                               step_s=[med(s, "U") for s in stages], compute_slowdown=1.0,
+    f, b, u = _median_compute(trace, len(costs.forward_s))
+    return dataclasses.replace(costs, forward_s=f, backward_s=b, step_s=u, compute_slowdown=1.0,
                                copy_Bps=float("inf"), accumulate_Bps=float("inf"))
 
 
@@ -199,21 +205,19 @@ def _predict_and_run(work: Workload, plan, sched, schedule: str, microbatches: i
     simulate it again with the compute times the run measured (a diagnostic, not the prediction)."""
     from torchpipedream.simulate import simulate
 
-    predicted, costs = predict(work, plan, sched, schedule, microbatches, split_parts)
+    predicted, costs, sim = predict(work, plan, sched, schedule, microbatches, split_parts)
     res = launch(_tpd_worker, plan.num_workers, work, plan, schedule, microbatches, 1, windows, per_window,
                  split_parts, timeout_s=900)
     trace = res.pop("trace")
     got = with_measured_compute(costs, trace)
+    # how much slower the CPU computed than predicted: the stages' median F + B in the run
+    # against the same medians in the simulation (profile × slowdown, with accumulation)
+    stages = len(costs.forward_s)
+    run_f, run_b, _ = _median_compute(trace, stages)
+    sim_f, sim_b, _ = _median_compute(sim.trace, stages)
     return {**res, "predicted_samples_per_s": predicted, "slowdown": costs.compute_slowdown,
             "predicted_with_run_compute": sched.minibatches * work.batch_size / simulate(sched, got).makespan_s,
-            "run_compute_vs_profile": _compute_ratio(costs, got)}
-
-
-def _compute_ratio(costs, got) -> float:
-    """Busy seconds per minibatch over all stages with the run's compute against the prediction's
-    (profile × slowdown, without accumulation and copies): how much slower the CPU computed."""
-    profiled = sum(costs.forward_s) + sum(costs.backward_s)
-    return (sum(got.forward_s) + sum(got.backward_s)) / (profiled * costs.compute_slowdown)
+            "run_compute_vs_profile": (sum(run_f) + sum(run_b)) / (sum(sim_f) + sum(sim_b))}
 
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
