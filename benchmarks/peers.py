@@ -136,20 +136,42 @@ def run_ddp(work: Workload, warmup: int = 2, windows: int = 5, steps: int = 3) -
 
 
 def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
-    """Cut a Sequential into ``parts`` pieces with roughly equal parameter counts (at least one layer each)."""
+    """Cut a Sequential into ``parts`` pieces, each with at least one parameterised layer where
+    the model has enough of them, minimising the largest piece's parameter count.
+
+    A piece without parameters (small_cnn's ReLU, MaxPool, Flatten) breaks
+    ScheduleZBVZeroBubble, whose weight-gradient step needs weights on every stage.
+    """
     layers = list(model.children())
-    if parts > len(layers):
-        raise ValueError(f"cannot split {len(layers)} layers into {parts} stages")
-    weights = [sum(p.numel() for p in l.parameters()) + 1 for l in layers]
-    total = sum(weights)
-    cuts, acc, target = [], 0, total / parts
-    for i, w in enumerate(weights[:-1]):
-        acc += w
-        remaining_layers = len(layers) - (i + 1)
-        remaining_parts = parts - 1 - len(cuts)
-        if remaining_parts and (acc >= target * (len(cuts) + 1) or remaining_layers == remaining_parts):
-            cuts.append(i + 1)
-    bounds = [0, *cuts, len(layers)]
+    n = len(layers)
+    if parts > n:
+        raise ValueError(f"cannot split {n} layers into {parts} stages")
+    weights = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    need_params = sum(w > 0 for w in weights) >= parts
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def ok(a: int, b: int) -> bool:  # layers[a:b] may be a piece
+        return not need_params or prefix[b] > prefix[a]
+
+    inf = float("inf")
+    # best[k][i]: smallest possible largest piece when layers[:i] form k pieces; cut[k][i]: where the last starts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] < inf and ok(j, i):
+                    v = max(best[k - 1][j], prefix[i] - prefix[j])
+                    if v < best[k][i]:
+                        best[k][i], cut[k][i] = v, j
+    bounds, i = [n], n
+    for k in range(parts, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.reverse()
     return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
