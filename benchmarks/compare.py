@@ -153,7 +153,7 @@ def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, 
     return plan, build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
 
 
-def predict(work: Workload, plan, sched, schedule: str, microbatches: int, split_parts: int = 1):
+def predict(work: Workload, plan, sched, split_parts: int = 1):
     """The simulator's samples/s for ``sched`` from costs measured now: a fresh profile and this
     host's terms (host_costs.py: message overhead, copy and accumulate bandwidth, all-reduces,
     and the slowdown of the plan's workers training side by side). Returns (samples/s, Costs,
@@ -166,7 +166,7 @@ def predict(work: Workload, plan, sched, schedule: str, microbatches: int, split
     from torchpipedream.host_costs import measure_local_costs
     from torchpipedream.simulate import Costs, simulate
 
-    m = schedule_microbatches(schedule, microbatches)
+    m = sched.microbatches
     graph = _profile(work, m, split_parts)
     per_stage = {k: [sum(getattr(graph[n], k) for n in st.layers) / 1e3 for st in plan.stages]
                  for k in ("forward_ms", "backward_ms", "optimizer_ms")}
@@ -179,45 +179,36 @@ def predict(work: Workload, plan, sched, schedule: str, microbatches: int, split
     return sched.minibatches * work.batch_size / sim.makespan_s, costs, sim
 
 
-def _median_compute(trace, stages: int) -> tuple[list[float], list[float], list[float]]:
+def _median_compute(trace, stages: int) -> dict[str, list[float]]:
     """Each stage's median F, B and U seconds in ``trace`` (measured or simulated)."""
-    def med(stage: int, kind: str) -> float:
-        return statistics.median(e.end_s - e.start_s for e in trace.events if e.stage == stage and e.kind == kind)
-
-    return tuple([med(s, k) for s in range(stages)] for k in ("F", "B", "U"))  # type: ignore[return-value]
+    return {k: [trace.median_duration_s(s, k) for s in range(stages)] for k in ("F", "B", "U")}
 
 
-def with_measured_compute(costs, trace) -> Any:
-    """``costs`` with each stage's F, B and U replaced by their medians in a run's ``trace``
-    (which already contain any slowdown, gradient accumulation and stash copy). Simulating
-    with them separates the two ways a prediction misses: the CPU computing at another
-    speed than profiled, and the schedule's waiting and communication (what is left)."""
-    import dataclasses
-
-    f, b, u = _median_compute(trace, len(costs.forward_s))
-    return dataclasses.replace(costs, forward_s=f, backward_s=b, step_s=u, compute_slowdown=1.0,
-                               copy_Bps=float("inf"), accumulate_Bps=float("inf"))
-
-
-def _predict_and_run(work: Workload, plan, sched, schedule: str, microbatches: int, windows: int, per_window: int,
+def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: int, per_window: int,
                      split_parts: int) -> dict:
     """One pass of a torchpipedream row: predict it from costs measured now, then run it, then
-    simulate it again with the compute times the run measured (a diagnostic, not the prediction)."""
+    simulate it again with the compute times the run measured (a diagnostic, not the prediction).
+
+    The run's median F, B and U already contain any slowdown, gradient accumulation and stash
+    copy; simulating with them separates the two ways a prediction misses: the CPU computing
+    at another speed than profiled (``run_compute_vs_profile``: the stages' median F + B in the
+    run against the same medians in the simulation), and the schedule's waiting and
+    communication (what is left against ``predicted_with_run_compute``).
+    """
+    import dataclasses
+
     from torchpipedream.simulate import simulate
 
-    predicted, costs, sim = predict(work, plan, sched, schedule, microbatches, split_parts)
-    res = launch(_tpd_worker, plan.num_workers, work, plan, schedule, microbatches, 1, windows, per_window,
+    predicted, costs, sim = predict(work, plan, sched, split_parts)
+    res = launch(_tpd_worker, plan.num_workers, work, plan, sched.kind, microbatches, 1, windows, per_window,
                  split_parts, timeout_s=900)
-    trace = res.pop("trace")
-    got = with_measured_compute(costs, trace)
-    # how much slower the CPU computed than predicted: the stages' median F + B in the run
-    # against the same medians in the simulation (profile × slowdown, with accumulation)
-    stages = len(costs.forward_s)
-    run_f, run_b, _ = _median_compute(trace, stages)
-    sim_f, sim_b, _ = _median_compute(sim.trace, stages)
+    run = _median_compute(res.pop("trace"), plan.num_stages)
+    simulated = _median_compute(sim.trace, plan.num_stages)
+    got = dataclasses.replace(costs, forward_s=run["F"], backward_s=run["B"], step_s=run["U"], compute_slowdown=1.0,
+                              copy_Bps=float("inf"), accumulate_Bps=float("inf"))
     return {**res, "predicted_samples_per_s": predicted, "slowdown": costs.compute_slowdown,
             "predicted_with_run_compute": sched.minibatches * work.batch_size / simulate(sched, got).makespan_s,
-            "run_compute_vs_profile": (sum(run_f) + sum(run_b)) / (sum(sim_f) + sum(sim_b))}
+            "run_compute_vs_profile": sum(run["F"] + run["B"]) / sum(simulated["F"] + simulated["B"])}
 
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
@@ -257,23 +248,23 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     spreads a slow spell over every row instead of the rows that happened to run in it. A
     row's samples/s is the median over its passes of each pass's median window."""
     torch.set_num_threads(1)
-    jobs: list[tuple[str, Any, bool, str]] = [  # (row, run one pass, predicted?, plan)
-        ("single, 1 thread", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), False, ""),
-        (f"single, {procs} threads", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), False, ""),
+    jobs: list[tuple[str, Any, str]] = [  # (row, run one pass, plan)
+        ("single, 1 thread", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), ""),
+        (f"single, {procs} threads", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), ""),
         ("torch DDP", lambda: launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900),
-         False, ""),
+         ""),
     ]
     for s in TORCH_SCHEDULES:
         jobs.append((f"torch.pipelining {s}", lambda s=s: launch(_peer_worker, procs, work, s, microbatches, 2,
-                                                                 windows, 3, timeout_s=900), False, ""))
+                                                                 windows, 3, timeout_s=900), ""))
     for s in TPD_SCHEDULES:
         plan, sched = choose_plan(work, procs, s, microbatches, split_parts, minibatches=per_window)
-        jobs.append((f"torchpipedream {s}", functools.partial(_predict_and_run, work, plan, sched, s, microbatches,
-                                                              windows, per_window, split_parts), True, plan.summary))
+        jobs.append((f"torchpipedream {s}", functools.partial(_predict_and_run, work, plan, sched, microbatches,
+                                                              windows, per_window, split_parts), plan.summary))
     results: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
     failed: dict[str, str] = {}
     for pass_ in range(passes):
-        for name, run, _, plan in jobs:
+        for name, run, plan in jobs:
             if name in failed:
                 continue
             try:
@@ -291,7 +282,7 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
                      if pred else "")
                   + (f"   [{plan}]" if plan else ""), flush=True)
     rows: list[dict] = []
-    for name, _, predicted, plan in jobs:
+    for name, _, plan in jobs:
         got = results[name]
         if name in failed and not got:
             if name.startswith("torchpipedream"):  # our own failures stay in the table
@@ -303,7 +294,7 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
                "samples_per_s": statistics.median(r["samples_per_s"] for r in got),
                "passes_samples_per_s": [r["samples_per_s"] for r in got],
                "predicted_samples_per_s": None, "plan": plan, "peak_rss_mb": rss}
-        if predicted:
+        if "predicted_samples_per_s" in got[0]:
             # each pass's run against the prediction made just before it
             row.update(predicted_samples_per_s=statistics.median(r["predicted_samples_per_s"] for r in got),
                        passes_predicted_samples_per_s=[r["predicted_samples_per_s"] for r in got],

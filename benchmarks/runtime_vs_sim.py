@@ -143,11 +143,7 @@ def main() -> None:
         # Diagnostic: the same simulation with the compute the run actually got (median measured
         # F, B, U per stage). On a machine shared with other work the profile-based prediction
         # cannot be met; this one isolates the runtime's own waiting and communication.
-        tr = res["trace"]
-
-        def med(stage: int, kind: str) -> float:
-            return statistics.median(e.duration_s for e in tr.events if e.stage == stage and e.kind == kind)
-
+        med = res["trace"].median_duration_s
         got = Costs.from_plan(plan, sched.microbatches, bandwidth_fn=None, bandwidth_Bps=bw, latency_s=0.0,
                               forward_s=[med(st, "F") for st in range(2)],
                               backward_s=[med(st, "B") for st in range(2)],

@@ -50,7 +50,8 @@ def measure_local_costs(plan: "Plan", microbatches: int = 1,
     per-message overhead at the largest cut's microbatch message (pipelines), each replicated
     stage's all-reduce at its weight size and replica count, and with ``make_step`` (picklable;
     returns a function that runs one training step of the model) the concurrency slowdown of
-    the plan's workers (``measure_concurrency_slowdown``). About 2 s per spawned measurement on the 2-core development machine.
+    the plan's workers (``measure_concurrency_slowdown``). About 2 s per spawned measurement
+    on the 2-core development machine.
     """
     m = max(1, int(microbatches))
     largest = int(max(st.parameter_bytes for st in plan.stages))
@@ -189,23 +190,32 @@ def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
     """
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(workers, timeout=timeout_s)
+    barrier = mp.get_context("spawn").Barrier(workers, timeout=timeout_s)
     alone: list[float] = []
     together: list[list[float]] = []
-    with spawning_with_huge_pages(), ctx.Pool(workers, initializer=_lockstep_init,
-                                              initargs=(barrier, make_step or _gemm_step)) as pool:
-        try:
-            calibration = pool.apply_async(_steps_for_seconds, (seconds,)).get(timeout_s)
-            n = max(2, round(seconds * calibration))
-            for _ in range(max(1, int(repeats))):
-                alone.append(pool.apply_async(_run_steps, (n, False)).get(timeout_s))
-                together.append(pool.starmap_async(_run_steps, [(n, True)] * workers, chunksize=1).get(timeout_s))
+    with _spawned_pool(workers, timeout_s, initializer=_lockstep_init,
+                       initargs=(barrier, make_step or _gemm_step)) as pool:
+        calibration = pool.apply_async(_steps_for_seconds, (seconds,)).get(timeout_s)
+        n = max(2, round(seconds * calibration))
+        for _ in range(max(1, int(repeats))):
             alone.append(pool.apply_async(_run_steps, (n, False)).get(timeout_s))
-        except mp.TimeoutError:
-            raise RuntimeError(f"concurrency measurement got no answer in {timeout_s:g} s (run it from a script's "
-                               "`if __name__ == '__main__':` block: it spawns processes)") from None
+            together.append(pool.starmap_async(_run_steps, [(n, True)] * workers, chunksize=1).get(timeout_s))
+        alone.append(pool.apply_async(_run_steps, (n, False)).get(timeout_s))
     return bracketed_slowdown(alone, together)
+
+
+@contextlib.contextmanager
+def _spawned_pool(workers: int, limit_s: float, **pool_options: Any) -> Iterator[Any]:
+    """A pool of ``workers`` spawned processes (with huge pages, as launch()'s workers run);
+    a result that takes longer than ``limit_s`` raises RuntimeError with the likely cause."""
+    import multiprocessing as mp
+
+    with spawning_with_huge_pages(), mp.get_context("spawn").Pool(workers, **pool_options) as pool:
+        try:
+            yield pool
+        except mp.TimeoutError:
+            raise RuntimeError(f"concurrency measurement got no answer in {limit_s:g} s (run it from a script's "
+                               "`if __name__ == '__main__':` block: it spawns processes)") from None
 
 
 def bracketed_slowdown(alone: Sequence[float], together: Sequence[Sequence[float]]) -> float:
@@ -273,19 +283,12 @@ def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float
     """``rate(seconds)`` in ``workers`` spawned processes at once, independently, bracketed by
     one process alone before and after: (mean rate alone, rates together). A warm-up call
     first keeps start-up costs out of both."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
     limit = 60.0 + 4 * seconds  # a pool whose workers cannot start would wait for ever
-    with spawning_with_huge_pages(), ctx.Pool(workers) as pool:
-        try:
-            pool.map_async(rate, [min(0.05, seconds)] * workers).get(limit)
-            before = pool.apply_async(rate, (seconds,)).get(limit)
-            together = pool.map_async(rate, [seconds] * workers).get(limit)
-            after = pool.apply_async(rate, (seconds,)).get(limit)
-        except mp.TimeoutError:
-            raise RuntimeError(f"concurrency measurement got no answer in {limit:g} s (run it from a script's "
-                               "`if __name__ == '__main__':` block: it spawns processes)") from None
+    with _spawned_pool(workers, limit) as pool:
+        pool.map_async(rate, [min(0.05, seconds)] * workers).get(limit)
+        before = pool.apply_async(rate, (seconds,)).get(limit)
+        together = pool.map_async(rate, [seconds] * workers).get(limit)
+        after = pool.apply_async(rate, (seconds,)).get(limit)
     return (before + after) / 2, list(together)
 
 

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -111,6 +112,11 @@ class Trace:
     def makespan(self) -> float:
         """Seconds from the first event's start to the last event's end."""
         return self.end_s - self.start_s if self.events else 0.0
+
+    def median_duration_s(self, stage: int, kind: str) -> float:
+        """Median seconds of the ``kind`` events ("F", "B", "U", ...) of ``stage``, over its
+        replicas: the stage's typical compute time, robust to a few slow outliers."""
+        return statistics.median(e.duration_s for e in self.events if e.stage == stage and e.kind == kind)
 
     def busy_time(self, kinds: Iterable[str] = COMPUTE_KINDS) -> dict[int, float]:
         """Per rank, seconds spent in events of ``kinds`` (overlaps on one rank counted once)."""
