@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torchpipedream.graph import Layer, LayerGraph
 from torchpipedream.plan import Plan, PlanError
 from torchpipedream.planner import best_split_for_replicas, plan
+from torchpipedream.schedules import build_schedule
 from torchpipedream.topology import Level, Topology
 
 F = 2.0  # optimizer_state_factor used in these tests
@@ -68,6 +69,7 @@ def oracle(g: LayerGraph, counts: list[int], bws: list[float], *, schedule="pipe
     """(best time ms, best max memory) over every plan, or (inf, min max memory over all plans)."""
     order, cut = _cuts(g)
     n, W = len(order), math.prod(counts)
+    shared = schedule in ("2bw", "flush", "gpipe")
     comp = [g[x].compute_ms for x in order]
     wts = [float(g[x].parameter_bytes) for x in order]
     best, best_mem_any = math.inf, math.inf
@@ -82,6 +84,8 @@ def oracle(g: LayerGraph, counts: list[int], bws: list[float], *, schedule="pipe
                 for reps in itertools.product(range(1, total + 1), repeat=k):
                     if sum(reps) != total or (straight and max(reps) > 1):
                         continue
+                    if shared and any(m > 1 and mu % m for m in reps):
+                        continue  # a replicated stage's size divides the microbatches
                     ranks, r = [], 0
                     for m in reps:
                         ranks.append(list(range(r, r + m)))
@@ -92,7 +96,9 @@ def oracle(g: LayerGraph, counts: list[int], bws: list[float], *, schedule="pipe
                         C, w = sum(comp[i:j]), sum(wts[i:j])
                         B = _slowest(counts, bws, ranks[s])
                         ar = 0.0 if m == 1 else 2 * (m - 1) / m * w / (B * ar_eff) * 1e3
-                        t = max(t, (C + ar) / m)
+                        # each replica takes every m-th minibatch (one all-reduce per round of
+                        # m), or m replicas share each minibatch's mu microbatches (one per minibatch)
+                        t = max(t, C / m + ar if shared else (C + ar) / m)
                         if s + 1 < k:
                             Bc = _slowest(counts, bws, ranks[s] + ranks[s + 1])
                             t = max(t, 2 * cut[j - 1] / Bc * 1e3)
@@ -244,18 +250,41 @@ def test_flush_pays_its_fill_and_drain_so_depth_is_part_of_the_objective():
     # Two equal layers with small weights (2 MB in all, a 2 ms all-reduce at 1 GB/s):
     # pipelining them halves the bottleneck (30 ms, no all-reduce) and wins for pipedream; but
     # flush with 4 microbatches fills and drains 2 stages every minibatch, (4 + 1)/4 · 30 =
-    # 37.5 ms, against data parallelism's (60 + 2)/2 = 31 ms with no bubble.
+    # 37.5 ms, against data parallelism's 60/2 + 2 = 32 ms with no bubble (the two replicas
+    # share each minibatch's microbatches and all-reduce at its end).
     g = _chain([(30, 10**6, 10**3)] * 2)
     assert plan(g, "2:1GB/s", schedule="pipedream").summary == "straight ×2"
     p = plan(g, "2:1GB/s", schedule="flush", microbatches=4)
     assert p.summary == "data parallel ×2"
-    assert p.predicted["time_per_minibatch_s"] * 1e3 == pytest.approx(31.0)
+    assert p.predicted["time_per_minibatch_s"] * 1e3 == pytest.approx(32.0)
     # forced to 2 stages, the prediction carries the bubble: 30 · 5/4
     forced = plan(g, "2:1GB/s", schedule="flush", microbatches=4, num_stages=2)
     assert forced.predicted["time_per_minibatch_s"] * 1e3 == pytest.approx(37.5)
     # with heavy weights (an all-reduce of 1 GB) the bubble is the lesser cost again
     heavy = _chain([(30, 10**9, 10**3)] * 2)
     assert plan(heavy, "2:1GB/s", schedule="flush", microbatches=4).summary == "straight ×2"
+
+
+def test_flush_replicas_share_a_minibatch_so_one_microbatch_cannot_be_data_parallel():
+    # With one microbatch per minibatch, two flush replicas could only take turns (each
+    # minibatch ends in its own update): the planner pipelines instead, at the bottleneck.
+    g = _chain([(30, 10**6, 10**3)] * 2)
+    p = plan(g, "2:1GB/s", schedule="flush", microbatches=1)
+    assert p.summary == "straight ×2"
+    assert p.predicted["time_per_minibatch_s"] * 1e3 == pytest.approx(30.0 * 2)  # (1 + 2 - 1)/1 · 30
+    # two replicas sharing 2 microbatches: 60/2 compute + one 2 ms all-reduce per minibatch
+    assert plan(g, "2:1GB/s", schedule="flush", microbatches=2).summary == "data parallel ×2"
+    # pipedream's replicas take whole minibatches in turn and all-reduce once per round: (60 + 2)/2
+    dp = plan(g, "2:1GB/s", schedule="pipedream", num_stages=1)
+    assert dp.predicted["time_per_minibatch_s"] * 1e3 == pytest.approx(31.0)
+    # a one-layer model must replicate; one microbatch cannot be shared: a clear error
+    with pytest.raises(PlanError, match="must divide the 1 microbatches"):
+        plan(_chain([(30, 10**6, 10**3)]), "2:1GB/s", schedule="flush", microbatches=1)
+    # 3 replicas cannot share 4 microbatches evenly (2bw's schedule refuses it): with costly
+    # cuts the old model chose data parallel ×3; now only counts dividing 4, and the plan builds
+    three = plan(_chain([(30, 10**3, 10**8)] * 3), "3:1GB/s", schedule="2bw", microbatches=4)
+    assert all(s.replicas in (1, 2, 4) for s in three.stages), three.config
+    build_schedule(three, "2bw", minibatches=4, microbatches=4)
 
 
 # ------------------------------------------------------------------ the Plan it returns

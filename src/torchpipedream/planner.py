@@ -11,8 +11,11 @@ A stage holds blocks i..j on ``m`` consecutive ranks r..r+m-1 (ranks are given o
 stage, in order). With B(X) the slowest link inside a rank set X (``Topology.span_bandwidth``):
 
 * stage time  = (C_ij + allreduce) / m,   allreduce = 2(m-1)/m · w_ij / B(stage ranks)
-  (ring all-reduce once per round of m minibatches, one per replica; **summed** with compute,
-  not overlapped as in the paper's max(): our schedules run ALLREDUCE as its own action);
+  (pipedream, naive: ring all-reduce once per round of m minibatches, one per replica;
+  **summed** with compute, not overlapped as in the paper's max(): our schedules run
+  ALLREDUCE as its own action);
+  2bw, flush, gpipe: C_ij · ceil(μ/m)/μ + allreduce (the replicas share each minibatch's μ
+  microbatches and all-reduce once per minibatch), with m = 1 or a divisor of μ;
 * cut time    = 2 · a_j / B(ranks of both stages)   (activation forward + gradient back;
   overlapped with compute as in the paper, so a cut is its own term in the max);
 * bottleneck  = max over stages and cuts (the slowest pipeline element);
@@ -42,6 +45,7 @@ whole components); it is O(levels · N³ · c²) and kept as a reference.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -52,6 +56,7 @@ import numpy as np
 
 from .graph import Block, LayerGraph
 from .plan import SCHEDULE_KINDS, Plan, PlanError, Stage
+from .schedules import ROUND_ROBIN_KINDS
 from .topology import Topology, format_bytes
 
 __all__ = [
@@ -61,6 +66,8 @@ __all__ = [
     "allreduce_ms",
     "transfer_ms",
     "stage_time_ms",
+    "replicas_share_microbatches",
+    "replica_count_allowed",
     "stage_memory_bytes",
     "in_flight",
     "fill_drain_factor",
@@ -92,9 +99,35 @@ def allreduce_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float) ->
     return 2.0 * (replicas - 1) / replicas * transfer_ms(parameter_bytes, bandwidth_Bps)
 
 
-def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
-    """Time per minibatch of a stage with ``replicas`` workers: (compute + all-reduce) / m."""
-    return (compute_ms + allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)) / replicas
+def replicas_share_microbatches(schedule: str) -> bool:
+    """Whether a replicated stage splits each minibatch's microbatches among its replicas and
+    all-reduces once per minibatch (2bw, flush, gpipe: one update per minibatch), rather than
+    taking whole minibatches in turn and all-reducing once per round of them (pipedream, naive)."""
+    return schedule not in ROUND_ROBIN_KINDS
+
+
+def replica_count_allowed(schedule: str, replicas: int, microbatches: int) -> bool:
+    """Replica counts the search considers: any for pipedream and naive; for the kinds whose
+    replicas share a minibatch's microbatches, 1 or a divisor of them (2bw requires it; under
+    flush and gpipe any other count leaves replicas idle for part of every minibatch, and more
+    replicas than microbatches leaves some idle throughout, so that each minibatch runs on
+    one replica after another)."""
+    return replicas == 1 or not replicas_share_microbatches(schedule) or microbatches % replicas == 0
+
+
+def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, bandwidth_Bps: float,
+                  schedule: str = "pipedream", microbatches: int = 1) -> float:
+    """Time per minibatch of a stage with ``replicas`` workers.
+
+    pipedream, naive: (compute + all-reduce) / m: each replica takes every m-th minibatch and
+    the all-reduce runs once per round of m minibatches. 2bw, flush, gpipe: compute · ⌈μ/m⌉/μ
+    + all-reduce: the busiest replica runs ⌈μ/m⌉ of the minibatch's μ microbatches, and every
+    minibatch ends in its own all-reduce.
+    """
+    ar = allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)
+    if replicas_share_microbatches(schedule):
+        return compute_ms * math.ceil(microbatches / replicas) / microbatches + ar
+    return (compute_ms + ar) / replicas
 
 
 def fill_drain_factor(schedule: str, microbatches: int, depth: int) -> float:
@@ -175,7 +208,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         params = sum(b.parameter_bytes for b in blocks[i:j + 1])
         bw = topology.allreduce_bandwidth(ranks[s])
         ar_ms.append(allreduce_ms(params, m, bw))
-        stage_ms.append(stage_time_ms(compute, params, m, bw))
+        stage_ms.append(stage_time_ms(compute, params, m, bw, schedule, microbatches))
         input_bytes = blocks[i - 1].cut_bytes if i > 0 else 0
         depth = in_flight(workers - ranks[s][0], m)
         mem.append(stage_memory_bytes(schedule, params, input_bytes, depth, microbatches, optimizer_state_factor))
@@ -209,6 +242,11 @@ class _Problem:
         self.bar = topology.allreduce_bandwidths  # all-reduces
         self.classes = [0] if straight else list(range(len(self.sizes)))
         self.schedule, self.mu, self.memory, self.f = schedule, microbatches, memory, f
+        # 2bw, flush, gpipe: a replicated stage's size is a divisor of μ (replica_count_allowed)
+        # and its time is not monotone in it (the all-reduce grows, the compute share has
+        # steps), so those stages are enumerated size by size instead of by mmin.
+        self.shared = replicas_share_microbatches(schedule) and not straight
+        self.shared_sizes = [d for d in range(2, microbatches + 1) if microbatches % d == 0]
         self.num_stages = num_stages
         # level crossed between ranks s-1 and s, for s = 1..W-1
         self.lev_adj = np.zeros(self.W + 1, dtype=np.int64)
@@ -324,6 +362,10 @@ class _Problem:
                         mreq[0] = np.where(comp[0] <= T, 1, _INF_M)
                 best = np.where(valid, mreq, _INF_M)
                 besti = last.copy() if record else last
+
+                def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+                    f = self._shared_stage_ms(self.classes[ki], comp[ki][None], w[ki][None], ms[:, None, None])
+                    return valid[ki][None] & (f <= T), np.broadcast_to(last[ki], (len(ms), C, Wu))
             else:
                 best = np.full((K1, C, Wu), _INF_M, dtype=np.int64)
                 besti = np.full((K1, C, Wu), -1, dtype=np.int64)
@@ -334,19 +376,31 @@ class _Problem:
                 togo = (Wu - ranks)[None, :]  # workers from r to the end
                 with np.errstate(divide="ignore"):
                     mmem = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
+                reach_i = reach[I][:, :, :Wu]
                 for ki, k in enumerate(self.classes):
+                    if k > 0 and self.shared:
+                        continue  # enumerated by size below
                     ok_in = inok[ki, I]
                     mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem)  # (nI, Wu)
-                    cand = np.where(reach[I][:, :, :Wu] & ok_in[:, None, None], mreq[:, None, :], _INF_M)
+                    cand = np.where(reach_i & ok_in[:, None, None], mreq[:, None, :], _INF_M)
                     arg = np.argmin(cand, axis=0)  # (C, Wu)
                     best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
                     besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
+
+                def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+                    fits = inok[ki, I][None] & (self._shared_stage_ms(self.classes[ki], comp[None], w[None],
+                                                                      ms[:, None]) <= T)  # (M, nI)
+                    ok = (reach_i[None] & fits[:, :, None, None]
+                          & (mmem[None] <= ms[:, None, None])[:, :, None, :])  # (M, nI, C, Wu)
+                    return ok.any(axis=1), (I[np.argmax(ok, axis=1)] if record else None)
             e = ranks[None, None, :] + best  # earliest end (exclusive) of a stage starting at r
             keys = np.minimum(e, 2 * _INF_M) * Wp1 + ranks[None, None, :]
             # pms[ki, c, x]: smallest key over start ranks r in x's level-k component, r <= x
             for ki, k in enumerate(self.classes):
                 S = sizes[k]
-                if S == 1:
+                if k > 0 and self.shared:
+                    pms[ki] = 0  # unused: _shared_ends decides these classes
+                elif S == 1:
                     pms[ki] = keys[ki]
                 elif pad[k]:
                     key = np.concatenate([keys[ki], pads[k]], axis=1)
@@ -354,6 +408,10 @@ class _Problem:
                 else:
                     np.minimum.accumulate(keys[ki].reshape(C, -1, S), axis=2, out=pms[ki].reshape(C, -1, S))
             cond = pms <= limit  # (K1, C, Wu): a class-k stage can end just before rank s = x + 1
+            shared = {ki: self._shared_ends(k, Wu, C, functools.partial(shared_starts, ki), record)
+                      for ki, k in enumerate(self.classes) if k > 0 and self.shared}
+            for ki, (ok_end, _, _) in shared.items():
+                cond[ki] = ok_end
             if j < N - 1:
                 cond &= (self.a[j] <= out_thr)[:, None, :]
             hit_c = cond.any(axis=0)  # (C, Wu), indexed by the previous stage count
@@ -366,6 +424,8 @@ class _Problem:
                 kfirst = np.argmax(cond, axis=0)[None]  # the first class that works
                 r = np.take_along_axis(pms, kfirst, axis=0)[0] % Wp1  # (C, Wu)
                 i = besti[kfirst[0], np.arange(C)[:, None], r]
+                for ki, (_, r_k, i_k) in shared.items():
+                    r, i = np.where(kfirst[0] == ki, r_k, r), np.where(kfirst[0] == ki, i_k, i)
                 if C > 1:
                     par[j1, 1:, 1:, 0] = np.where(hit_c[:-1], i[:-1], -1)
                     par[j1, 1:, 1:, 1] = r[:-1]
@@ -400,6 +460,40 @@ class _Problem:
         stages.reverse()
         return True, stages
 
+    def _shared_stage_ms(self, k: int, comp: np.ndarray, w: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """:func:`stage_time_ms` of class-k stages of ``m`` replicas under 2bw, flush or gpipe
+        (``m`` broadcasts against ``comp`` and ``w``)."""
+        return comp * (-(-self.mu // m)) / self.mu + 2.0 * (m - 1) / m * (w / self.bar[max(k, 1)] * 1e3)
+
+    def _shared_ends(self, k: int, Wu: int, C: int, starts: Any, record: bool
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where a class-k stage whose size is one of ``shared_sizes`` can end (2bw, flush, gpipe).
+
+        ``starts(ms)`` gives, per size in ``ms`` and per (stage count, start rank), whether a
+        stage of that many replicas ending at the current block fits from some reachable start
+        block, and which one (only when recording). Returns (can end at rank x, its start rank,
+        its start block), each (C, Wu).
+        """
+        S = self.sizes[k]
+        ok_end = np.zeros((C, Wu), dtype=bool)
+        r_sel = np.zeros((C, Wu), dtype=np.int64)
+        i_sel = np.full((C, Wu), -1, dtype=np.int64)
+        ms = np.array([m for m in self.shared_sizes if m <= Wu], dtype=np.int64)
+        if not len(ms):
+            return ok_end, r_sel, i_sel
+        oks, firsts = starts(ms)
+        for t, m in enumerate(ms.tolist()):
+            ok = oks[t]
+            n = Wu - m + 1  # start ranks r with r + m - 1 < Wu
+            r = np.arange(n)
+            inside = (r // S) == ((r + m - 1) // S)  # the stage lies in one level-k component
+            new = ok[:, :n] & inside[None, :] & ~ok_end[:, m - 1:]
+            ok_end[:, m - 1:] |= new
+            if record:
+                r_sel[:, m - 1:] = np.where(new, r[None, :], r_sel[:, m - 1:])
+                i_sel[:, m - 1:] = np.where(new, firsts[t][:, :n], i_sel[:, m - 1:])
+        return ok_end, r_sel, i_sel
+
     def _in_ok(self, k: int, I: np.ndarray, T: float) -> np.ndarray:
         """Can a class-k stage start at block boundary i (the cut before it fits in T)?"""
         if k == 0 or math.isinf(T):
@@ -407,9 +501,12 @@ class _Problem:
         return (I == 0) | (2.0 * self.a_in[I] / self.beff[k] * 1e3 <= T)
 
 
-def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float) -> tuple[float, list[tuple[int, int, int]]] | None:
-    """Bisection on the bottleneck; returns (time, stages) of the best plan or None if none fits."""
-    ok, stages = prob.feasible(math.inf, Wu, exact_end, record=True)
+def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float,
+            cap: float = math.inf) -> tuple[float, list[tuple[int, int, int]]] | None:
+    """Bisection on the bottleneck; returns (time, stages) of the best plan or None if none fits
+    (or, with ``cap``, none has a bottleneck of at most ``cap``: a deeper flush pipeline that
+    cannot beat the best plan of a shallower one is dismissed with one test)."""
+    ok, stages = prob.feasible(cap, Wu, exact_end, record=True)
     if not ok:
         return None
 
@@ -528,7 +625,7 @@ def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replica
         bw = topology.allreduce_bandwidth(range(r0, r0 + m))
         for j in range(s, N - (K - 1 - s)):
             for i in range(s, j + 1):
-                t = stage_time_ms(Cp[j + 1] - Cp[i], Wp[j + 1] - Wp[i], m, bw)
+                t = stage_time_ms(Cp[j + 1] - Cp[i], Wp[j + 1] - Wp[i], m, bw, schedule, microbatches)
                 if s > 0:
                     prev = best[s - 1][i - 1]
                     cutbw = topology.span_bandwidth(range(int(starts[s - 1]), r0 + m))
@@ -643,10 +740,11 @@ def plan(
             if result is not None and blocks_total_ms(blocks) / W * factor >= result[0]:
                 break
             prob = problem(depth)
+            cap = math.inf if result is None else result[0] * (1 - 1e-12) / factor
             if allow_fewer_workers and memory is not None:
-                found = [_search(prob, Wu, True, rtol) for Wu in range(1, W + 1)]
+                found = [_search(prob, Wu, True, rtol, cap) for Wu in range(1, W + 1)]
             else:
-                found = [_search(prob, W, not allow_fewer_workers, rtol)]
+                found = [_search(prob, W, not allow_fewer_workers, rtol, cap)]
             checks += prob.checks
             for r in found:
                 if r is not None and (result is None or r[0] * factor < result[0] * (1 - 1e-12)):
@@ -671,8 +769,14 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
                   straight: bool) -> PlanError:
     """The error for an infeasible request; with a memory budget it names the smallest that fits."""
     if memory is None:
+        hint = ""
+        if prob.shared and not allow_fewer and min(prob.N, num_stages or prob.N) < W:
+            hint = (f"; some stage needs replicas, and under {prob.schedule} a replicated "
+                    f"stage's replica count must divide the {prob.mu} microbatches per minibatch, which it "
+                    "shares among its replicas: raise microbatches (a multiple of the replica counts) or allow "
+                    "fewer workers")
         return PlanError(f"no plan exists for {prob.N} blocks on {W} workers with these options "
-                         f"(num_stages={num_stages}, straight={straight})")
+                         f"(num_stages={num_stages}, straight={straight}){hint}")
     hi = 1.0
     prob.memory = hi
     while not _any_fit(prob, W, allow_fewer):
@@ -722,7 +826,8 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
         bl = blocks[i:j + 1]
         names = [n for b in bl for n in b.layers]
         out_bytes = blocks[j].cut_bytes if s + 1 < len(stages) else 0
-        comm = ev.allreduce_ms[s] / m + (ev.cut_ms[s] if s < len(ev.cut_ms) else 0.0)
+        sync = ev.allreduce_ms[s] if replicas_share_microbatches(schedule) else ev.allreduce_ms[s] / m
+        comm = sync + (ev.cut_ms[s] if s < len(ev.cut_ms) else 0.0)
         out.append(Stage(
             layers=names, replicas=m, ranks=ev.ranks[s],
             forward_ms=sum(b.forward_ms for b in bl), backward_ms=sum(b.backward_ms for b in bl),
