@@ -246,7 +246,7 @@ class _Problem:
         # and its time is not monotone in it (the all-reduce grows, the compute share has
         # steps), so those stages are enumerated size by size instead of by mmin.
         self.shared = replicas_share_microbatches(schedule) and not straight
-        self.shared_sizes = [d for d in range(2, microbatches + 1) if microbatches % d == 0]
+        self.shared_sizes = [d for d in range(2, microbatches + 1) if replica_count_allowed(schedule, d, microbatches)]
         self.num_stages = num_stages
         # level crossed between ranks s-1 and s, for s = 1..W-1
         self.lev_adj = np.zeros(self.W + 1, dtype=np.int64)
