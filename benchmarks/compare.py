@@ -16,7 +16,9 @@ flagged and should be repeated. torchpipedream's rows run the model with its wid
 split into column parts (``--split-wide``, layer_split.py: the same function and training) so
 that the planner can balance stages inside a layer. Every row, this process's included,
 allocates with PyTorch's huge pages (``THP_MEM_ALLOC_ENABLE=1``, huge_pages.py) unless the
-environment sets it: ``THP_MEM_ALLOC_ENABLE=0`` runs every row on PyTorch's default.
+environment sets it: ``THP_MEM_ALLOC_ENABLE=0`` runs every row on PyTorch's default. Every row
+also keeps freed memory for reuse (freed_memory.py; the launcher's workers, the peers' too, and
+this process): ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` runs every row on glibc's defaults.
 
     .venv/bin/python benchmarks/compare.py                       # all models
     .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
@@ -35,9 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torchpipedream.freed_memory import keep_freed_memory
 from torchpipedream.huge_pages import huge_pages_on, prefer_huge_pages
 
 prefer_huge_pages()  # before this process's first tensor; the workers inherit it
+KEEPS_FREED_MEMORY = keep_freed_memory()  # the single-process rows allocate as the workers do
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -337,7 +341,8 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
 def _markdown(rows: list[dict], probes: tuple[float, float], procs: int) -> str:
     pages = "huge pages" if huge_pages_on() else "PyTorch's default pages"
     lines = [f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; {procs} processes; "
-             f"every row allocates on {pages}.",
+             f"every row allocates on {pages}"
+             f"{' and keeps freed memory for reuse' if KEEPS_FREED_MEMORY else ''}.",
              "", "| model | row | plan | samples/s | × DDP | × perfect scaling | × side-by-side ceiling | predicted | "
              "measured / predicted | run's compute / predicted compute | measured / predicted from the run's compute "
              "| peak RSS per rank (MB) |",
@@ -408,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps({"probes": [start, end], "args": vars(args),
-                                                      "huge_pages": huge_pages_on(), "rows": rows}, indent=1))
+                                                      "huge_pages": huge_pages_on(),
+                                                      "keeps_freed_memory": KEEPS_FREED_MEMORY, "rows": rows}, indent=1))
     Path(f"{out}.md").write_text(table + "\n")
     _plot(rows, Path(f"{out}.png"))
     print(f"wrote {out}.json, {out}.md, {out}.png")

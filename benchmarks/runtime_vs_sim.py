@@ -26,9 +26,11 @@ import statistics
 import time
 from pathlib import Path
 
+from torchpipedream.freed_memory import keep_freed_memory
 from torchpipedream.huge_pages import prefer_huge_pages
 
 prefer_huge_pages()  # the profile in this process allocates as launch()'s workers do
+keep_freed_memory()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -139,10 +139,11 @@ def allocation_worker(rank: int) -> tuple[str | None, float]:
 
 def test_workers_allocate_large_buffers_on_huge_pages(monkeypatch):
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    env, faults = launch(allocation_worker, 1, timeout_s=60)
+    # fresh buffers each time (kept freed memory would serve them again without faults)
+    env, faults = launch(allocation_worker, 1, timeout_s=60, keep_freed_memory=False)
     assert env == "1"
     assert "THP_MEM_ALLOC_ENABLE" not in os.environ  # the parent's environment is left as it was
-    off_env, off_faults = launch(allocation_worker, 1, timeout_s=60, huge_pages=False)
+    off_env, off_faults = launch(allocation_worker, 1, timeout_s=60, huge_pages=False, keep_freed_memory=False)
     assert off_env is None
     if _thp_mode() == "madvise":  # 16,384 faults on 4 KiB pages; a few hundred on 2 MiB pages
         assert faults < 4096 < off_faults, (faults, off_faults)

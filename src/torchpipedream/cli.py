@@ -15,6 +15,7 @@ import sys
 from typing import Sequence
 
 from . import __version__, commands
+from .freed_memory import keep_freed_memory
 from .huge_pages import prefer_huge_pages
 
 __all__ = ["main", "build_parser", "CommandError"]
@@ -42,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Before this process allocates its first tensor (the profile runs here): see huge_pages.py.
+    # Before this process allocates its first tensor (the profile runs here): see huge_pages.py
+    # and freed_memory.py.
     prefer_huge_pages()
+    keep_freed_memory()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

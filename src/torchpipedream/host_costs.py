@@ -24,6 +24,7 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from .freed_memory import keep_freed_memory
 from .huge_pages import spawning_with_huge_pages
 
 if TYPE_CHECKING:
@@ -206,16 +207,26 @@ def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
 
 @contextlib.contextmanager
 def _spawned_pool(workers: int, limit_s: float, **pool_options: Any) -> Iterator[Any]:
-    """A pool of ``workers`` spawned processes (with huge pages, as launch()'s workers run);
-    a result that takes longer than ``limit_s`` raises RuntimeError with the likely cause."""
+    """A pool of ``workers`` spawned processes (with huge pages and freed memory kept, as
+    launch()'s workers run); a result that takes longer than ``limit_s`` raises RuntimeError
+    with the likely cause."""
     import multiprocessing as mp
 
-    with spawning_with_huge_pages(), mp.get_context("spawn").Pool(workers, **pool_options) as pool:
+    init = (pool_options.pop("initializer", None), pool_options.pop("initargs", ()))
+    with spawning_with_huge_pages(), mp.get_context("spawn").Pool(
+            workers, initializer=_measuring_process_init, initargs=init, **pool_options) as pool:
         try:
             yield pool
         except mp.TimeoutError:
             raise RuntimeError(f"concurrency measurement got no answer in {limit_s:g} s (run it from a script's "
                                "`if __name__ == '__main__':` block: it spawns processes)") from None
+
+
+def _measuring_process_init(init: Callable[..., None] | None, initargs: Sequence[Any]) -> None:
+    """Pool initializer: allocate as launch()'s workers do, then the caller's initializer."""
+    keep_freed_memory()
+    if init is not None:
+        init(*initargs)
 
 
 def bracketed_slowdown(alone: Sequence[float], together: Sequence[Sequence[float]]) -> float:
@@ -354,6 +365,7 @@ def _group_worker(target: Any, rank: int, world: int, port: int, nbytes: int, re
     import torch
     import torch.distributed as dist
 
+    keep_freed_memory()  # allocate as launch()'s workers do
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

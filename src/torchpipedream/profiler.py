@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.node import map_aggregate, map_arg
 
+from .freed_memory import keep_freed_memory
 from .graph import Layer, LayerGraph
 
 __all__ = ["profile", "ProfilerError"]
@@ -441,10 +442,14 @@ def profile(
             fraction of a large one (small matrix products, per-call overhead), and profiling
             at the minibatch size would predict flush, gpipe and 2bw too fast.
 
+    The process's malloc is set to keep freed memory (``freed_memory.py``), as the runtime's
+    workers run, so that the times do not include page faults the workers do not pay.
+
     Raises:
         ProfilerError: fx cannot trace a non-Sequential model, the sample does not fit the
             model, or the arguments are invalid. The message says what to do.
     """
+    keep_freed_memory()
     if iters < 1 or warmup < 0:
         raise ProfilerError(f"profile: need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
     root = module if isinstance(module, nn.Module) else None

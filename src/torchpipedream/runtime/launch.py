@@ -14,7 +14,9 @@ rank that stopped because a peer failed (:class:`PipelineFailure`). All workers 
 when ``timeout_s`` passes.
 
 Workers start with PyTorch's huge-page allocation on (``THP_MEM_ALLOC_ENABLE=1``, see
-``torchpipedream/huge_pages.py``) unless the caller's environment says otherwise.
+``torchpipedream/huge_pages.py``) unless the caller's environment says otherwise, and keep
+the memory of freed tensors for reuse instead of faulting fresh pages in every step
+(``torchpipedream/freed_memory.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..freed_memory import keep_freed_memory as _keep_freed_memory
 from ..huge_pages import spawning_with_huge_pages
 
 __all__ = ["launch", "LaunchError", "free_port", "init_from_env"]
@@ -70,7 +73,9 @@ def init_from_env(backend: str, timeout_s: float) -> None:
 
 
 def _worker(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, port: int,
-            backend: str, timeout_s: float, outdir: str, threads: int) -> None:
+            backend: str, timeout_s: float, outdir: str, threads: int, keep_freed: bool) -> None:
+    if keep_freed:
+        _keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
@@ -148,6 +153,7 @@ def launch(
     threads: int = 1,
     failure_grace_s: float = 3.0,
     huge_pages: bool = True,
+    keep_freed_memory: bool = True,
 ) -> Any:
     """Run ``fn(rank, *args)`` on ``nprocs`` local processes; return rank 0's result.
 
@@ -164,6 +170,8 @@ def launch(
         huge_pages: start the workers with PyTorch's huge-page allocation on
             (``THP_MEM_ALLOC_ENABLE=1``; see ``huge_pages.py``) unless the environment
             already sets it.
+        keep_freed_memory: the workers' malloc keeps freed memory for reuse
+            (``freed_memory.py``; a training step re-allocates the same buffers each time).
 
     Raises:
         LaunchError: a worker raised (the message names its rank and has its traceback) or
@@ -178,7 +186,8 @@ def launch(
         with spawning_with_huge_pages(huge_pages):  # spawned workers copy this environment
             ctx = mp.start_processes(
                 _worker,
-                args=(fn, args, nprocs, port, backend, comm_timeout_s or timeout_s, outdir, threads),
+                args=(fn, args, nprocs, port, backend, comm_timeout_s or timeout_s, outdir, threads,
+                      keep_freed_memory),
                 nprocs=nprocs, join=False, start_method="spawn",
             )
         deadline = time.monotonic() + timeout_s

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..actions import Action, Kind, Schedule
+from ..freed_memory import keep_freed_memory
 from ..huge_pages import HUGE_PAGES_ENV
 from ..plan import Plan
 from ..trace import Trace
@@ -146,6 +147,7 @@ class Pipeline:
             backend = dist.get_backend() if self.distributed else "gloo"
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
+        keep_freed_memory()  # every microbatch re-allocates the same buffers: reuse them (freed_memory.py)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL point-to-point uses the current device
         elif self.rank == 0 and HUGE_PAGES_ENV not in os.environ:

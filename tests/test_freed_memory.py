@@ -1,0 +1,72 @@
+"""Workers keep freed memory for reuse: a training step's buffers come back without page
+faults (freed_memory.py), and the user's own malloc settings win."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+from torchpipedream import freed_memory
+from torchpipedream.runtime import launch
+
+glibc_only = pytest.mark.skipif(freed_memory._glibc() is None, reason="mallopt is glibc's")
+
+
+def churn_worker(rank: int) -> float:
+    """Page faults per round of three 8 MiB buffers allocated, written and freed (like a
+    step's activations), after six rounds of warm-up."""
+    def round_() -> None:
+        buffers = [torch.empty(2 << 20).fill_(1.0) for _ in range(3)]
+        del buffers
+
+    for _ in range(6):
+        round_()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        round_()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+
+
+@glibc_only
+def test_launched_workers_reuse_freed_memory_without_page_faults(monkeypatch):
+    monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    kept = launch(churn_worker, 1, timeout_s=60)
+    default = launch(churn_worker, 1, timeout_s=60, keep_freed_memory=False)
+    # glibc's defaults hand PyTorch's 2 MiB-aligned (huge-page) buffers back to the kernel at
+    # every free: measured 1,548 faults per round; kept, the heap serves them again: 0.
+    assert kept * 10 < default, (kept, default)
+
+
+@glibc_only
+def test_the_off_switch_leaves_malloc_alone(monkeypatch):
+    monkeypatch.setenv(freed_memory.KEEP_FREED_MEMORY_ENV, "0")
+    assert launch(churn_worker, 1, timeout_s=60) > 0  # faults as with glibc's defaults
+    assert freed_memory.keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "1000000"}, {"MALLOC_MMAP_THRESHOLD_": "65536"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"}])
+def test_the_users_malloc_settings_are_kept(monkeypatch, env):
+    monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert freed_memory.user_tuned_malloc()
+    assert freed_memory.keep_freed_memory() is False
+
+
+def test_unrelated_glibc_tunables_are_not_malloc_settings():
+    assert not freed_memory.user_tuned_malloc({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
+    assert not freed_memory.user_tuned_malloc({})
+
+
+@pytest.mark.parametrize("kwargs", [{"mmap_threshold": 0}, {"trim_threshold": 2**31}, {"mmap_threshold": -5}])
+def test_thresholds_outside_mallopts_int_are_refused(monkeypatch, kwargs):
+    monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="mallopt takes an int"):
+        freed_memory.keep_freed_memory(**kwargs)
