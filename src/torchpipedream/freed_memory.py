@@ -4,22 +4,29 @@ page faults (glibc's malloc, on Linux).
 A training step frees and re-allocates the same buffers every microbatch: activations,
 gradients, message buffers. glibc serves a large request with its own ``mmap`` and gives it
 back to the kernel at ``free``, and trims the top of its heap whenever the free space there
-passes a threshold that follows the largest buffer freed so far; either way the next
-allocation of the same size touches fresh pages, and the kernel zeroes each one on its first
-touch. Measured on this project's 2-core machine (torch 2.13, one thread, huge pages on,
-compare.py's small CNN, one training step on 16 samples): 3,700-8,100 page faults and
-8-19 ms of kernel time per 41-53 ms step; with the thresholds below, 0-40 faults, no kernel
-time and 33 ms. The transformer LM gains 5-10%; the FC-heavy model, whose 64 MB gradients
-already sit on huge pages, about as much as the machine's noise.
+passes a threshold that follows the largest buffer freed so far; PyTorch's 2 MiB-aligned
+huge-page requests never settle into the heap at all. Either way the next allocation of the
+same size touches fresh pages, and the kernel zeroes each one on its first touch.
 
-:func:`keep_freed_memory` raises both thresholds with ``mallopt``: requests below
+:func:`keep_freed_memory` fixes both thresholds with ``mallopt``: requests below
 ``mmap_threshold`` come from the heap, and the heap's top is given back only beyond
-``trim_threshold``. The process then holds on to its peak heap, which a training process
-reaches again every step anyway. It acts on the calling process only and at once, so the
-launcher's workers, :class:`~torchpipedream.runtime.Pipeline` (for workers that torchrun
-starts) and the command line each call it. Settings the user made (``MALLOC_*`` or
-``GLIBC_TUNABLES`` malloc tunables in the environment) are kept, and
-``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` turns it off. No torch import here.
+``trim_threshold``. Measured on this project's 2-core machine (torch 2.13, one thread, huge
+pages on, one training step of compare.py's models, glibc's defaults against these
+thresholds, alternating processes): the small CNN on 16 samples 41-57 ms with 3,700-10,000
+page faults and 8-20 ms of kernel time, against 31 ms with none; on 64 samples 158 against
+141 ms; the transformer LM on 16 sequences 61 against 55 ms; the FC-heavy model on 16
+samples 113 against 103 ms. The threshold is 16 MiB, not more: with every buffer on the
+heap (1 GiB) the FC-heavy model's long-lived 16-64 MiB weight versions and gradients
+fragmented it, and the peak RSS of its 2bw ranks grew from 722-744 MB to 939-1,164 MB (at
+16 MiB: 724-820 MB) for no measurable speed; below 16 MiB (4 MiB) the small CNN's 8 MiB
+activations at 64 samples went back to faulting. The process keeps its peak heap, which a
+training process reaches again every step.
+
+It acts on the calling process only and at once, so the launcher's workers,
+:class:`~torchpipedream.runtime.Pipeline` (for workers that torchrun starts), the profiler and
+the command line each call it. Settings the user made (``MALLOC_*_`` variables, or malloc
+tunables in ``GLIBC_TUNABLES``) are kept, and ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` turns it
+off. No torch import here.
 """
 
 from __future__ import annotations
@@ -40,7 +47,6 @@ KEEP_FREED_MEMORY_ENV = "TORCHPIPEDREAM_KEEP_FREED_MEMORY"
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 _INT_MAX = 2**31 - 1  # mallopt takes a C int
-_FALLBACK_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepted before 2.26 on 64-bit
 _USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 _applied: tuple[int, int] | None = None
@@ -64,12 +70,12 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = _INT_MAX) -> bool:
+def keep_freed_memory(mmap_threshold: int = 16 << 20, trim_threshold: int = _INT_MAX) -> bool:
     """Make this process's malloc keep freed memory for reuse (see the module docstring).
 
     Args:
         mmap_threshold: requests of at least this many bytes still get their own ``mmap``
-            (and return to the kernel when freed); default 1 GiB.
+            (and return to the kernel when freed); default 16 MiB (see the module docstring).
         trim_threshold: free bytes at the heap's top beyond which malloc gives them back;
             default (and at most) 2 GiB - 1.
 
@@ -91,13 +97,9 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = _INT_
         return False
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    if not mallopt(_M_MMAP_THRESHOLD, mmap_threshold):
-        mmap_threshold = min(mmap_threshold, _FALLBACK_MMAP_THRESHOLD)
-        if not mallopt(_M_MMAP_THRESHOLD, mmap_threshold):
-            logger.debug("mallopt refused the mmap threshold: malloc left as it is")
-            return False
-    if not mallopt(_M_TRIM_THRESHOLD, trim_threshold):
-        logger.debug("mallopt refused the trim threshold")
+    # glibc before 2.26 refuses mmap thresholds above 32 MiB on 64-bit systems
+    if not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, trim_threshold)):
+        logger.debug("mallopt refused mmap threshold %d or trim threshold %d", mmap_threshold, trim_threshold)
         return False
     _applied = (mmap_threshold, trim_threshold)
     logger.debug("malloc keeps freed memory: mmap threshold %d, trim threshold %d bytes", *_applied)
