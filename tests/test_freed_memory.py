@@ -14,6 +14,14 @@ from torchpipedream.runtime import launch
 glibc_only = pytest.mark.skipif(freed_memory._glibc() is None, reason="mallopt is glibc's")
 
 
+@pytest.fixture
+def glibc_defaults(monkeypatch):
+    """An environment with no malloc settings of the user's and the switch not set."""
+    monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def churn_worker(rank: int) -> float:
     """Page faults per round of three 8 MiB buffers allocated, written and freed (like a
     step's activations), after six rounds of warm-up."""
@@ -30,10 +38,7 @@ def churn_worker(rank: int) -> float:
 
 
 @glibc_only
-def test_launched_workers_reuse_freed_memory_without_page_faults(monkeypatch):
-    monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
-        monkeypatch.delenv(name, raising=False)
+def test_launched_workers_reuse_freed_memory_without_page_faults(glibc_defaults):
     kept = launch(churn_worker, 1, timeout_s=60)
     default = launch(churn_worker, 1, timeout_s=60, keep_freed_memory=False)
     # glibc's defaults hand PyTorch's 2 MiB-aligned (huge-page) buffers back to the kernel at
@@ -64,9 +69,6 @@ def test_unrelated_glibc_tunables_are_not_malloc_settings():
 
 
 @pytest.mark.parametrize("kwargs", [{"mmap_threshold": 0}, {"trim_threshold": 2**31}, {"mmap_threshold": -5}])
-def test_thresholds_outside_mallopts_int_are_refused(monkeypatch, kwargs):
-    monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
-        monkeypatch.delenv(name, raising=False)
+def test_thresholds_outside_mallopts_int_are_refused(glibc_defaults, kwargs):
     with pytest.raises(ValueError, match="mallopt takes an int"):
         freed_memory.keep_freed_memory(**kwargs)
