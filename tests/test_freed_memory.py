@@ -18,7 +18,7 @@ glibc_only = pytest.mark.skipif(freed_memory._glibc() is None, reason="mallopt i
 def glibc_defaults(monkeypatch):
     """An environment with no malloc settings of the user's and the switch not set."""
     monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
+    for name in (*freed_memory._USER_VARIABLES, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
 
 
