@@ -159,7 +159,7 @@ def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, 
 
 def predict(work: Workload, plan, sched, split_parts: int = 1):
     """The simulator's samples/s for ``sched`` from costs measured now: a fresh profile and this
-    host's terms (host_costs.py: message overhead, copy and accumulate bandwidth, all-reduces,
+    host's terms (runtime.measure.py: message overhead, copy and accumulate bandwidth, all-reduces,
     and the slowdown of the plan's workers training side by side). Returns (samples/s, Costs,
     the simulation).
 
@@ -167,8 +167,8 @@ def predict(work: Workload, plan, sched, split_parts: int = 1):
     within minutes, so a prediction made before all the rows (as up to run 8) compared one
     moment's costs with another moment's run.
     """
-    from torchpipedream.host_costs import measure_local_costs
-    from torchpipedream.simulate import Costs, simulate
+    from torchpipedream.runtime.measure import measure_local_costs
+    from torchpipedream.simulator import Costs, simulate
 
     m = sched.microbatches
     graph = _profile(work, m, split_parts)
@@ -201,7 +201,7 @@ def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: in
     """
     import dataclasses
 
-    from torchpipedream.simulate import simulate
+    from torchpipedream.simulator import simulate
 
     predicted, costs, sim = predict(work, plan, sched, split_parts)
     res = launch(_tpd_worker, plan.num_workers, work, plan, sched.kind, microbatches, 1, windows, per_window,
@@ -223,12 +223,12 @@ def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: in
     g = torch.Generator().manual_seed(0)
     data = [work.make_batch(work.batch_size, g) for _ in range(per_window)]
     for _ in range(warmup):
-        pipe.train_step(data)
+        pipe.train_minibatches(data)
     times = []
     for _ in range(windows):
         dist.barrier()
         t0 = time.perf_counter()
-        pipe.train_step(data)  # one schedule of per_window minibatches: fill, steady state, drain
+        pipe.train_minibatches(data)  # one schedule of per_window minibatches: fill, steady state, drain
         times.append((time.perf_counter() - t0) / per_window)
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, (statistics.median(times), peak_rss_mb()))
@@ -321,7 +321,7 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     single1 = rows[0]["samples_per_s"]
     # What `procs` copies of this model's own training step (whole minibatches, as the
     # single-process rows train) reach side by side on this host, as a share of perfect
-    # scaling (host_costs.measure_concurrency_slowdown, measured in each pass with
+    # scaling (runtime.measure.measure_concurrency_slowdown, measured in each pass with
     # pipedream's prediction): a ceiling for any scheme of `procs` one-thread processes.
     # A microbatched schedule's own prediction uses the slowdown of microbatched steps.
     whole = next((r["passes_slowdown"] for r in rows if r["row"] == "torchpipedream pipedream"

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torchpipedream.host_costs import concurrent_rates
+from torchpipedream.runtime.measure import concurrent_rates
 
 
 @dataclass

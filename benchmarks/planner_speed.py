@@ -23,8 +23,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from torchpipedream.graph import Layer, LayerGraph  # noqa: E402
 from torchpipedream.planner import plan  # noqa: E402
-
-PROFILES = REPO.parent / "shared" / "reference_profiles"
+from torchpipedream.profiles import load_profile  # noqa: E402
 MODELS = ["vgg16", "alexnet", "resnet50", "gnmt", "gnmt_large", "resnet18", "resnet101", "inception_v3",
           "densenet121", "squeezenet1_0"]
 
@@ -53,7 +52,7 @@ def reference_table() -> list[dict]:
           "paper DP (hierarchical) plan, ms | 15-1 ms (ours ≤) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for model in ["vgg16", "alexnet", "resnet50", "gnmt", "gnmt_large"]:
-        g = LayerGraph.load(PROFILES / model / "graph.txt")
+        g = load_profile(model)
         g.batch_size = BATCH_SIZES.get(model)
         for label, spec in CLUSTERS:
             topo = Topology.parse(spec)
@@ -94,10 +93,7 @@ def main() -> int:
     print(f"{'case':<28} {'topology':<26} {'config':<24} {'fast s':>8} {'paper DP s':>10} {'checks':>6}")
     models = MODELS[:5] if args.quick else MODELS
     for model in models:
-        path = PROFILES / model / "graph.txt"
-        if not path.exists():
-            continue
-        g = LayerGraph.load(path)
+        g = load_profile(model)
         spec = "16:10GB/s"
         t0 = time.perf_counter()
         p = plan(g, spec, memory_bytes=None)

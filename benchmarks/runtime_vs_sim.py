@@ -41,8 +41,8 @@ from torchpipedream.profiler import profile
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.comm import pack, unpack
 from torchpipedream.schedules import build_schedule
-from torchpipedream.simulate import Costs, simulate
-from torchpipedream.host_costs import (measure_concurrency_slowdown, measure_copy_bandwidth,
+from torchpipedream.simulator import Costs, simulate
+from torchpipedream.runtime.measure import (measure_concurrency_slowdown, measure_copy_bandwidth,
                                        measure_loopback_bandwidth, measure_message_overhead)
 from torchpipedream.topology import Topology
 
@@ -84,11 +84,11 @@ def worker(rank: int, plan, kind: str, n: int, m: int, repeats: int) -> dict:
     pipe = Pipeline(model(), plan, optimizer=sgd, loss_fn=nn.CrossEntropyLoss(),
                     schedule=kind, microbatches=m if kind not in ("pipedream", "naive") else None, timeout_s=120)
     data = batches(n)
-    pipe.train_step(data)  # warm-up run (allocator, gloo connections)
+    pipe.train_minibatches(data)  # warm-up run (allocator, gloo connections)
     spans, traces, shares = [], [], []
     for _ in range(repeats):
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        pipe.train_step(data)
+        pipe.train_minibatches(data)
         shares.append((time.process_time() - cpu0) / (time.perf_counter() - wall0))
         trace = pipe.trace(dst=None)
         spans.append(trace.makespan)

@@ -13,9 +13,9 @@ import platform
 import time
 from pathlib import Path
 
-from torchpipedream.plan import Plan, Stage
+from torchpipedream.plans import Plan, Stage
 from torchpipedream.schedules import build_schedule
-from torchpipedream.simulate import Costs, simulate
+from torchpipedream.simulator import Costs, simulate
 from torchpipedream.validate import validate_schedule
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchpipedream.plan import Plan
+from torchpipedream.plans import Plan
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.validate import bounds
 
@@ -72,7 +72,7 @@ def soak_worker(rank: int, kind: str, m: int, total: int, every: int) -> dict:
     samples = []
     t0 = time.perf_counter()
     for i in range(total // every):
-        losses = pipe.train_step(batches)
+        losses = pipe.train_minibatches(batches)
         samples.append({"minibatches": (i + 1) * every, "rss_mib": round(vm_rss_mib(), 2),
                         "max_versions_alive": pipe.weights.max_versions_alive,
                         "seconds": round(time.perf_counter() - t0, 2), "loss": sum(losses) / len(losses)})

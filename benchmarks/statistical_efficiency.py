@@ -26,7 +26,9 @@ from typing import Callable
 import torch
 
 from torchpipedream.runtime import launch
-from torchpipedream.train import TrainConfig, _batches, build_model, load_data, loss_for, optimizer_factory, run
+from torchpipedream.train import TrainConfig
+from torchpipedream.train.inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
+from torchpipedream.train.job import run
 
 PIPELINE_METHODS = {
     "pipedream": dict(schedule="pipedream"),
@@ -55,7 +57,7 @@ def _train_epochs(cfg: TrainConfig, model: torch.nn.Module, eval_model: torch.nn
     history, clock = [], 0.0
     for epoch in range(cfg.epochs):
         t0 = time.perf_counter()
-        for xb, yb in _batches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch):
+        for xb, yb in minibatches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch):
             mine = part(len(xb))
             opt.zero_grad(set_to_none=True)
             (loss_fn(model(xb[mine]), yb[mine]) * loss_weight(len(xb))).backward()
@@ -93,7 +95,7 @@ def fixed_plan(cfg: TrainConfig, stages: int, path: Path) -> str:
     """Plan once and reuse the file: every pipeline method and seed then cuts the model at the
     same places (a fresh profile per run can move a cut, and an asynchronous schedule's result
     depends on where the cuts are)."""
-    from torchpipedream.train import prepare
+    from torchpipedream.train.preparation import prepare
 
     prep = prepare(replace(cfg, workers=stages, stages=stages, straight=True))
     path.parent.mkdir(parents=True, exist_ok=True)

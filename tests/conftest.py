@@ -2,12 +2,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-REFERENCE_PROFILES = REPO.parent / "shared" / "reference_profiles"
+from torchpipedream.profiles import reference_profile_path
 
 
 @pytest.fixture(scope="session")
 def reference_profiles() -> Path:
-    if not REFERENCE_PROFILES.is_dir():
-        pytest.skip(f"reference profiles not found at {REFERENCE_PROFILES}")
-    return REFERENCE_PROFILES
+    """The folder of PipeDream's reference profiles that ships inside the package."""
+    return reference_profile_path("vgg16").parent.parent

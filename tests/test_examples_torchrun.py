@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpipedream.runtime.launch import free_port
+from torchpipedream.runtime.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from torchpipedream.layer_split import merge_split_state_dict, split_wide_layers
-from torchpipedream.plan import Plan
+from torchpipedream.plans import Plan
 from torchpipedream.runtime import Pipeline, launch
 
 

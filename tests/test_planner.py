@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchpipedream.graph import Layer, LayerGraph
-from torchpipedream.plan import Plan, PlanError
+from torchpipedream.plans import Plan, PlanError
 from torchpipedream.planner import best_split_for_replicas, plan
 from torchpipedream.schedules import build_schedule
 from torchpipedream.topology import Level, Topology

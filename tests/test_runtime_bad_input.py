@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plan import Plan, PlanError
+from torchpipedream.plans import Plan, PlanError
 from torchpipedream.runtime import LaunchError, Pipeline, PipelineError, launch
 
 LR = 0.1
@@ -70,8 +70,8 @@ def refusals(rank: int) -> dict:
     # Shapes change from minibatch to minibatch (and between calls): renegotiated, trained.
     pipe = Pipeline(stages(), TWO, optimizer=sgd, loss_fn=nn.CrossEntropyLoss(), timeout_s=10)
     b = batches()
-    pipe.train_step(b[:2])
-    pipe.train_step(b[2:])
+    pipe.train_minibatches(b[:2])
+    pipe.train_minibatches(b[2:])
     out["state"] = pipe.state_dict(dst=0)
     return out
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plan import Plan, Stage
+from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import CheckpointError, Pipeline, latest_checkpoint, launch, verify_checkpoint
 
 N_PROCS = 3
@@ -39,7 +39,7 @@ def model() -> nn.Module:
 def plan_for(sc: dict) -> Plan:
     if sc.get("replicated"):
         stages = [Stage(layers=LAYERS[0] + LAYERS[1], replicas=2, ranks=[0, 1]), Stage(layers=LAYERS[2], ranks=[2])]
-        return Plan(stages=stages, schedule=sc["kind"], noam=2)
+        return Plan(stages=stages, schedule=sc["kind"])
     return Plan.straight(LAYERS, schedule=sc["kind"], microbatches=sc.get("m", 1))
 
 
@@ -68,12 +68,12 @@ def straight_through_and_first_half(rank: int, root: str) -> dict:
     for name in SCENARIOS:
         pipe = build(name)
         b = data()
-        pipe.train_step(b[:10])
-        pipe.train_step(b[10:])
+        pipe.train_minibatches(b[:10])
+        pipe.train_minibatches(b[10:])
         out[name] = final_state(pipe)
         del pipe
         pipe = build(name)
-        pipe.train_step(data()[:10])
+        pipe.train_minibatches(data()[:10])
         pipe.save_checkpoint(Path(root) / name, scenario=name, next_minibatch=10)
     return out
 
@@ -94,7 +94,7 @@ def second_half(rank: int, root: str, bad: list[str]) -> dict:
         extra = pipe.load_checkpoint(Path(root) / name)
         assert extra == {"scenario": name, "next_minibatch": 10}, extra
         assert pipe.minibatches_done == 10
-        pipe.train_step(data()[extra["next_minibatch"]:])
+        pipe.train_minibatches(data()[extra["next_minibatch"]:])
         out[name] = final_state(pipe)
     return out
 
@@ -195,7 +195,7 @@ def _single(layers: int) -> Pipeline:
 def test_checkpoint_of_another_plan_or_world_size_is_refused(tmp_path, runs):
     root, _, _ = runs
     pipe = _single(2)
-    pipe.train_step(data(2))
+    pipe.train_minibatches(data(2))
     pipe.save_checkpoint(tmp_path / "two")
     other = _single(3)
     before = other.stage_state_dict()
@@ -214,7 +214,7 @@ def test_checkpoint_of_another_plan_or_world_size_is_refused(tmp_path, runs):
 
 def test_unpicklable_extra_and_mid_schedule_save_are_refused(tmp_path):
     pipe = _single(2)
-    pipe.train_step(data(1))
+    pipe.train_minibatches(data(1))
     with pytest.raises(CheckpointError, match=r"rank 0: cannot write its checkpoint file .*PicklingError|AttributeError"):
         pipe.save_checkpoint(tmp_path / "bad", fn=lambda: 0)
     assert latest_checkpoint(tmp_path) is None  # no manifest: not a checkpoint

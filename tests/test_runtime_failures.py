@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from torchpipedream.runtime.comm import CommTimeout
-from torchpipedream.runtime.failures import FailureBoard, PipelineFailure, is_comm_failure, parse_fault
-from torchpipedream.runtime.launch import free_port
+from fault_injection.faults import fault_environment, parse_fault
+from torchpipedream.runtime.failures import FailureBoard, PipelineFailure, is_comm_failure
+from torchpipedream.runtime.launcher import free_port
 
 WORKER = Path(__file__).with_name("failure_worker.py")
 BOUND_S = 5.0  # failure_timeout_s in the worker; survivors must be gone within it
@@ -32,8 +32,9 @@ def run_ranks(fault: str, *args: str, world: int = 3, lingering: int | None = No
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", TORCHPIPEDREAM_FAULT=fault)
+        env = fault_environment(fault, dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                            OMP_NUM_THREADS="1"))
         env.pop("TORCHELASTIC_RESTART_COUNT", None)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torchpipedream.plan import Plan, Stage
+from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
 
 LR = 0.1
@@ -99,16 +99,16 @@ def shared() -> nn.Module:
     return Shared()
 
 
-MODELS = {"mlp": mlp, "skip": skip, "flat": flat, "transformer": tiny_transformer, "shared": shared}
+MODELS = {"mlp": mlp, "skip": skip, "flat": flat, "transformer": tiny_transformer, "shared_weight": shared}
 # Stage of every parameter, by name prefix (written by hand, independent of the splitter).
 PARAM_STAGE = {"mlp": {"0": 0, "2": 1, "4": 2}, "skip": {"a": 0, "b": 1, "c": 2, "d": 2},
-               "flat": {"a": 0, "b": 1, "c": 2}, "shared": {"a": 0, "scale": 0, "b": 1, "c": 2}}
+               "flat": {"a": 0, "b": 1, "c": 2}, "shared_weight": {"a": 0, "scale": 0, "b": 1, "c": 2}}
 LAYERS = {
     "mlp": [["input_1", "_0", "_1"], ["_2", "_3"], ["_4"]],
     "skip": [["x", "a", "tanh"], ["b", "tanh_1"], ["c", "add", "d"]],
     # An int (size) crosses both cuts, relayed through stage 1.
     "flat": [["x", "size", "a", "tanh"], ["view", "reshape", "b", "tanh_1"], ["c", "mul", "add", "mul_1"]],
-    "shared": [["x", "a", "tanh", "mul"], ["b", "tanh_1"], ["mul_1", "c"]],
+    "shared_weight": [["x", "a", "tanh", "mul"], ["b", "tanh_1"], ["mul_1", "c"]],
 }
 
 
@@ -139,7 +139,7 @@ def two_one(kind: str, m: int = 1) -> Plan:
     """mlp as "2-1": stage 0 (two replicas, ranks 0 and 1) and stage 1 (rank 2)."""
     stages = [Stage(layers=["input_1", "_0", "_1", "_2", "_3"], replicas=2, ranks=[0, 1]),
               Stage(layers=["_4"], replicas=1, ranks=[2])]
-    plan = Plan(stages=stages, schedule=kind, microbatches=m, noam=2)
+    plan = Plan(stages=stages, schedule=kind, microbatches=m)
     plan.validate()
     return plan
 
@@ -151,7 +151,7 @@ SCENARIOS: dict[str, dict] = {
     "flush_skip": dict(model="skip", kind="flush", m=2, n=3),
     "gpipe_skip": dict(model="skip", kind="gpipe", m=2, n=3),
     "flush_int_cut": dict(model="flat", kind="flush", m=2, n=3),
-    "flush_shared_param": dict(model="shared", kind="flush", m=2, n=3),
+    "flush_shared_param": dict(model="shared_weight", kind="flush", m=2, n=3),
     # Planned from a real profile: buffers read via get_attr, ints and several tensors per cut.
     "flush_transformer": dict(model="transformer", kind="flush", m=2, n=2, plan="profiled"),
     "flush_partial_adam": dict(model="mlp", kind="flush", m=3, n=3, last=5, opt="adam"),
@@ -189,7 +189,7 @@ def run_scenario(name: str, profiled: dict | None = None) -> dict:
                     loss_fn=loss_fn, loss_reduction=reduction, vertical_sync=sc.get("vertical_sync", False),
                     microbatches=m if kind in ("flush", "gpipe", "2bw") else None, timeout_s=30)
     batches = token_data(sc["n"]) if sc["model"] == "transformer" else data(sc["n"], last=sc.get("last"))
-    losses = pipe.train_step(batches)
+    losses = pipe.train_minibatches(batches)
     out = {"losses": losses, "stage": pipe.stage_state_dict(), "full": pipe.state_dict(dst=0),
            "copies": pipe.weights.copies, "versions": pipe.weights.max_versions_alive}
     if name == "pipedream":

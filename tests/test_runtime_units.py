@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from torchpipedream.actions import Kind
-from torchpipedream.plan import Plan, Stage
+from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import Pipeline, PipelineError, StageSplitError, forward_only, split_stages
 from torchpipedream.runtime.comm import CommError, decode_header, encode_header, pack, unpack
 from torchpipedream.runtime.weights import WeightVersions, updates_are_minibatch_means
@@ -188,7 +188,7 @@ def test_single_worker_flush_equals_plain_training_with_partial_batch():
     plan = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="flush", microbatches=3)
     pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5),
                     loss_fn=nn.CrossEntropyLoss())
-    losses = pipe.train_step(batches)
+    losses = pipe.train_minibatches(batches)
     ref, ref_losses = _plain_training(batches, lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5))
     assert losses == pytest.approx(ref_losses, abs=1e-6)
     got = pipe.state_dict()
@@ -221,7 +221,7 @@ def test_single_worker_pipedream_with_mean_gradients_equals_plain_training(sizes
     plan = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="pipedream")
     pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5),
                     loss_fn=nn.CrossEntropyLoss())
-    losses = pipe.train_step(batches)
+    losses = pipe.train_minibatches(batches)
     assert pipe.weights.grads_are_means
     ref, ref_losses = _plain_training(batches, lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.5))
     assert losses == pytest.approx(ref_losses, abs=1e-6)
@@ -234,7 +234,7 @@ def test_minibatch_smaller_than_microbatches_leaves_empty_microbatches():
     batches = _data([8, 3])  # m = 4: the second minibatch has one empty microbatch
     plan = Plan.straight([["input_1", "_0", "_1", "_2"]], schedule="gpipe", microbatches=4)
     pipe = Pipeline(_mlp(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.3), loss_fn=nn.CrossEntropyLoss())
-    losses = pipe.train_step(batches)
+    losses = pipe.train_minibatches(batches)
     ref, ref_losses = _plain_training(batches, lambda p: torch.optim.SGD(p, lr=0.3))
     assert losses == pytest.approx(ref_losses, abs=1e-6)
     got = pipe.state_dict()
@@ -308,7 +308,7 @@ def test_tied_weights_within_a_stage_get_the_summed_gradient():
     plan = Plan.straight([["x", "a", "tanh", "b", "head"]], schedule="pipedream")
     torch.manual_seed(1)
     pipe = Pipeline(Tied(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), loss_fn=nn.CrossEntropyLoss())
-    pipe.train_step(batches)
+    pipe.train_minibatches(batches)
     torch.manual_seed(1)
     ref = Tied()
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from torchpipedream.actions import Kind, Schedule
-from torchpipedream.plan import Plan, Stage
+from torchpipedream.plans import Plan, Stage
 from torchpipedream.schedules import GENERATORS, ScheduleBuildError, build_schedule, warmup_depth
 
 

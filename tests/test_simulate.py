@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from torchpipedream.actions import Kind, Schedule
-from torchpipedream.plan import Plan, Stage
+from torchpipedream.plans import Plan, Stage
 from torchpipedream.schedules import build_schedule
-from torchpipedream.simulate import Costs, SimulationError, simulate
+from torchpipedream.simulator import Costs, SimulationError, simulate
 from torchpipedream.validate import ScheduleError
 
 F, B = 1.0, 2.0
@@ -353,7 +353,7 @@ def _runtime_copies(sched: Schedule, rank: int) -> int:
 @pytest.mark.parametrize("kind, m, vsync", [("pipedream", None, False), ("pipedream", None, True), ("2bw", 2, False),
                                             ("flush", 4, False), ("gpipe", 2, False), ("naive", None, False)])
 def test_stash_copies_match_the_runtime(kind: str, m, vsync: bool) -> None:
-    from torchpipedream.simulate import stash_copies
+    from torchpipedream.simulator import stash_copies
 
     sched = build_schedule(straight(3), kind, minibatches=7, microbatches=m, vertical_sync=vsync)
     for rank in sched.actions:

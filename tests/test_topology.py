@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchpipedream.host_costs import measure_accumulate_bandwidth, measure_allreduce
+from torchpipedream.runtime.measure import measure_accumulate_bandwidth, measure_allreduce, measure_loopback_bandwidth
 from torchpipedream.topology import (
     LOCAL_ALLREDUCE_EFFICIENCY,
     LOCAL_BANDWIDTH_BPS,
@@ -177,7 +177,7 @@ def test_bad_files_are_clear_errors(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_measured_loopback_bandwidth_is_positive():
-    t = Topology.local(workers=2, measure=True)
+    t = Topology.local(workers=2, bandwidth_Bps=measure_loopback_bandwidth())
     bw = t.levels[0].bandwidth_Bps
     assert 1e6 < bw < 1e12
 

@@ -103,9 +103,9 @@ def test_bad_trace_files(tmp_path, content: str, needle: str) -> None:
 
 # --------------------------------------------------------------------------- pictures and CLI
 def _simulated(kind: str = "pipedream", **kw):
-    from torchpipedream.plan import Plan
+    from torchpipedream.plans import Plan
     from torchpipedream.schedules import build_schedule
-    from torchpipedream.simulate import Costs, simulate
+    from torchpipedream.simulator import Costs, simulate
 
     plan = Plan.straight([["a"], ["b"], ["c"]])
     sched = build_schedule(plan, kind, minibatches=4, **kw)
@@ -171,7 +171,7 @@ def test_viz_errors(tmp_path) -> None:
 
 
 def _plan_file(tmp_path, **kw):
-    from torchpipedream.plan import Plan
+    from torchpipedream.plans import Plan
 
     plan = Plan.straight([["a"], ["b"], ["c"], ["d"]], batch_size=16, microbatches=4, **kw)
     for st in plan.stages:
@@ -229,7 +229,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, argv, needle) -> None:
 
 def test_cli_simulate_plan_without_costs(tmp_path, capsys) -> None:
     from torchpipedream.cli import main
-    from torchpipedream.plan import Plan
+    from torchpipedream.plans import Plan
 
     path = tmp_path / "p.json"
     Plan.straight([["a"], ["b"]]).save(path)

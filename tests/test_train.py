@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fault_injection.faults import fault_environment
 from torchpipedream.cli import main
-from torchpipedream.plan import Plan
+from torchpipedream.plans import Plan
 from torchpipedream.trace import Trace
 
 
@@ -79,7 +80,8 @@ def _weights(out: Path) -> dict:
 def test_resume_continues_exactly(tmp_path: Path) -> None:
     """4 epochs straight equal 2 epochs + --resume to 4 (same plan file, per-epoch checkpoints)."""
     from torchpipedream.runtime import latest_checkpoint
-    from torchpipedream.train import TrainConfig, TrainError, run
+    from torchpipedream.train import TrainConfig, TrainError
+    from torchpipedream.train.job import run
 
     common = dict(model="mlp", schedule="pipedream", workers=2, batch_size=16, lr=0.05, optimizer="momentum",
                   max_minibatches=4, progress=False, timeout_s=60.0)
@@ -105,7 +107,8 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
 
 def _mlp_layer_names() -> list[str]:
     from torchpipedream.profiler import profile
-    from torchpipedream.train import TrainConfig, build_model, load_data, loss_for
+    from torchpipedream.train import TrainConfig
+    from torchpipedream.train.inputs import build_model, load_data, loss_for
 
     cfg = TrainConfig(model="mlp")
     x, y, _, _ = load_data(cfg)
@@ -121,8 +124,10 @@ def test_resume_without_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
 @pytest.mark.timeout(240)
 def test_a_failing_worker_ends_the_command_with_its_error_not_a_launcher_traceback(
         tmp_path: Path, capsys, monkeypatch) -> None:
-    # rank 1 raises in the forward of its 5th minibatch (test fault injection, runtime/failures.py)
-    monkeypatch.setenv("TORCHPIPEDREAM_FAULT", "rank=1,minibatch=4,mode=raise")
+    # rank 1 raises in the forward of its 5th minibatch (tests/fault_injection: the spawned
+    # workers inherit this environment)
+    for key, value in fault_environment("rank=1,minibatch=4,mode=raise").items():
+        monkeypatch.setenv(key, value)
     out = tmp_path / "run"
     rc = main(["train", "--workers", "2", "--stages", "2", "--epochs", "1", "--max-minibatches", "8",
                "--out", str(out), "--no-progress", "--timeout", "60"])

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchpipedream.runtime.launch import free_port
+from fault_injection.faults import fault_environment
+from torchpipedream.runtime.launcher import free_port
 
 ARGS = ["--model", "mlp", "--stages", "2", "--straight", "--schedule", "pipedream", "--optimizer", "momentum",
         "--lr", "0.01", "--epochs", "2", "--max-minibatches", "10", "--checkpoint-every", "4", "--no-progress",
@@ -24,7 +25,7 @@ def torchrun(out: Path, fault: str | None, *extra: str) -> subprocess.CompletedP
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TORCHPIPEDREAM_FAULT", None)
     if fault:
-        env["TORCHPIPEDREAM_FAULT"] = fault
+        env = fault_environment(fault, env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "-m", "torchpipedream", "train", *ARGS, *extra, "--out", str(out)]
@@ -44,7 +45,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
     assert killed.returncode == 0, killed.stderr[-3000:]
     log = killed.stdout + killed.stderr
     assert "exitcode: -9" in log  # it really died, and torchrun restarted the group
-    assert "resuming from" in log and "epoch_1_plus_4mb" in log
+    assert "resuming from" in log and "epoch_1_plus_4_minibatches" in log
     assert "resuming from" not in straight.stdout + straight.stderr
 
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["state_dict"]

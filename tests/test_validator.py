@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchpipedream.actions import Action, Kind, Schedule
-from torchpipedream.plan import Plan, Stage
+from torchpipedream.plans import Plan, Stage
 from torchpipedream.schedules import build_schedule
 from torchpipedream.validate import ScheduleError, schedule_stats, validate_schedule
 
@@ -150,7 +150,7 @@ def test_allreduce_interlock_deadlock_detected(monkeypatch) -> None:
     # replica 1 all-reduces batch 0 (no share of it) while stage 1 still needs its forward of batch 1.
     import torchpipedream.schedules as schedules
 
-    monkeypatch.setattr(schedules, "_check_2bw_shares", lambda plan, m: None)
+    monkeypatch.setattr(schedules, "_check_shares", lambda plan, kind, m: None)
     s = schedules.build_schedule(replicated([2, 1, 1]), "2bw", minibatches=6, microbatches=1)
     with pytest.raises(ScheduleError, match=r"deadlock: cycle .*waits at s0r1AR0 for rank 0"):
         validate_schedule(s)

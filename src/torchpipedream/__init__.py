@@ -1,8 +1,11 @@
 """torchpipedream: PipeDream pipeline-parallel training for PyTorch.
 
 profile → LayerGraph → plan → Plan → build_schedule → Schedule → simulate / runtime → Trace.
-Names are imported lazily so that `import torchpipedream` stays cheap (no torch for the
-graph, planner, schedules and simulator).
+
+Every name in ``__all__`` is imported from its module on first use, so that
+``import torchpipedream`` stays cheap (no torch for the graph, planner, schedules and
+simulator). No module of the package is named like one of these names, so an export means the
+same whatever was imported before (``tests/test_public_api.py``).
 """
 
 from __future__ import annotations
@@ -18,27 +21,33 @@ _EXPORTS = {
     "GraphError": "graph",
     "Block": "graph",
     "load_graph_txt": "pipedream_profile",
+    "load_profile": "profiles",
     "profile": "profiler",
     "split_wide_layers": "layer_split",
     "Topology": "topology",
     "plan": "planner",
-    "Plan": "plan",
-    "Stage": "plan",
-    "PlanError": "plan",
+    "Plan": "plans",
+    "Stage": "plans",
+    "PlanError": "plans",
+    "ScheduleKind": "kinds",
+    "schedule_kind": "kinds",
     "Action": "actions",
     "Kind": "actions",
     "Schedule": "actions",
     "build_schedule": "schedules",
-    "validate_schedule": "schedules",
-    "simulate": "simulate",
-    "Costs": "simulate",
-    "SimResult": "simulate",
+    "validate_schedule": "validate",
+    "simulate": "simulator",
+    "Costs": "simulator",
+    "SimResult": "simulator",
     "ScheduleError": "validate",
     "Trace": "trace",
     "Event": "trace",
     "draw_timeline": "viz",
     "Pipeline": "runtime",
+    "PipelineFailure": "runtime",
     "launch": "runtime",
+    "keep_freed_memory": "freed_memory",
+    "merge_split_state_dict": "layer_split",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,6 +1,6 @@
 """`python -m torchpipedream` runs the command-line tool."""
 
-from .cli import main
+from .cli import console_main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console_main())

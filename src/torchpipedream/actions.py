@@ -1,7 +1,7 @@
 """The schedule IR: actions, their compact text form, and a schedule (one action list per rank).
 
 This is the contract between the schedule generators (schedules.py), the simulator
-(simulate.py) and the runtime (runtime/engine.py): each interprets the same lists.
+(simulator.py) and the runtime (runtime/engine.py): each interprets the same lists.
 
 Text form of an action (rank is implied by the list it is in)::
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .jsonio import read_json, write_json
-from .plan import Plan
+from .plans import Plan
 
 __all__ = ["Kind", "Action", "Schedule", "ScheduleFormatError", "parse_action"]
 
@@ -136,10 +136,6 @@ class Schedule:
     microbatches: int
     actions: dict[int, list[Action]]
     options: dict[str, Any] | None = None
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.actions)
 
     def total_actions(self) -> int:
         return sum(len(a) for a in self.actions.values())

@@ -3,6 +3,11 @@
 Each subcommand lives in its own module under ``torchpipedream.commands`` and is discovered
 here. Bad input (any ValueError from the library, FileNotFoundError) becomes one clear line
 on stderr and exit status 2, never a traceback.
+
+:func:`main` may be called from Python and changes nothing process-wide; the installed
+``torchpipedream`` command and ``python -m torchpipedream`` enter through :func:`console_main`,
+whose process is the command's own, so it tunes its allocator first (``tuning.py``).
+Starting the command imports no torch: commands that need it import it when they run.
 """
 
 from __future__ import annotations
@@ -15,14 +20,9 @@ import sys
 from typing import Sequence
 
 from . import __version__, commands
-from .freed_memory import keep_freed_memory
-from .huge_pages import prefer_huge_pages
+from .commands import CommandError
 
-__all__ = ["main", "build_parser", "CommandError"]
-
-
-class CommandError(ValueError):
-    """A command was given input it cannot use; the message tells the user what to do."""
+__all__ = ["main", "console_main", "build_parser", "CommandError"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,10 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Before this process allocates its first tensor (the profile runs here): see huge_pages.py
-    # and freed_memory.py.
-    prefer_huge_pages()
-    keep_freed_memory()
+    """Run one command (``argv`` defaults to ``sys.argv[1:]``); returns its exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -66,5 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> int:
+    """The ``torchpipedream`` command: this process is the command's own, so it allocates like
+    the workers it starts (huge pages, freed memory kept; ``tuning.py``), then runs :func:`main`."""
+    from .tuning import tune_own_process
+
+    tune_own_process()  # before the first tensor: the profile and `train`'s preparation run here
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

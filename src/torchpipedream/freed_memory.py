@@ -22,11 +22,13 @@ fragmented it, and the peak RSS of its 2bw ranks grew from 722-744 MB to 939-1,1
 activations at 64 samples went back to faulting. The process keeps its peak heap, which a
 training process reaches again every step.
 
-It acts on the calling process only and at once, so the launcher's workers,
-:class:`~torchpipedream.runtime.Pipeline` (for workers that torchrun starts), the profiler and
-the command line each call it. Settings the user made (``MALLOC_*_`` variables, or malloc
-tunables in ``GLIBC_TUNABLES``) are kept, and ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` turns it
-off. No torch import here.
+It acts on the calling process, at once and for the rest of its life, so torchpipedream calls it
+only in processes it owns (``tuning.tune_own_process``: the command line, the workers of
+:func:`~torchpipedream.runtime.launch`, the host measurements' processes). In a process of
+your own (under torchrun, in a notebook) it is your choice: ``torchpipedream.keep_freed_memory()``
+or ``Pipeline(..., tune_allocator=True)``. Settings the user made (``MALLOC_*_`` variables, or
+malloc tunables in ``GLIBC_TUNABLES``) are kept, and ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0``
+turns it off. No torch import here.
 """
 
 from __future__ import annotations
@@ -102,5 +104,6 @@ def keep_freed_memory(mmap_threshold: int = 16 << 20, trim_threshold: int = _INT
         logger.debug("mallopt refused mmap threshold %d or trim threshold %d", mmap_threshold, trim_threshold)
         return False
     _applied = (mmap_threshold, trim_threshold)
-    logger.debug("malloc keeps freed memory: mmap threshold %d, trim threshold %d bytes", *_applied)
+    logger.info("this process's malloc now keeps freed memory for reuse (mmap threshold %d, trim threshold %d "
+                "bytes; process-wide, for its lifetime)", *_applied)
     return True

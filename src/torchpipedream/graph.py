@@ -15,11 +15,12 @@ PipeDream's antichain). See docs/architecture.md for how this differs from the o
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from .jsonio import read_json, write_json
 
 __all__ = ["Layer", "LayerGraph", "GraphError", "Block", "FORMAT_VERSION"]
 
@@ -145,9 +146,6 @@ class LayerGraph:
     @property
     def names(self) -> list[str]:
         return [layer.name for layer in self.layers]
-
-    def successors(self, name: str) -> list[str]:
-        return [b for a, b in self.edges if a == name]
 
     def predecessors(self, name: str) -> list[str]:
         return [a for a, b in self.edges if b == name]
@@ -356,24 +354,13 @@ class LayerGraph:
 
     def save(self, path: str | Path) -> None:
         """Write the graph as JSON (lossless: :meth:`load` gives an equal graph)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "LayerGraph":
-        """Read a JSON graph, or a PipeDream ``graph.txt`` (recognised by its content)."""
-        path = Path(path)
-        if not path.exists():
-            raise GraphError(f"{path}: no such file")
-        text = path.read_text()
-        if not text.lstrip().startswith("{"):
-            from .pipedream_profile import parse_graph_txt
-
-            return parse_graph_txt(text, source=str(path))
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise GraphError(f"{path}: line {exc.lineno}, column {exc.colno}: invalid JSON: {exc.msg}") from None
-        return cls.from_dict(data, source=str(path))
+        """Read a graph saved by :meth:`save` (JSON). For PipeDream's ``graph.txt`` files and
+        the bundled reference profiles, see :func:`torchpipedream.profiles.load_profile`."""
+        return cls.from_dict(read_json(path, GraphError), source=str(path))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LayerGraph) and self.to_dict() == other.to_dict()

@@ -1,6 +1,6 @@
 """The planner: split a layer graph into pipeline stages and replicate them over a topology.
 
-``plan(graph, topology)`` returns the :class:`~torchpipedream.plan.Plan` with the smallest
+``plan(graph, topology)`` returns the :class:`~torchpipedream.plans.Plan` with the smallest
 predicted time per minibatch under the cost model below (docs/planner.md has the long form).
 
 Cost model (times in ms per minibatch, the profile's batch; sizes in bytes)
@@ -55,8 +55,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .graph import Block, LayerGraph
-from .plan import SCHEDULE_KINDS, Plan, PlanError, Stage
-from .schedules import ROUND_ROBIN_KINDS
+from .kinds import ScheduleKind, UnknownKindError, schedule_kind
+from .plans import Plan, PlanError, Stage
 from .topology import Topology, format_bytes
 
 __all__ = [
@@ -99,14 +99,14 @@ def allreduce_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float) ->
     return 2.0 * (replicas - 1) / replicas * transfer_ms(parameter_bytes, bandwidth_Bps)
 
 
-def replicas_share_microbatches(schedule: str) -> bool:
+def replicas_share_microbatches(schedule: str | ScheduleKind) -> bool:
     """Whether a replicated stage splits each minibatch's microbatches among its replicas and
     all-reduces once per minibatch (2bw, flush, gpipe: one update per minibatch), rather than
     taking whole minibatches in turn and all-reducing once per round of them (pipedream, naive)."""
-    return schedule not in ROUND_ROBIN_KINDS
+    return schedule_kind(schedule).microbatched
 
 
-def replica_count_allowed(schedule: str, replicas: int, microbatches: int) -> bool:
+def replica_count_allowed(schedule: str | ScheduleKind, replicas: int, microbatches: int) -> bool:
     """Replica counts the search considers: any for pipedream and naive; for the kinds whose
     replicas share a minibatch's microbatches, 1 or a divisor of them (2bw requires it; under
     flush and gpipe any other count leaves replicas idle for part of every minibatch, and more
@@ -116,7 +116,7 @@ def replica_count_allowed(schedule: str, replicas: int, microbatches: int) -> bo
 
 
 def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, bandwidth_Bps: float,
-                  schedule: str = "pipedream", microbatches: int = 1) -> float:
+                  schedule: str | ScheduleKind = "pipedream", microbatches: int = 1) -> float:
     """Time per minibatch of a stage with ``replicas`` workers.
 
     pipedream, naive: (compute + all-reduce) / m: each replica takes every m-th minibatch and
@@ -130,16 +130,14 @@ def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, band
     return (compute_ms + ar) / replicas
 
 
-def fill_drain_factor(schedule: str, microbatches: int, depth: int) -> float:
+def fill_drain_factor(schedule: str | ScheduleKind, microbatches: int, depth: int) -> float:
     """Time per minibatch over the bottleneck for a pipeline ``depth`` stages deep.
 
     flush and gpipe drain the pipeline at every minibatch: its μ microbatches take μ + n − 1
     bottleneck slots of 1/μ of a minibatch each, i.e. (μ + n − 1)/μ (the bubble of GPipe's
     paper). pipedream, 2bw and naive keep it full across minibatches: 1.
     """
-    if schedule in ("flush", "gpipe"):
-        return (microbatches + depth - 1) / microbatches
-    return 1.0
+    return schedule_kind(schedule).fill_drain_factor(microbatches, depth)
 
 
 def in_flight(workers_to_end: int, replicas: int) -> int:
@@ -147,28 +145,13 @@ def in_flight(workers_to_end: int, replicas: int) -> int:
     return -(-workers_to_end // replicas)
 
 
-def _memory_terms(schedule: str, parameter_bytes: float, input_bytes: float, microbatches: int,
-                  f: float) -> tuple[float, float, float]:
-    """memory(d) = base + per · min(d, cap) for a stage holding d minibatches in flight."""
-    w, a, mu = parameter_bytes, input_bytes, microbatches
-    if schedule == "pipedream":
-        return f * w, w + a, math.inf
-    if schedule == "naive":
-        return (1 + f) * w, a, math.inf
-    if schedule == "2bw":
-        return (2 + f) * w, a / mu, math.inf
-    if schedule == "flush":
-        return (1 + f) * w, a / mu, float(mu)
-    if schedule == "gpipe":
-        return (1 + f) * w + a, 0.0, math.inf
-    raise PlanError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
-
-
-def stage_memory_bytes(schedule: str, parameter_bytes: float, input_bytes: float, depth: int,
+def stage_memory_bytes(schedule: str | ScheduleKind, parameter_bytes: float, input_bytes: float, depth: int,
                        microbatches: int = 1,
                        optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR) -> float:
-    """Peak bytes on one worker of a stage: weight versions + optimizer state + stashed inputs."""
-    base, per, cap = _memory_terms(schedule, parameter_bytes, input_bytes, microbatches, optimizer_state_factor)
+    """Peak bytes on one worker of a stage: weight versions + optimizer state + stashed inputs
+    (``ScheduleKind.memory_terms``)."""
+    base, per, cap = schedule_kind(schedule).memory_terms(parameter_bytes, input_bytes, microbatches,
+                                                          optimizer_state_factor)
     return base + per * min(depth, cap)
 
 
@@ -242,12 +225,15 @@ class _Problem:
         self.bar = topology.allreduce_bandwidths  # all-reduces
         self.classes = [0] if straight else list(range(len(self.sizes)))
         self.schedule, self.mu, self.memory, self.f = schedule, microbatches, memory, f
+        self.kind = schedule_kind(schedule)
         # 2bw, flush, gpipe: a replicated stage's size is a divisor of μ (replica_count_allowed)
         # and its time is not monotone in it (the all-reduce grows, the compute share has
         # steps), so those stages are enumerated size by size instead of by mmin.
         self.shared = replicas_share_microbatches(schedule) and not straight
         self.shared_sizes = [d for d in range(2, microbatches + 1) if replica_count_allowed(schedule, d, microbatches)]
         self.num_stages = num_stages
+        self._class_col = np.array(self.classes, dtype=np.int64)[:, None, None]
+        self._allreduce_factor = np.array([2e3 / self.bar[max(k, 1)] for k in self.classes])[:, None, None]
         # level crossed between ranks s-1 and s, for s = 1..W-1
         self.lev_adj = np.zeros(self.W + 1, dtype=np.int64)
         for s in range(1, self.W):
@@ -281,19 +267,7 @@ class _Problem:
     def max_depth(self, i: np.ndarray, j1: int) -> np.ndarray:
         """Largest in-flight count d whose memory fits, for stages i..j1-1 (huge if any d fits)."""
         w = self.Wp[j1] - self.Wp[i]
-        a = self.a_in[i]
-        f, mu = self.f, self.mu
-        s = self.schedule
-        if s == "pipedream":
-            base, per, cap = f * w, w + a, np.inf
-        elif s == "naive":
-            base, per, cap = (1 + f) * w, a, np.inf
-        elif s == "2bw":
-            base, per, cap = (2 + f) * w, a / mu, np.inf
-        elif s == "flush":
-            base, per, cap = (1 + f) * w, a / mu, float(mu)
-        else:  # gpipe
-            base, per, cap = (1 + f) * w + a, np.zeros_like(w), np.inf
+        base, per, cap = self.kind.memory_terms(w, self.a_in[i], self.mu, self.f)
         M = self.memory
         big = float(_INF_M)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -311,102 +285,42 @@ class _Problem:
         return np.maximum(d, 0)
 
     def feasible(self, T: float, Wu: int, exact_end: bool, record: bool) -> tuple[bool, Any]:
-        """Can blocks 0..N-1 be placed on ranks 0..Wu-1 with every stage and cut ≤ T?"""
+        """Can blocks 0..N-1 be placed on ranks 0..Wu-1 with every stage and cut ≤ T?
+
+        A reachability DP over (block boundary, stage count, rank): ``reach[j1, c, s]`` says
+        blocks 0..j1-1 fit on ranks 0..s-1 in c stages (c is tracked only with ``num_stages``).
+        For each end block j, :meth:`_needs_no_budget` or :meth:`_needs_with_budget` gives the
+        fewest replicas a stage ending at j needs from each start rank; a prefix minimum within
+        each level-k component (:meth:`_component_prefix_min`) turns that into the ranks where
+        such a stage can end. With ``record`` it returns the stages found, as (first block,
+        last block, replicas).
+        """
         self.checks += 1
-        N, sizes, beff = self.N, self.sizes, self.beff
+        N = self.N
         K1 = len(self.classes)
         C = 1 if self.num_stages is None else self.num_stages + 1
         Wp1 = Wu + 1
         reach = np.zeros((N + 1, C, Wp1), dtype=bool)
         reach[0, 0, 0] = True
-        if record:
-            par = np.full((N + 1, C, Wp1, 3), -1, dtype=np.int64)  # (i, r, c_prev)
-        use_matrix = self.memory is not None
+        par = np.full((N + 1, C, Wp1, 3), -1, dtype=np.int64) if record else None  # (i, r, c_prev)
         ranks = np.arange(Wu, dtype=np.int64)
         limit = ((ranks + 1) * Wp1 + Wp1 - 1)[None, :]  # key <= limit  <=>  e <= x + 1
-        last = np.full((K1, C, Wu), -1, dtype=np.int64)
+        last = np.full((K1, C, Wu), -1, dtype=np.int64)  # latest reachable start block (no budget)
         for ki in range(K1):
             last[ki, 0, 0] = 0
-        pad = {k: (-Wu) % sizes[k] for k in self.classes}
-        kcol = np.array(self.classes, dtype=np.int64)[:, None, None]
-        beff_arr = np.array(beff, dtype=np.float64)
         # inok[ki, i]: a class-k stage may start at block i (the cut before it fits in T)
         inok = np.stack([self._in_ok(k, np.arange(N), T) for k in self.classes])
-        # out_thr[ki, s-1]: the largest cut (bytes) a class-k stage ending before rank s may send
-        out_thr = np.stack([
-            beff_arr[np.maximum(k, self.lev_adj[1:Wp1])] * T / 2e3 if not math.isinf(T)
-            else np.full(Wu, np.inf) for k in self.classes])
-        out_thr[:, -1] = -1.0  # s == Wu: no rank left for the next stage
-        int_max = np.iinfo(np.int64).max
-        pads = {k: np.full((C, pad[k]), int_max) for k in self.classes if pad[k]}
+        out_thr = self._out_thresholds(T, Wu)
         pms = np.empty((K1, C, Wu), dtype=np.int64)
-        bfac = np.array([2e3 / self.bar[max(k, 1)] for k in self.classes])[:, None, None]
-        has_single = self.classes[0] == 0
         for j in range(N):
             j1 = j + 1
-            if not use_matrix:
-                valid = last >= 0
-                iv = np.where(valid, last, 0)
-                comp = self.Cp[j1] - self.Cp[iv]
-                w = self.Wp[j1] - self.Wp[iv]
-                if math.isinf(T):
-                    mreq = np.broadcast_to(np.where(kcol == 0, 1, 2), comp.shape)
-                else:  # inline of self.mmin (the hot loop), same arithmetic
-                    q = w * bfac
-                    bq = comp + q
-                    disc = bq * bq - (4.0 * T) * q
-                    np.maximum(disc, 0.0, out=disc)
-                    root = (bq + np.sqrt(disc)) * (0.5 * (1 - 4e-15) / T) if T > 0 else np.full(comp.shape, np.inf)
-                    mreq = np.maximum(np.ceil(np.minimum(root, float(_INF_M))), 2.0).astype(np.int64)
-                    if has_single:
-                        mreq[0] = np.where(comp[0] <= T, 1, _INF_M)
-                best = np.where(valid, mreq, _INF_M)
-                besti = last.copy() if record else last
-
-                def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-                    f = self._shared_stage_ms(self.classes[ki], comp[ki][None], w[ki][None], ms[:, None, None])
-                    return valid[ki][None] & (f <= T), np.broadcast_to(last[ki], (len(ms), C, Wu))
+            if self.memory is None:
+                best, besti, shared_starts = self._needs_no_budget(j1, T, last, record)
             else:
-                best = np.full((K1, C, Wu), _INF_M, dtype=np.int64)
-                besti = np.full((K1, C, Wu), -1, dtype=np.int64)
-                I = np.nonzero(reach[:j1].any(axis=(1, 2)))[0]
-                comp = self.Cp[j1] - self.Cp[I]
-                w = self.Wp[j1] - self.Wp[I]
-                dmax = self.max_depth(I, j1)  # (nI,)
-                togo = (Wu - ranks)[None, :]  # workers from r to the end
-                with np.errstate(divide="ignore"):
-                    mmem = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
-                reach_i = reach[I][:, :, :Wu]
-                for ki, k in enumerate(self.classes):
-                    if k > 0 and self.shared:
-                        continue  # enumerated by size below
-                    ok_in = inok[ki, I]
-                    mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem)  # (nI, Wu)
-                    cand = np.where(reach_i & ok_in[:, None, None], mreq[:, None, :], _INF_M)
-                    arg = np.argmin(cand, axis=0)  # (C, Wu)
-                    best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
-                    besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
-
-                def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-                    fits = inok[ki, I][None] & (self._shared_stage_ms(self.classes[ki], comp[None], w[None],
-                                                                      ms[:, None]) <= T)  # (M, nI)
-                    ok = (reach_i[None] & fits[:, :, None, None]
-                          & (mmem[None] <= ms[:, None, None])[:, :, None, :])  # (M, nI, C, Wu)
-                    return ok.any(axis=1), (I[np.argmax(ok, axis=1)] if record else None)
+                best, besti, shared_starts = self._needs_with_budget(j1, T, Wu, reach, inok)
             e = ranks[None, None, :] + best  # earliest end (exclusive) of a stage starting at r
             keys = np.minimum(e, 2 * _INF_M) * Wp1 + ranks[None, None, :]
-            # pms[ki, c, x]: smallest key over start ranks r in x's level-k component, r <= x
-            for ki, k in enumerate(self.classes):
-                S = sizes[k]
-                if k > 0 and self.shared:
-                    pms[ki] = 0  # unused: _shared_ends decides these classes
-                elif S == 1:
-                    pms[ki] = keys[ki]
-                elif pad[k]:
-                    key = np.concatenate([keys[ki], pads[k]], axis=1)
-                    pms[ki] = np.minimum.accumulate(key.reshape(C, -1, S), axis=2).reshape(C, -1)[:, :Wu]
-                else:
-                    np.minimum.accumulate(keys[ki].reshape(C, -1, S), axis=2, out=pms[ki].reshape(C, -1, S))
+            self._component_prefix_min(keys, Wu, pms)
             cond = pms <= limit  # (K1, C, Wu): a class-k stage can end just before rank s = x + 1
             shared = {ki: self._shared_ends(k, Wu, C, functools.partial(shared_starts, ki), record)
                       for ki, k in enumerate(self.classes) if k > 0 and self.shared}
@@ -420,22 +334,10 @@ class _Problem:
                 new_any[1:, 1:] = hit_c[:-1]
             else:
                 new_any[:, 1:] = hit_c
-            if record and hit_c.any():
-                kfirst = np.argmax(cond, axis=0)[None]  # the first class that works
-                r = np.take_along_axis(pms, kfirst, axis=0)[0] % Wp1  # (C, Wu)
-                i = besti[kfirst[0], np.arange(C)[:, None], r]
-                for ki, (_, r_k, i_k) in shared.items():
-                    r, i = np.where(kfirst[0] == ki, r_k, r), np.where(kfirst[0] == ki, i_k, i)
-                if C > 1:
-                    par[j1, 1:, 1:, 0] = np.where(hit_c[:-1], i[:-1], -1)
-                    par[j1, 1:, 1:, 1] = r[:-1]
-                    par[j1, 1:, 1:, 2] = np.arange(C - 1)[:, None]
-                else:
-                    par[j1, :, 1:, 0] = np.where(hit_c, i, -1)
-                    par[j1, :, 1:, 1] = r
-                    par[j1, :, 1:, 2] = 0
+            if par is not None and hit_c.any():
+                self._record(par, j1, C, Wp1, cond, hit_c, pms, besti, shared)
             reach[j1] = new_any
-            if j1 < N and not use_matrix and new_any.any():
+            if j1 < N and self.memory is None and new_any.any():
                 hit = new_any[:, :Wu]
                 for ki in range(K1):
                     if inok[ki, j1]:
@@ -449,16 +351,113 @@ class _Problem:
             s_end = int(hits[0]) if len(hits) else -1
         if s_end < 0:
             return False, None
-        if not record:
+        if par is None:
             return True, None
-        stages = []
-        jj, c, s = N, cfinal, s_end
-        while jj > 0:
-            i, r, cp = (int(v) for v in par[jj, c, s])
-            stages.append((i, jj - 1, s - r))
-            jj, c, s = i, cp, r
-        stages.reverse()
-        return True, stages
+        return True, _trace_back(par, N, cfinal, s_end)
+
+    def _out_thresholds(self, T: float, Wu: int) -> np.ndarray:
+        """[ki, s-1]: the largest cut (bytes) a class-k stage ending before rank s may send in T."""
+        beff = np.array(self.beff, dtype=np.float64)
+        out = np.stack([beff[np.maximum(k, self.lev_adj[1:Wu + 1])] * T / 2e3 if not math.isinf(T)
+                        else np.full(Wu, np.inf) for k in self.classes])
+        out[:, -1] = -1.0  # s == Wu: no rank left for the next stage
+        return out
+
+    def _needs_no_budget(self, j1: int, T: float, last: np.ndarray, record: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        """Without a memory budget the latest reachable start block is the best start (the
+        replicas a stage needs shrink as it starts later): replicas needed per (class, stage
+        count, start rank), the start blocks, and the shared-size test for ``_shared_ends``."""
+        valid = last >= 0
+        iv = np.where(valid, last, 0)
+        comp = self.Cp[j1] - self.Cp[iv]
+        w = self.Wp[j1] - self.Wp[iv]
+        if math.isinf(T):
+            mreq = np.broadcast_to(np.where(self._class_col == 0, 1, 2), comp.shape)
+        else:  # inline of self.mmin (the hot loop), same arithmetic
+            q = w * self._allreduce_factor
+            bq = comp + q
+            disc = bq * bq - (4.0 * T) * q
+            np.maximum(disc, 0.0, out=disc)
+            root = (bq + np.sqrt(disc)) * (0.5 * (1 - 4e-15) / T) if T > 0 else np.full(comp.shape, np.inf)
+            mreq = np.maximum(np.ceil(np.minimum(root, float(_INF_M))), 2.0).astype(np.int64)
+            if self.classes[0] == 0:
+                mreq[0] = np.where(comp[0] <= T, 1, _INF_M)
+        best = np.where(valid, mreq, _INF_M)
+        besti = last.copy() if record else last
+
+        def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            f = self._shared_stage_ms(self.classes[ki], comp[ki][None], w[ki][None], ms[:, None, None])
+            return valid[ki][None] & (f <= T), np.broadcast_to(last[ki], (len(ms),) + last[ki].shape)
+
+        return best, besti, shared_starts
+
+    def _needs_with_budget(self, j1: int, T: float, Wu: int, reach: np.ndarray, inok: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray, Any]:
+        """With a memory budget a later start is no longer always better (memory grows with the
+        stage's depth), so every reachable start block is weighed: as :meth:`_needs_no_budget`."""
+        K1, C = len(self.classes), reach.shape[1]
+        best = np.full((K1, C, Wu), _INF_M, dtype=np.int64)
+        besti = np.full((K1, C, Wu), -1, dtype=np.int64)
+        I = np.nonzero(reach[:j1].any(axis=(1, 2)))[0]
+        comp = self.Cp[j1] - self.Cp[I]
+        w = self.Wp[j1] - self.Wp[I]
+        dmax = self.max_depth(I, j1)  # (nI,)
+        togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
+        with np.errstate(divide="ignore"):
+            mmem = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
+        reach_i = reach[I][:, :, :Wu]
+        for ki, k in enumerate(self.classes):
+            if k > 0 and self.shared:
+                continue  # enumerated by size in _shared_ends
+            mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem)  # (nI, Wu)
+            cand = np.where(reach_i & inok[ki, I][:, None, None], mreq[:, None, :], _INF_M)
+            arg = np.argmin(cand, axis=0)  # (C, Wu)
+            best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
+            besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
+
+        def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            fits = inok[ki, I][None] & (self._shared_stage_ms(self.classes[ki], comp[None], w[None],
+                                                              ms[:, None]) <= T)  # (M, nI)
+            ok = (reach_i[None] & fits[:, :, None, None]
+                  & (mmem[None] <= ms[:, None, None])[:, :, None, :])  # (M, nI, C, Wu)
+            return ok.any(axis=1), I[np.argmax(ok, axis=1)]
+
+        return best, besti, shared_starts
+
+    def _component_prefix_min(self, keys: np.ndarray, Wu: int, out: np.ndarray) -> None:
+        """out[ki, c, x]: the smallest key over start ranks r ≤ x in x's level-k component (a
+        stage of class k lies inside one component)."""
+        C = keys.shape[1]
+        for ki, k in enumerate(self.classes):
+            S = self.sizes[k]
+            pad = (-Wu) % S
+            if k > 0 and self.shared:
+                out[ki] = 0  # unused: _shared_ends decides these classes
+            elif S == 1:
+                out[ki] = keys[ki]
+            elif pad:
+                key = np.concatenate([keys[ki], np.full((C, pad), np.iinfo(np.int64).max)], axis=1)
+                out[ki] = np.minimum.accumulate(key.reshape(C, -1, S), axis=2).reshape(C, -1)[:, :Wu]
+            else:
+                np.minimum.accumulate(keys[ki].reshape(C, -1, S), axis=2, out=out[ki].reshape(C, -1, S))
+
+    def _record(self, par: np.ndarray, j1: int, C: int, Wp1: int, cond: np.ndarray, hit_c: np.ndarray,
+                pms: np.ndarray, besti: np.ndarray, shared: dict[int, Any]) -> None:
+        """Remember, for every (stage count, end rank) newly reached at block boundary j1, the
+        start block, start rank and previous stage count of the first class that reaches it."""
+        kfirst = np.argmax(cond, axis=0)[None]
+        r = np.take_along_axis(pms, kfirst, axis=0)[0] % Wp1  # (C, Wu)
+        i = besti[kfirst[0], np.arange(C)[:, None], r]
+        for ki, (_, r_k, i_k) in shared.items():
+            r, i = np.where(kfirst[0] == ki, r_k, r), np.where(kfirst[0] == ki, i_k, i)
+        if C > 1:
+            par[j1, 1:, 1:, 0] = np.where(hit_c[:-1], i[:-1], -1)
+            par[j1, 1:, 1:, 1] = r[:-1]
+            par[j1, 1:, 1:, 2] = np.arange(C - 1)[:, None]
+        else:
+            par[j1, :, 1:, 0] = np.where(hit_c, i, -1)
+            par[j1, :, 1:, 1] = r
+            par[j1, :, 1:, 2] = 0
 
     def _shared_stage_ms(self, k: int, comp: np.ndarray, w: np.ndarray, m: np.ndarray) -> np.ndarray:
         """:func:`stage_time_ms` of class-k stages of ``m`` replicas under 2bw, flush or gpipe
@@ -499,6 +498,18 @@ class _Problem:
         if k == 0 or math.isinf(T):
             return np.ones(len(I), dtype=bool)
         return (I == 0) | (2.0 * self.a_in[I] / self.beff[k] * 1e3 <= T)
+
+
+def _trace_back(par: np.ndarray, N: int, c: int, s: int) -> list[tuple[int, int, int]]:
+    """The stages (first block, last block, replicas) that reached rank ``s`` at the last block."""
+    stages = []
+    jj = N
+    while jj > 0:
+        i, r, cp = (int(v) for v in par[jj, c, s])
+        stages.append((i, jj - 1, s - r))
+        jj, c, s = i, cp, r
+    stages.reverse()
+    return stages
 
 
 def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float,
@@ -665,7 +676,8 @@ def plan(
         graph: the profiled layer graph (a DAG is planned over ``graph.linearize()``).
         topology: a :class:`Topology`, a compact spec such as ``"4x4:10GB/s,1.25GB/s"``, a
             preset name (``"A"``) or a JSON file path.
-        schedule: the schedule family (decides the memory model): one of SCHEDULE_KINDS.
+        schedule: the schedule kind (a name in ``kinds.SCHEDULE_KINDS``): decides the memory
+            model, how replicas share a minibatch and whether fill and drain are paid.
         straight: one worker per stage (no replication).
         num_stages: exactly this many stages.
         allow_fewer_workers: the plan may leave workers idle when that is not slower.
@@ -683,36 +695,17 @@ def plan(
     if not isinstance(graph, LayerGraph):
         raise PlanError(f"plan() needs a LayerGraph, got {type(graph).__name__}")
     topo = Topology.from_any(topology)
-    if schedule not in SCHEDULE_KINDS:
-        raise PlanError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    try:
+        schedule = schedule_kind(schedule).name
+    except UnknownKindError as exc:
+        raise PlanError(str(exc)) from None
     if method not in ("fast", "hierarchical"):
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:
         raise PlanError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}")
     blocks = graph.linearize()
-    N, W = len(blocks), topo.num_workers
-    if num_stages is not None:
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-            raise PlanError(f"num_stages must be a positive integer, got {num_stages!r}")
-        if num_stages > N:
-            raise PlanError(
-                f"{num_stages} stages requested but the graph has only {N} blocks to put in stages "
-                f"({len(graph)} layers; layers without compute or weights are merged into the block before "
-                f"them); ask for at most {N} stages"
-            )
-        if num_stages > W:
-            raise PlanError(f"{num_stages} stages need at least {num_stages} workers; the topology has {W}")
-    if straight and not allow_fewer_workers and W > N:
-        raise PlanError(
-            f"a straight pipeline on {W} workers needs {W} stages but the graph has only {N} blocks; "
-            "use fewer workers or allow_fewer_workers (--allow-fewer-workers)"
-        )
-    if straight and num_stages is not None and not allow_fewer_workers and num_stages != W:
-        raise PlanError(f"a straight pipeline of {num_stages} stages uses {num_stages} workers, not {W}; "
-                        "use allow_fewer_workers (--allow-fewer-workers) or --stages "
-                        f"{W}")
+    _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
+                         allow_fewer_workers)
     memory = memory_bytes if memory_bytes is not None else topo.memory_bytes
     if memory is not None and (not isinstance(memory, (int, float)) or memory <= 0):
         raise PlanError(f"memory budget must be a positive number of bytes, got {memory!r}")
@@ -720,44 +713,81 @@ def plan(
         if straight or num_stages is not None:
             raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
                             "use method='fast'")
-        stages = _hierarchical(blocks, topo, allow_fewer_workers)
-        checks = 0
+        stages, checks = _hierarchical(blocks, topo, allow_fewer_workers), 0
     else:
         def problem(depth: int | None) -> _Problem:
             return _Problem(blocks, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight)
 
-        # flush and gpipe pay (μ + n − 1)/μ on the bottleneck, so depth is part of the objective:
-        # search each depth n (fixed-depth searches are exact) from shallow to deep, and stop
-        # once even a perfectly balanced plan of that depth (total compute / W) cannot win.
-        depths: list[int | None] = [num_stages]
-        if num_stages is None and fill_drain_factor(schedule, microbatches, 2) > 1 and not (
-                straight and not allow_fewer_workers):
-            depths = list(range(1, min(N, W) + 1))
-        result: tuple[float, list[tuple[int, int, int]]] | None = None
-        checks = 0
-        for depth in depths:
-            factor = fill_drain_factor(schedule, microbatches, depth) if depth else 1.0
-            if result is not None and blocks_total_ms(blocks) / W * factor >= result[0]:
-                break
-            prob = problem(depth)
-            cap = math.inf if result is None else result[0] * (1 - 1e-12) / factor
-            if allow_fewer_workers and memory is not None:
-                found = [_search(prob, Wu, True, rtol, cap) for Wu in range(1, W + 1)]
-            else:
-                found = [_search(prob, W, not allow_fewer_workers, rtol, cap)]
-            checks += prob.checks
-            for r in found:
-                if r is not None and (result is None or r[0] * factor < result[0] * (1 - 1e-12)):
-                    result = (r[0] * factor, r[1])
-        if result is None:
-            raise _nothing_fits(problem(num_stages), memory, W, allow_fewer_workers, num_stages, straight)
-        stages = result[1]
+        stages, checks = _search_depths(problem, blocks, topo.num_workers, num_stages, straight,
+                                        allow_fewer_workers, memory is not None, rtol)
     elapsed = time.perf_counter() - t0
     return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
                        elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
                                              allow_fewer_workers=allow_fewer_workers, memory_bytes=memory,
                                              microbatches=microbatches,
                                              optimizer_state_factor=optimizer_state_factor))
+
+
+def _check_shape_request(layers: int, N: int, W: int, microbatches: int, num_stages: int | None, straight: bool,
+                         allow_fewer: bool) -> None:
+    """PlanError for stage counts, microbatches and straightness that no plan of ``N`` blocks on
+    ``W`` workers can meet, each message saying what to ask for instead."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if num_stages is not None:
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise PlanError(f"num_stages must be a positive integer, got {num_stages!r}")
+        if num_stages > N:
+            raise PlanError(
+                f"{num_stages} stages requested but the graph has only {N} blocks to put in stages "
+                f"({layers} layers; layers without compute or weights are merged into the block before "
+                f"them); ask for at most {N} stages"
+            )
+        if num_stages > W:
+            raise PlanError(f"{num_stages} stages need at least {num_stages} workers; the topology has {W}")
+    if straight and not allow_fewer and W > N:
+        raise PlanError(
+            f"a straight pipeline on {W} workers needs {W} stages but the graph has only {N} blocks; "
+            "use fewer workers or allow_fewer_workers (--allow-fewer-workers)"
+        )
+    if straight and num_stages is not None and not allow_fewer and num_stages != W:
+        raise PlanError(f"a straight pipeline of {num_stages} stages uses {num_stages} workers, not {W}; "
+                        "use allow_fewer_workers (--allow-fewer-workers) or --stages "
+                        f"{W}")
+
+
+def _search_depths(problem: Any, blocks: Sequence[Block], W: int, num_stages: int | None, straight: bool,
+                   allow_fewer: bool, budgeted: bool, rtol: float) -> tuple[list[tuple[int, int, int]], int]:
+    """The best stages over the depths worth searching, and the feasibility tests it took.
+
+    Flushing kinds pay (μ + n − 1)/μ on the bottleneck, so depth is part of the objective: each
+    depth n is searched exactly (``problem(n)``) from shallow to deep, and the search stops once
+    even a perfectly balanced plan of that depth (total compute / W) cannot win. The other kinds
+    search all depths at once (``problem(None)``).
+    """
+    first = problem(num_stages)
+    depths: list[int | None] = [num_stages]
+    if num_stages is None and first.kind.fill_drain_factor(first.mu, 2) > 1 and not (straight and not allow_fewer):
+        depths = list(range(1, min(len(blocks), W) + 1))
+    result: tuple[float, list[tuple[int, int, int]]] | None = None
+    checks = 0
+    for depth in depths:
+        factor = first.kind.fill_drain_factor(first.mu, depth) if depth else 1.0
+        if result is not None and blocks_total_ms(blocks) / W * factor >= result[0]:
+            break
+        prob = first if depth == num_stages else problem(depth)
+        cap = math.inf if result is None else result[0] * (1 - 1e-12) / factor
+        if allow_fewer and budgeted:
+            found = [_search(prob, Wu, True, rtol, cap) for Wu in range(1, W + 1)]
+        else:
+            found = [_search(prob, W, not allow_fewer, rtol, cap)]
+        checks += prob.checks
+        for r in found:
+            if r is not None and (result is None or r[0] * factor < result[0] * (1 - 1e-12)):
+                result = (r[0] * factor, r[1])
+    if result is None:
+        raise _nothing_fits(problem(num_stages), first.memory, W, allow_fewer, num_stages, straight)
+    return result[1], checks
 
 
 def blocks_total_ms(blocks: Sequence[Block]) -> float:
@@ -832,7 +862,6 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
             layers=names, replicas=m, ranks=ev.ranks[s],
             forward_ms=sum(b.forward_ms for b in bl), backward_ms=sum(b.backward_ms for b in bl),
             optimizer_ms=sum(b.optimizer_ms for b in bl), parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
-            output_tensors=list(blocks[j].cut_tensors) if s + 1 < len(stages) else [],
             comm_ms=comm, memory_bytes=int(math.ceil(ev.memory_bytes[s])),
         ))
     workers = sum(m for _, _, m in stages)
@@ -860,7 +889,7 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
         "workers_available": topo.num_workers,
     }
     p = Plan(stages=out, schedule=schedule, batch_size=graph.batch_size, microbatches=microbatches,
-             noam=in_flight(workers, stages[0][2]), topology=topo.to_spec(), predicted=predicted, meta=meta)
+             topology=topo.to_spec(), predicted=predicted, meta=meta)
     p.validate(layer_names=graph.names, world_size=workers)
     log.debug("planned %s in %.3f s: %s, %.3f ms per minibatch", graph.meta.get("source", "graph"), elapsed,
              p.summary, ev.minibatch_ms)

@@ -42,18 +42,18 @@ the child names, with no input layer, so the runtime can split by them), with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.node import map_aggregate, map_arg
 
-from .freed_memory import keep_freed_memory
 from .graph import Layer, LayerGraph
 
 __all__ = ["profile", "ProfilerError"]
@@ -442,38 +442,26 @@ def profile(
             fraction of a large one (small matrix products, per-call overhead), and profiling
             at the minibatch size would predict flush, gpipe and 2bw too fast.
 
-    The process's malloc is set to keep freed memory (``freed_memory.py``), as the runtime's
-    workers run, so that the times do not include page faults the workers do not pay.
+    The times include what this process's allocator pays. The command line and the workers of
+    ``launch`` keep freed memory for reuse (``tuning.py``); in a process of your own, call
+    ``torchpipedream.keep_freed_memory()`` first (process-wide) if the workers will be tuned, so
+    that the profile does not charge page faults that the workers do not pay.
 
     Raises:
         ProfilerError: fx cannot trace a non-Sequential model, the sample does not fit the
             model, or the arguments are invalid. The message says what to do.
     """
-    keep_freed_memory()
     if iters < 1 or warmup < 0:
         raise ProfilerError(f"profile: need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ProfilerError(f"profile: microbatches must be a positive integer, got {microbatches!r}")
     root = module if isinstance(module, nn.Module) else None
     first_param = next(iter(root.parameters()), None) if root is not None else None
     home = first_param.device if first_param is not None else torch.device("cpu")
     dev = torch.device(device) if device is not None else home
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfilerError(f"profile: device {dev} requested but CUDA is not available")
-    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    args = tuple(map_aggregate(a, lambda v: v.to(dev) if isinstance(v, Tensor) else v) for a in args)
-    if target is not None:
-        target = map_aggregate(target, lambda v: v.to(dev) if isinstance(v, Tensor) else v)
-    first_tensor = next(iter(_tensors(args)), None)
-    batch_size = int(first_tensor.shape[0]) if first_tensor is not None and first_tensor.dim() > 0 else None
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ProfilerError(f"profile: microbatches must be a positive integer, got {microbatches!r}")
-    if microbatches > 1:
-        if batch_size is None or batch_size < microbatches:
-            raise ProfilerError(
-                f"profile: a minibatch of {batch_size} samples cannot be split into {microbatches} "
-                "microbatches; give a sample input whose first dimension is the minibatch")
-        # The largest microbatch of the split (sizes differ by at most one sample).
-        args, target = _first_samples((args, target), batch_size, -(-batch_size // microbatches))
-
+    args, target, batch_size = _timed_inputs(sample_input, target, dev, microbatches)
     moved = root is not None and dev != home
     if moved:
         root.to(dev)
@@ -482,23 +470,14 @@ def profile(
     cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
     try:
         program, traced = _build_program(module)
-        all_params = list(traced.parameters())
-        saved_grads = [p.grad for p in all_params]
-        saved_buffers = [(b, b.detach().clone()) for b in traced.buffers()]
         if dev.type == "cpu" and num_threads is not None:
             torch.set_num_threads(num_threads)
-        try:
+        with _model_state_kept(traced):
             with torch.enable_grad():
                 graph = _measure(program, args, loss_fn, target, _Timer(dev), warmup, iters, batch_size)
             if optimizer is not None:
                 _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
-        finally:
-            for p, g in zip(all_params, saved_grads):
-                p.grad = g
-            with torch.no_grad():
-                for b, saved in saved_buffers:
-                    b.copy_(saved)
-        if microbatches > 1:
+        if microbatches > 1:  # one microbatch was timed: the graph describes the whole minibatch
             for layer in graph.layers:
                 layer.forward_ms *= microbatches
                 layer.backward_ms *= microbatches
@@ -523,6 +502,42 @@ def profile(
             torch.cuda.set_rng_state(cuda_rng, dev)
         if moved:
             root.to(home)
+
+
+def _timed_inputs(sample_input: Any, target: Any, dev: torch.device, microbatches: int) -> tuple[tuple, Any, int | None]:
+    """The forward's arguments and the loss's target on ``dev``, cut to one microbatch when
+    ``microbatches`` > 1, and the minibatch's size (dim 0 of its first tensor)."""
+    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    args = tuple(map_aggregate(a, lambda v: v.to(dev) if isinstance(v, Tensor) else v) for a in args)
+    if target is not None:
+        target = map_aggregate(target, lambda v: v.to(dev) if isinstance(v, Tensor) else v)
+    first_tensor = next(iter(_tensors(args)), None)
+    batch_size = int(first_tensor.shape[0]) if first_tensor is not None and first_tensor.dim() > 0 else None
+    if microbatches > 1:
+        if batch_size is None or batch_size < microbatches:
+            raise ProfilerError(
+                f"profile: a minibatch of {batch_size} samples cannot be split into {microbatches} "
+                "microbatches; give a sample input whose first dimension is the minibatch")
+        # The largest microbatch of the split (sizes differ by at most one sample).
+        args, target = _first_samples((args, target), batch_size, -(-batch_size // microbatches))
+    return args, target, batch_size
+
+
+@contextlib.contextmanager
+def _model_state_kept(module: nn.Module) -> Iterator[None]:
+    """Profiling runs forwards and backwards on the user's model: put its parameters'
+    gradients and its buffers (BatchNorm statistics) back as they were afterwards."""
+    params = list(module.parameters())
+    saved_grads = [p.grad for p in params]
+    saved_buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in saved_buffers:
+                b.copy_(saved)
 
 
 def _first_samples(values: Any, batch: int, keep: int) -> Any:

@@ -29,75 +29,26 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .actions import Action, Kind, Schedule
-from .plan import SCHEDULE_KINDS, Plan, PlanError
+from .kinds import KIND_NAMES, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from .placement import num_updates, replica_of, update_of, warmup_depth
+from .plans import Plan, PlanError
 
-__all__ = [
-    "build_schedule",
-    "GENERATORS",
-    "ScheduleBuildError",
-    "warmup_depth",
-    "replica_of",
-    "update_of",
-    "num_updates",
-    "validate_schedule",
-    "ScheduleError",
-]
-
-#: Kinds where one microbatch is one minibatch and minibatch t goes to replica t mod r.
-ROUND_ROBIN_KINDS = ("pipedream", "naive")
-
+__all__ = ["build_schedule", "GENERATORS", "ScheduleBuildError"]
 
 class ScheduleBuildError(ValueError):
     """A schedule cannot be generated for these arguments; the message says what to change."""
 
 
-# --------------------------------------------------------------------- placement rules
-def replica_of(plan: Plan, kind: str, stage: int, mb: int, microbatches: int) -> int:
-    """Replica of ``stage`` that runs microbatch ``mb`` (forward and backward): ``mb mod r``.
-
-    Round robin over the global microbatch id for every kind (1F1B-RR for pipedream, where a
-    microbatch is a minibatch). For the batched kinds this equals "microbatch j of a batch →
-    replica j mod r" when r divides m, and otherwise keeps every replica busy and the
-    rank-local order consistent across batches (per-batch j mod r deadlocks 2bw when r ∤ m).
-    """
-    return mb % plan.stages[stage].replicas
-
-
-def update_of(plan: Plan, kind: str, stage: int, mb: int, microbatches: int) -> int:
-    """Index u of the optimizer step of ``stage`` that microbatch ``mb``'s gradient goes into."""
-    if kind in ROUND_ROBIN_KINDS:
-        return mb // plan.stages[stage].replicas
-    return mb // microbatches
-
-
-def num_updates(plan: Plan, kind: str, stage: int, minibatches: int) -> int:
-    """Number of optimizer steps stage ``stage`` takes over the schedule."""
-    if kind in ROUND_ROBIN_KINDS:
-        return math.ceil(minibatches / plan.stages[stage].replicas)
-    return minibatches
-
-
-def warmup_depth(plan: Plan, stage: int) -> int:
-    """Forwards a replica of ``stage`` runs before its first backward in 1F1B.
-
-    ⌈(workers in stages ≥ stage) / replicas of stage⌉: n − s for a straight pipeline
-    (0-indexed s), NOAM = ⌈workers / input replicas⌉ for the input stage — enough
-    minibatches in flight to keep every downstream worker busy.
-    """
-    downstream = sum(st.replicas for st in plan.stages[stage:])
-    return math.ceil(downstream / plan.stages[stage].replicas)
-
-
 # --------------------------------------------------------------------- compute orders
 @dataclass(frozen=True)
 class _C:
-    """A compute item before lowering: F/B of microbatch ``mb``."""
+    """A compute item before lowering: F/B of microbatch ``microbatch``."""
 
     kind: Kind
-    mb: int
+    microbatch: int
 
 
-def _one_f_one_b(mbs: list[int], warmup: int) -> list[_C]:
+def _one_f_one_b(microbatch_ids: list[int], warmup: int) -> list[_C]:
     """``warmup`` forwards, then one backward and one forward in turn, then the rest of the backwards.
 
     ::
@@ -105,31 +56,31 @@ def _one_f_one_b(mbs: list[int], warmup: int) -> list[_C]:
         F0 F1 F2 B0 F3 B1 F4 B2 B3 B4      (warmup 3, five microbatches)
     """
     out: list[_C] = []
-    w = min(warmup, len(mbs))
-    out += [_C(Kind.FORWARD, i) for i in mbs[:w]]
+    w = min(warmup, len(microbatch_ids))
+    out += [_C(Kind.FORWARD, i) for i in microbatch_ids[:w]]
     nb = 0
-    for i in mbs[w:]:
-        out.append(_C(Kind.BACKWARD, mbs[nb]))
+    for i in microbatch_ids[w:]:
+        out.append(_C(Kind.BACKWARD, microbatch_ids[nb]))
         nb += 1
         out.append(_C(Kind.FORWARD, i))
-    out += [_C(Kind.BACKWARD, i) for i in mbs[nb:]]
+    out += [_C(Kind.BACKWARD, i) for i in microbatch_ids[nb:]]
     return out
 
 
 def _flush_batches(batches: list[list[int]], warmup: int) -> list[_C]:
     """1F1B inside each batch, all backwards of a batch before the next batch's first forward."""
     out: list[_C] = []
-    for mbs in batches:
-        out += _one_f_one_b(mbs, warmup)
+    for microbatch_ids in batches:
+        out += _one_f_one_b(microbatch_ids, warmup)
     return out
 
 
 def _gpipe_batches(batches: list[list[int]]) -> list[_C]:
     """Per batch: every forward, then every backward in reverse order."""
     out: list[_C] = []
-    for mbs in batches:
-        out += [_C(Kind.FORWARD, i) for i in mbs]
-        out += [_C(Kind.BACKWARD, i) for i in reversed(mbs)]
+    for microbatch_ids in batches:
+        out += [_C(Kind.FORWARD, i) for i in microbatch_ids]
+        out += [_C(Kind.BACKWARD, i) for i in reversed(microbatch_ids)]
     return out
 
 
@@ -137,7 +88,7 @@ def _gpipe_batches(batches: list[list[int]]) -> list[_C]:
 @dataclass
 class _Ctx:
     plan: Plan
-    kind: str
+    kind: ScheduleKind
     minibatches: int
     microbatches: int
     vertical_sync: bool
@@ -146,13 +97,12 @@ class _Ctx:
     def total_mbs(self) -> int:
         return self.minibatches * self.microbatches
 
-    def mbs_of(self, stage: int, replica: int) -> list[int]:
-        return [i for i in range(self.total_mbs)
-                if replica_of(self.plan, self.kind, stage, i, self.microbatches) == replica]
+    def microbatch_ids_of(self, stage: int, replica: int) -> list[int]:
+        return [i for i in range(self.total_mbs) if replica_of(self.plan, stage, i) == replica]
 
     def batches_of(self, stage: int, replica: int) -> list[list[int]]:
         m = self.microbatches
-        mine = set(self.mbs_of(stage, replica))
+        mine = set(self.microbatch_ids_of(stage, replica))
         return [[i for i in range(t * m, t * m + m) if i in mine] for t in range(self.minibatches)]
 
 
@@ -173,7 +123,7 @@ def pipedream(ctx: _Ctx) -> ComputeOrder:
     Minibatch t runs on replica t mod r of a replicated stage; F and B of t use the version
     that was newest when F ran (weight stashing).
     """
-    return {(s, q): _one_f_one_b(ctx.mbs_of(s, q), warmup_depth(ctx.plan, s))
+    return {(s, q): _one_f_one_b(ctx.microbatch_ids_of(s, q), warmup_depth(ctx.plan, s))
             for s, st in enumerate(ctx.plan.stages) for q in range(st.replicas)}
 
 
@@ -203,7 +153,7 @@ def two_bw(ctx: _Ctx) -> ComputeOrder:
     for s, st in enumerate(ctx.plan.stages):
         for q in range(st.replicas):
             local_m = min(len(b) for b in ctx.batches_of(s, q))
-            out[(s, q)] = _one_f_one_b(ctx.mbs_of(s, q), min(warmup_depth(ctx.plan, s), local_m + 1))
+            out[(s, q)] = _one_f_one_b(ctx.microbatch_ids_of(s, q), min(warmup_depth(ctx.plan, s), local_m + 1))
     return out
 
 
@@ -238,7 +188,7 @@ GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
     "gpipe": gpipe,
     "naive": naive,
 }
-assert set(GENERATORS) == set(SCHEDULE_KINDS), "every plan kind needs a generator"
+assert set(GENERATORS) == set(KIND_NAMES), "every schedule kind needs a generator"
 
 
 # --------------------------------------------------------------------- pass 2: updates, versions
@@ -254,7 +204,7 @@ def _add_updates(ctx: _Ctx, stage: int, items: list[_C]) -> list[_C | tuple[str,
     last_b: dict[int, int] = {}
     for pos, it in enumerate(items):
         if it.kind is Kind.BACKWARD:
-            last_b[update_of(plan, kind, stage, it.mb, m)] = pos
+            last_b[update_of(plan, kind, stage, it.microbatch, m)] = pos
     after: dict[int, list[int]] = {}
     prev = -1
     for u in range(n_upd):
@@ -274,7 +224,7 @@ def _add_updates(ctx: _Ctx, stage: int, items: list[_C]) -> list[_C | tuple[str,
 
 def _versions(ctx: _Ctx, order: dict[tuple[int, int], list[_C | tuple[str, int]]]) -> dict[tuple[int, int], dict[tuple[Kind, int], int]]:
     """Weight version of every F and B, per the kind's semantics (docs/architecture.md)."""
-    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    kind, m = ctx.kind, ctx.microbatches
     out: dict[tuple[int, int], dict[tuple[Kind, int], int]] = {}
     for key, items in order.items():
         vers: dict[tuple[Kind, int], int] = {}
@@ -283,18 +233,17 @@ def _versions(ctx: _Ctx, order: dict[tuple[int, int], list[_C | tuple[str, int]]
             if isinstance(it, tuple):
                 steps += it[0] == "U"
                 continue
-            if kind in ("flush", "gpipe"):
-                vers[(it.kind, it.mb)] = it.mb // m
-            elif kind == "2bw":
-                vers[(it.kind, it.mb)] = max(0, it.mb // m - 1)
-            elif kind == "naive":
-                vers[(it.kind, it.mb)] = steps
-            elif it.kind is Kind.FORWARD:  # pipedream
-                vers[(it.kind, it.mb)] = steps
-            else:
-                vers[(it.kind, it.mb)] = vers[(Kind.FORWARD, it.mb)]
+            rule = kind.version_rule
+            if rule is VersionRule.BATCH:
+                vers[(it.kind, it.microbatch)] = it.microbatch // m
+            elif rule is VersionRule.PREVIOUS_BATCH:
+                vers[(it.kind, it.microbatch)] = max(0, it.microbatch // m - 1)
+            elif rule is VersionRule.NEWEST or it.kind is Kind.FORWARD:
+                vers[(it.kind, it.microbatch)] = steps
+            else:  # STASHED: the backward uses its forward's version
+                vers[(it.kind, it.microbatch)] = vers[(Kind.FORWARD, it.microbatch)]
         out[key] = vers
-    if kind == "pipedream" and ctx.vertical_sync:
+    if ctx.vertical_sync:
         _apply_vertical_sync(ctx, order, out)
     return out
 
@@ -307,9 +256,9 @@ def _apply_vertical_sync(ctx: _Ctx, order: dict, vers: dict) -> None:
     r0 = plan.stages[0].replicas
     v0 = {}
     for q in range(r0):
-        for (k, mb), v in vers[(0, q)].items():
+        for (k, microbatch), v in vers[(0, q)].items():
             if k is Kind.FORWARD:
-                v0[mb] = v
+                v0[microbatch] = v
     for (s, q), items in order.items():
         rs = plan.stages[s].replicas
         steps = 0
@@ -317,23 +266,23 @@ def _apply_vertical_sync(ctx: _Ctx, order: dict, vers: dict) -> None:
             if isinstance(it, tuple):
                 steps += it[0] == "U"
                 continue
-            v = (v0[it.mb] * r0) // rs
+            v = (v0[it.microbatch] * r0) // rs
             if it.kind is Kind.FORWARD and v > steps:
                 raise ScheduleBuildError(
-                    f"vertical sync: stage {s} would need weight version {v} for minibatch {it.mb} "
+                    f"vertical sync: stage {s} would need weight version {v} for minibatch {it.microbatch} "
                     f"but has only taken {steps} steps; use vertical_sync=False for this plan ({plan.config})"
                 )
-            vers[(s, q)][(it.kind, it.mb)] = v
+            vers[(s, q)][(it.kind, it.microbatch)] = v
 
 
 # --------------------------------------------------------------------- pass 3: lowering
 def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
     """Turn compute items into actions with the transfers around them."""
-    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    plan = ctx.plan
     n = plan.num_stages
 
-    def rank(stage: int, mb: int) -> int:
-        return plan.stages[stage].ranks[replica_of(plan, kind, stage, mb, m)]
+    def rank(stage: int, microbatch: int) -> int:
+        return plan.stages[stage].ranks[replica_of(plan, stage, microbatch)]
 
     actions: dict[int, list[Action]] = {}
     for (s, q), items in order.items():
@@ -344,25 +293,26 @@ def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
                 k = Kind.ALLREDUCE if it[0] == "AR" else Kind.OPTIMIZER_STEP
                 out.append(Action(s, k, it[1], replica=q, version=it[1] + 1 if k is Kind.OPTIMIZER_STEP else None))
                 continue
-            v = vers[(s, q)][(it.kind, it.mb)]
+            v = vers[(s, q)][(it.kind, it.microbatch)]
             if it.kind is Kind.FORWARD:
                 if s > 0:
-                    out.append(Action(s, Kind.RECV_ACT, it.mb, replica=q, peer=rank(s - 1, it.mb)))
-                out.append(Action(s, Kind.FORWARD, it.mb, replica=q, version=v))
+                    out.append(Action(s, Kind.RECV_ACT, it.microbatch, replica=q, peer=rank(s - 1, it.microbatch)))
+                out.append(Action(s, Kind.FORWARD, it.microbatch, replica=q, version=v))
                 if s < n - 1:
-                    out.append(Action(s, Kind.SEND_ACT, it.mb, replica=q, peer=rank(s + 1, it.mb)))
+                    out.append(Action(s, Kind.SEND_ACT, it.microbatch, replica=q, peer=rank(s + 1, it.microbatch)))
             else:
                 if s < n - 1:
-                    out.append(Action(s, Kind.RECV_GRAD, it.mb, replica=q, peer=rank(s + 1, it.mb)))
-                out.append(Action(s, Kind.BACKWARD, it.mb, replica=q, version=v))
+                    out.append(Action(s, Kind.RECV_GRAD, it.microbatch, replica=q, peer=rank(s + 1, it.microbatch)))
+                out.append(Action(s, Kind.BACKWARD, it.microbatch, replica=q, version=v))
                 if s > 0:
-                    out.append(Action(s, Kind.SEND_GRAD, it.mb, replica=q, peer=rank(s - 1, it.mb)))
+                    out.append(Action(s, Kind.SEND_GRAD, it.microbatch, replica=q, peer=rank(s - 1, it.microbatch)))
         actions[me] = out
     return dict(sorted(actions.items()))
 
 
-def _check_2bw_shares(plan: Plan, m: int) -> None:
-    """2bw restriction: every replica takes the same share of each batch (r divides m).
+def _check_shares(plan: Plan, kind: str, m: int) -> None:
+    """Restriction of a microbatched kind without flushes (2bw): every replica takes the same
+    share of each batch (r divides m).
 
     Otherwise replicas reach their all-reduce of batch t at different points of the
     continuous 1F1B stream and the all-reduce interlocks with the pipeline (a deadlock the
@@ -373,7 +323,7 @@ def _check_2bw_shares(plan: Plan, m: int) -> None:
     if bad:
         s_i, r = bad[0]
         raise ScheduleBuildError(
-            f"2bw needs microbatches to be a multiple of every stage's replica count (stage {s_i} has "
+            f"{kind} needs microbatches to be a multiple of every stage's replica count (stage {s_i} has "
             f"{r} replicas, microbatches is {m}): every replica must take the same share of each batch, "
             "or the replicas' all-reduces interlock with the pipeline and deadlock. Choose microbatches "
             f"= {m + (-m) % lcm} or another multiple of {lcm}"
@@ -401,39 +351,32 @@ def build_schedule(
     Raises:
         ScheduleBuildError: unknown kind, bad counts, or an option the kind does not support.
     """
-    kind = plan.schedule if kind is None else kind
-    if kind not in GENERATORS:
-        raise ScheduleBuildError(f"unknown schedule {kind!r}; expected one of {', '.join(GENERATORS)}")
+    try:
+        info = schedule_kind(plan.schedule if kind is None else kind)
+    except UnknownKindError as exc:
+        raise ScheduleBuildError(str(exc)) from None
     try:
         plan.validate()
     except PlanError as exc:
         raise ScheduleBuildError(f"cannot build a schedule for an invalid plan: {exc}") from None
     if not isinstance(minibatches, int) or minibatches < 1:
         raise ScheduleBuildError(f"minibatches must be a positive integer, got {minibatches!r}")
-    if kind in ROUND_ROBIN_KINDS:
+    if not info.microbatched:
         if microbatches not in (None, 1):
-            raise ScheduleBuildError(f"{kind} does not split minibatches; use microbatches=1 (got {microbatches})")
+            raise ScheduleBuildError(f"{info.name} does not split minibatches; use microbatches=1 (got {microbatches})")
         m = 1
     else:
         m = plan.microbatches if microbatches is None else microbatches
         if not isinstance(m, int) or m < 1:
             raise ScheduleBuildError(f"microbatches must be a positive integer, got {m!r}")
-    if kind == "2bw":
-        _check_2bw_shares(plan, m)
-    if vertical_sync and kind != "pipedream":
-        raise ScheduleBuildError(f"vertical_sync applies to the pipedream schedule only, not {kind!r}")
-    ctx = _Ctx(plan, kind, minibatches, m, vertical_sync)
-    compute = GENERATORS[kind](ctx)
+    if info.microbatched and not info.flushes:
+        _check_shares(plan, info.name, m)
+    if vertical_sync and not info.stashes_weights:
+        raise ScheduleBuildError(f"vertical_sync applies to schedules with weight stashing (pipedream) only, not {info.name!r}")
+    ctx = _Ctx(plan, info, minibatches, m, vertical_sync)
+    compute = GENERATORS[info.name](ctx)
     order = {key: _add_updates(ctx, key[0], items) for key, items in compute.items()}
     vers = _versions(ctx, order)
     actions = _lower(ctx, order, vers)
     options = {"vertical_sync": True} if vertical_sync else {}
-    return Schedule(plan=plan, kind=kind, minibatches=minibatches, microbatches=m, actions=actions, options=options)
-
-
-def __getattr__(name: str):  # re-export the validator without a circular import at load time
-    if name in ("validate_schedule", "ScheduleError"):
-        from . import validate
-
-        return getattr(validate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return Schedule(plan=plan, kind=info.name, minibatches=minibatches, microbatches=m, actions=actions, options=options)

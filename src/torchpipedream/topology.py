@@ -50,13 +50,13 @@ __all__ = [
 DEFAULT_LATENCY_S = 20e-6
 
 #: Loopback bandwidth of gloo send/recv between two processes on one machine (bytes/s).
-#: Measured with ``Topology.local(measure=True)`` (16 MiB tensors, best of 5) on the project's
+#: Measured with ``runtime.measure.measure_loopback_bandwidth`` (16 MiB tensors, best of 5) on the project's
 #: 2-core development machine: about 2 GB/s; rounded down so that plans are not optimistic.
 LOCAL_BANDWIDTH_BPS = 2.0e9
 
 #: The share of the ring formula's speed (2(m−1)/m · |w| / B) that gloo's all-reduce reaches
 #: between local processes: on the development machine 2 MB took 2.8 ms and 16 MB 20 ms against
-#: 1.05 and 8.4 ms by the formula at 2 GB/s (``host_costs.measure_allreduce``), i.e. 0.37-0.42.
+#: 1.05 and 8.4 ms by the formula at 2 GB/s (``runtime.measure.measure_allreduce``), i.e. 0.37-0.42.
 LOCAL_ALLREDUCE_EFFICIENCY = 0.4
 
 
@@ -287,19 +287,15 @@ class Topology:
         return cls(levels, memory_bytes=p["memory_bytes"], name=key)
 
     @classmethod
-    def local(cls, workers: int | None = None, measure: bool = False) -> "Topology":
-        """This machine: one worker per core, joined by gloo's loopback bandwidth.
+    def local(cls, workers: int | None = None, bandwidth_Bps: float | None = None) -> "Topology":
+        """This machine: one worker per core (by default), joined by gloo's loopback bandwidth.
 
-        With ``measure`` the bandwidth is measured with a gloo send/recv between two local
-        processes (a second or two); otherwise :data:`LOCAL_BANDWIDTH_BPS` is used.
+        ``bandwidth_Bps`` defaults to :data:`LOCAL_BANDWIDTH_BPS`; pass
+        ``runtime.measure.measure_loopback_bandwidth()`` for this machine's own (a second or two
+        of spawned processes).
         """
         n = workers if workers is not None else (os.cpu_count() or 1)
-        if measure:
-            from .host_costs import measure_loopback_bandwidth
-
-            bw = measure_loopback_bandwidth()
-        else:
-            bw = LOCAL_BANDWIDTH_BPS
+        bw = LOCAL_BANDWIDTH_BPS if bandwidth_Bps is None else bandwidth_Bps
         return cls([Level(n, bw, "loopback")], name="local", allreduce_efficiency=LOCAL_ALLREDUCE_EFFICIENCY)
 
     # -------------------------------------------------------------- parsing

@@ -157,12 +157,12 @@ class Trace:
             "utilisation": self.utilisation(busy=busy),
             "events": counts,
         }
-        mb = self.meta.get("minibatches")
-        if mb and self.makespan > 0:
-            out["minibatches_per_s"] = mb / self.makespan
+        minibatches = self.meta.get("minibatches")
+        if minibatches and self.makespan > 0:
+            out["minibatches_per_s"] = minibatches / self.makespan
             spm = self.meta.get("samples_per_minibatch")
             if spm:
-                out["samples_per_s"] = mb * spm / self.makespan
+                out["samples_per_s"] = minibatches * spm / self.makespan
         return out
 
     # ------------------------------------------------------------------ JSON I/O

@@ -29,8 +29,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from .actions import Action, Kind, Schedule
-from .plan import Plan
-from .schedules import ROUND_ROBIN_KINDS, num_updates, replica_of, update_of, warmup_depth
+from .kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from .placement import num_updates, replica_of, update_of, warmup_depth
+from .plans import Plan
 
 __all__ = ["ScheduleError", "validate_schedule", "schedule_stats", "ScheduleStats", "format_grid", "bounds"]
 
@@ -78,7 +79,7 @@ def _fail(schedule: Schedule, what: str, marks: list[tuple[int, int]]) -> Schedu
 
 
 # --------------------------------------------------------------------- bounds
-def bounds(plan: Plan, kind: str, microbatches: int, vertical_sync: bool = False) -> dict[int, tuple[int, int]]:
+def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_sync: bool = False) -> dict[int, tuple[int, int]]:
     """Per stage, (max live weight versions, max in-flight activations) a replica may hold.
 
     pipedream: one version and one activation stash per in-flight minibatch, at most the warm-up
@@ -86,21 +87,14 @@ def bounds(plan: Plan, kind: str, microbatches: int, vertical_sync: bool = False
     vertical sync); naive: 1 version; 2bw: 2 versions; flush: 1 version, warm-up depth
     activations; gpipe: 1 version, every local microbatch of a batch.
     """
+    try:
+        info = schedule_kind(kind)
+    except UnknownKindError as exc:
+        raise ScheduleError(str(exc)) from None
     out = {}
     for s, st in enumerate(plan.stages):
         w = warmup_depth(plan, s)
-        if kind == "pipedream":
-            out[s] = (w + (1 if vertical_sync else 0), w)
-        elif kind == "naive":
-            out[s] = (1, w)
-        elif kind == "2bw":
-            out[s] = (2, w)
-        elif kind == "flush":
-            out[s] = (1, w)
-        elif kind == "gpipe":
-            out[s] = (1, math.ceil(microbatches / st.replicas))
-        else:
-            raise ScheduleError(f"unknown schedule kind {kind!r}")
+        out[s] = (info.max_versions(w, vertical_sync), info.max_inflight(w, math.ceil(microbatches / st.replicas)))
     return out
 
 
@@ -113,146 +107,165 @@ class ScheduleStats:
 
 
 # --------------------------------------------------------------------- per-rank walk
-def _walk_rank(schedule: Schedule, rank: int, v0: dict[int, int] | None, check: bool) -> tuple[int, int]:
-    """Check one rank's list in order (when ``check``); return (peak versions, peak in-flight)."""
-    plan, kind, m = schedule.plan, schedule.kind, schedule.microbatches
-    n = plan.num_stages
-    s, q = plan.stage_of_rank(rank)
-    st = plan.stages[s]
-    total = schedule.minibatches * m
-    n_upd = num_updates(plan, kind, s, schedule.minibatches)
-    vsync = bool((schedule.options or {}).get("vertical_sync"))
-    ver_bound, act_bound = bounds(plan, kind, m, vsync)[s]
-    acts = schedule.actions[rank]
+class _RankWalk:
+    """Checks one rank's list in order, keeping what has happened on the rank so far.
 
-    def err(step: int, what: str) -> ScheduleError:
-        return _fail(schedule, f"rank {rank} step {step} ({acts[step]}): {what}", [(rank, step)])
+    One method per kind of action (:meth:`forward`, :meth:`backward`, :meth:`transfer`,
+    :meth:`allreduce`, :meth:`step`); :meth:`run` checks each action's own fields, dispatches,
+    then the memory bounds; :meth:`finish` checks that nothing was left undone.
+    """
 
-    def peer_rank(stage: int, mb: int) -> int:
-        return plan.stages[stage].ranks[replica_of(plan, kind, stage, mb, m)]
+    def __init__(self, schedule: Schedule, rank: int, v0: dict[int, int] | None) -> None:
+        self.schedule, self.rank, self.v0 = schedule, rank, v0
+        plan = self.plan = schedule.plan
+        self.kind, self.m = schedule_kind(schedule.kind), schedule.microbatches
+        self.n = plan.num_stages
+        self.s, self.q = plan.stage_of_rank(rank)
+        self.replicas = plan.stages[self.s].replicas
+        self.total = schedule.minibatches * self.m
+        self.n_updates = num_updates(plan, self.kind, self.s, schedule.minibatches)
+        vsync = bool((schedule.options or {}).get("vertical_sync"))
+        self.version_bound, self.activation_bound = bounds(plan, self.kind, self.m, vsync)[self.s]
+        self.acts = schedule.actions[rank]
+        self.mine = {i for i in range(self.total) if replica_of(plan, self.s, i) == self.q}
+        self.by_update: dict[int, list[int]] = {}
+        self.per_batch: dict[int, int] = {}
+        for j in sorted(self.mine):
+            self.by_update.setdefault(update_of(plan, self.kind, self.s, j, self.m), []).append(j)
+            self.per_batch[j // self.m] = self.per_batch.get(j // self.m, 0) + 1
+        self.fwd_ver: dict[int, int] = {}
+        self.done_b: set[int] = set()
+        self.got_act: set[int] = set()
+        self.got_grad: set[int] = set()
+        self.sent_act: set[int] = set()
+        self.sent_grad: set[int] = set()
+        self.inflight: dict[int, int] = {}  # microbatch -> version its stash holds
+        self.held: dict[int, int] = {}  # version -> number of in-flight microbatches stashing it
+        self.batch_fwds: dict[int, int] = {}
+        self.steps = 0
+        self.reduced = -1
 
-    mine = {i for i in range(total) if replica_of(plan, kind, s, i, m) == q}
-    by_update: dict[int, list[int]] = {}
-    per_batch: dict[int, int] = {}
-    if check:
-        for j in sorted(mine):
-            by_update.setdefault(update_of(plan, kind, s, j, m), []).append(j)
-            per_batch[j // m] = per_batch.get(j // m, 0) + 1
-    fwd_ver: dict[int, int] = {}
-    done_b: set[int] = set()
-    got_act: set[int] = set()
-    got_grad: set[int] = set()
-    sent_act: set[int] = set()
-    sent_grad: set[int] = set()
-    inflight: dict[int, int] = {}  # mb -> version its stash holds
-    held: dict[int, int] = {}  # version -> number of in-flight microbatches stashing it
-    steps = 0
-    reduced = -1
-    peak_v = peak_a = 0
-    batch_fwds: dict[int, int] = {}
+    def err(self, step: int, what: str) -> ScheduleError:
+        return _fail(self.schedule, f"rank {self.rank} step {step} ({self.acts[step]}): {what}", [(self.rank, step)])
 
-    for k, a in enumerate(acts):
-        if check:
-            if a.stage != s or a.replica != q:
-                raise err(k, f"rank {rank} runs stage {s} replica {q}, but the action is for stage {a.stage} replica {a.replica}")
-            if a.kind.is_transfer and a.peer is None:
-                raise err(k, "a transfer needs a peer (@rank)")
-            if a.kind in (Kind.FORWARD, Kind.BACKWARD) and a.version is None:
-                raise err(k, "a forward/backward needs a weight version (v<n>)")
-            if a.kind.is_transfer or a.kind.is_compute:
-                if not 0 <= a.id < total:
-                    raise err(k, f"microbatch {a.id} is out of range 0..{total - 1}")
-            elif not 0 <= a.id < n_upd:
-                raise err(k, f"update {a.id} is out of range 0..{n_upd - 1}")
+    def peer_rank(self, stage: int, microbatch: int) -> int:
+        return self.plan.stages[stage].ranks[replica_of(self.plan, stage, microbatch)]
+
+    def run(self) -> None:
+        handlers = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward, Kind.ALLREDUCE: self.allreduce,
+                    Kind.OPTIMIZER_STEP: self.step}
+        for k, a in enumerate(self.acts):
+            self.fields(k, a)
+            handlers.get(a.kind, self.transfer)(k, a)
+            live = 1 if self.kind.version_rule is VersionRule.NEWEST else len(self.held) + (self.steps not in self.held)
+            if live > self.version_bound:
+                raise self.err(k, f"{live} weight versions alive on stage {self.s}; a {self.kind.name} schedule "
+                                  f"keeps at most {self.version_bound}")
+            if len(self.inflight) > self.activation_bound:
+                raise self.err(k, f"{len(self.inflight)} activations stashed on stage {self.s}; a {self.kind.name} "
+                                  f"schedule keeps at most {self.activation_bound}")
+        self.finish()
+
+    def fields(self, k: int, a: Action) -> None:
+        """The action names this rank's stage and replica, a peer if it moves data, a version if
+        it computes, and an id in range."""
+        if a.stage != self.s or a.replica != self.q:
+            raise self.err(k, f"rank {self.rank} runs stage {self.s} replica {self.q}, but the action is for stage "
+                              f"{a.stage} replica {a.replica}")
+        if a.kind.is_transfer and a.peer is None:
+            raise self.err(k, "a transfer needs a peer (@rank)")
+        if a.kind.is_compute and a.version is None:
+            raise self.err(k, "a forward/backward needs a weight version (v<n>)")
+        if a.kind.is_transfer or a.kind.is_compute:
+            if not 0 <= a.id < self.total:
+                raise self.err(k, f"microbatch {a.id} is out of range 0..{self.total - 1}")
+        elif not 0 <= a.id < self.n_updates:
+            raise self.err(k, f"update {a.id} is out of range 0..{self.n_updates - 1}")
+
+    def forward(self, k: int, a: Action) -> None:
         i = a.id
-        if a.kind is Kind.FORWARD:
-            if check:
-                if i not in mine:
-                    raise err(k, f"microbatch {i} belongs to replica {replica_of(plan, kind, s, i, m)} of stage {s}, not replica {q}")
-                if i in fwd_ver:
-                    raise err(k, f"microbatch {i} is forwarded twice")
-                if s > 0 and i not in got_act:
-                    raise err(k, f"forward before its activations arrived (no RA{i} earlier on this rank)")
-                _check_version(schedule, a, steps, v0, st.replicas, err, k, forward=True, fwd_version=None)
-            fwd_ver[i] = a.version  # type: ignore[assignment]
-            if i not in inflight:
-                inflight[i] = a.version  # type: ignore[assignment]
-                held[a.version] = held.get(a.version, 0) + 1  # type: ignore[index]
-            b = i // m
-            batch_fwds[b] = batch_fwds.get(b, 0) + 1
-        elif a.kind is Kind.BACKWARD:
-            if check:
-                if i not in fwd_ver:
-                    raise err(k, f"backward of microbatch {i} before its forward on this rank")
-                if i in done_b:
-                    raise err(k, f"microbatch {i} is backpropagated twice")
-                if s < n - 1 and i not in got_grad:
-                    raise err(k, f"backward before its gradient arrived (no RG{i} earlier on this rank)")
-                if kind == "gpipe":
-                    if batch_fwds.get(i // m, 0) < per_batch[i // m]:
-                        raise err(k, f"gpipe runs every forward of batch {i // m} before its first backward")
-                _check_version(schedule, a, steps, v0, st.replicas, err, k, forward=False, fwd_version=fwd_ver[i])
-            done_b.add(i)
-            hv = inflight.pop(i, None)
-            if hv is not None:
-                if held[hv] == 1:
-                    del held[hv]
-                else:
-                    held[hv] -= 1
-        elif a.kind is Kind.SEND_ACT or a.kind is Kind.RECV_ACT or a.kind is Kind.SEND_GRAD or a.kind is Kind.RECV_GRAD:
-            if check:
-                _check_transfer(a, k, s, n, i, peer_rank, fwd_ver, done_b, sent_act, sent_grad, got_act, got_grad, err)
-            {Kind.SEND_ACT: sent_act, Kind.SEND_GRAD: sent_grad, Kind.RECV_ACT: got_act, Kind.RECV_GRAD: got_grad}[a.kind].add(i)
-        elif a.kind is Kind.ALLREDUCE:
-            if check:
-                if st.replicas == 1:
-                    raise err(k, f"stage {s} has one replica; there is nothing to all-reduce")
-                if a.id != steps or reduced == a.id:
-                    raise err(k, f"expected the all-reduce of update {steps} here")
-                missing = [j for j in by_update.get(a.id, ()) if j not in done_b]
-                if missing:
-                    raise err(k, f"the all-reduce of update {a.id} runs before the backward of microbatch {missing[0]} it must include")
-            reduced = a.id
-        elif a.kind is Kind.OPTIMIZER_STEP:
-            if check:
-                if a.id != steps:
-                    raise err(k, f"optimizer steps must come in order: expected U{steps}")
-                if a.version != a.id + 1:
-                    raise err(k, f"U{a.id} produces version {a.id + 1}, not {a.version}")
-                if st.replicas > 1 and reduced != a.id:
-                    raise err(k, f"stage {s} is replicated: AR{a.id} must come before U{a.id}")
-                missing = [j for j in by_update.get(a.id, ()) if j not in done_b]
-                if missing:
-                    raise err(k, f"update {a.id} runs before the backward of microbatch {missing[0]} that it must include")
-            steps += 1
-        live_versions = (len(held) + (steps not in held)) if kind != "naive" else 1
-        if live_versions > peak_v:
-            peak_v = live_versions
-        if len(inflight) > peak_a:
-            peak_a = len(inflight)
-        if check:
-            if live_versions > ver_bound:
-                raise err(k, f"{live_versions} weight versions alive on stage {s}; a {kind} schedule keeps at most {ver_bound}")
-            if len(inflight) > act_bound:
-                raise err(k, f"{len(inflight)} activations stashed on stage {s}; a {kind} schedule keeps at most {act_bound}")
+        if i not in self.mine:
+            raise self.err(k, f"microbatch {i} belongs to replica {replica_of(self.plan, self.s, i)} of stage "
+                              f"{self.s}, not replica {self.q}")
+        if i in self.fwd_ver:
+            raise self.err(k, f"microbatch {i} is forwarded twice")
+        if self.s > 0 and i not in self.got_act:
+            raise self.err(k, f"forward before its activations arrived (no RA{i} earlier on this rank)")
+        _check_version(self.schedule, a, self.steps, self.v0, self.replicas, self.err, k, forward=True,
+                       fwd_version=None)
+        self.fwd_ver[i] = a.version  # type: ignore[assignment]
+        self.inflight[i] = a.version  # type: ignore[assignment]
+        self.held[a.version] = self.held.get(a.version, 0) + 1  # type: ignore[index]
+        self.batch_fwds[i // self.m] = self.batch_fwds.get(i // self.m, 0) + 1
 
-    if check:
-        last = len(acts) - 1 if acts else 0
-        marks_end = [(rank, last)] if acts else []
+    def backward(self, k: int, a: Action) -> None:
+        i = a.id
+        if i not in self.fwd_ver:
+            raise self.err(k, f"backward of microbatch {i} before its forward on this rank")
+        if i in self.done_b:
+            raise self.err(k, f"microbatch {i} is backpropagated twice")
+        if self.s < self.n - 1 and i not in self.got_grad:
+            raise self.err(k, f"backward before its gradient arrived (no RG{i} earlier on this rank)")
+        if self.kind.forwards_first and self.batch_fwds.get(i // self.m, 0) < self.per_batch[i // self.m]:
+            raise self.err(k, f"{self.kind.name} runs every forward of batch {i // self.m} before its first backward")
+        _check_version(self.schedule, a, self.steps, self.v0, self.replicas, self.err, k, forward=False,
+                       fwd_version=self.fwd_ver[i])
+        self.done_b.add(i)
+        version = self.inflight.pop(i)
+        if self.held[version] == 1:
+            del self.held[version]
+        else:
+            self.held[version] -= 1
+
+    def transfer(self, k: int, a: Action) -> None:
+        _check_transfer(a, k, self.s, self.n, a.id, self.peer_rank, self.fwd_ver, self.done_b, self.sent_act,
+                        self.sent_grad, self.got_act, self.got_grad, self.err)
+        {Kind.SEND_ACT: self.sent_act, Kind.SEND_GRAD: self.sent_grad, Kind.RECV_ACT: self.got_act,
+         Kind.RECV_GRAD: self.got_grad}[a.kind].add(a.id)
+
+    def _missing_backward(self, update: int) -> int | None:
+        return next((j for j in self.by_update.get(update, ()) if j not in self.done_b), None)
+
+    def allreduce(self, k: int, a: Action) -> None:
+        if self.replicas == 1:
+            raise self.err(k, f"stage {self.s} has one replica; there is nothing to all-reduce")
+        if a.id != self.steps or self.reduced == a.id:
+            raise self.err(k, f"expected the all-reduce of update {self.steps} here")
+        missing = self._missing_backward(a.id)
+        if missing is not None:
+            raise self.err(k, f"the all-reduce of update {a.id} runs before the backward of microbatch {missing} "
+                              "it must include")
+        self.reduced = a.id
+
+    def step(self, k: int, a: Action) -> None:
+        if a.id != self.steps:
+            raise self.err(k, f"optimizer steps must come in order: expected U{self.steps}")
+        if a.version != a.id + 1:
+            raise self.err(k, f"U{a.id} produces version {a.id + 1}, not {a.version}")
+        if self.replicas > 1 and self.reduced != a.id:
+            raise self.err(k, f"stage {self.s} is replicated: AR{a.id} must come before U{a.id}")
+        missing = self._missing_backward(a.id)
+        if missing is not None:
+            raise self.err(k, f"update {a.id} runs before the backward of microbatch {missing} that it must include")
+        self.steps += 1
+
+    def finish(self) -> None:
+        marks = [(self.rank, len(self.acts) - 1)] if self.acts else []
 
         def end_err(what: str) -> ScheduleError:
-            return _fail(schedule, f"rank {rank}: {what}", marks_end)
+            return _fail(self.schedule, f"rank {self.rank}: {what}", marks)
 
-        for name, todo in (("forward", mine - set(fwd_ver)), ("backward", mine - done_b)):
+        for name, todo in (("forward", self.mine - set(self.fwd_ver)), ("backward", self.mine - self.done_b)):
             if todo:
                 raise end_err(f"the {name} of microbatch(es) {sorted(todo)[:6]} never runs on this rank")
-        if s < n - 1 and (mine - sent_act):
-            raise end_err(f"activations of microbatch {min(mine - sent_act)} are never sent to stage {s + 1}")
-        if s > 0 and (mine - sent_grad):
-            raise end_err(f"the gradient of microbatch {min(mine - sent_grad)} is never sent to stage {s - 1}")
-        if steps != n_upd:
-            raise end_err(f"stage {s} takes {steps} optimizer steps; the schedule needs {n_upd}")
-    return peak_v, peak_a
+        if self.s < self.n - 1 and (self.mine - self.sent_act):
+            raise end_err(f"activations of microbatch {min(self.mine - self.sent_act)} are never sent to stage "
+                          f"{self.s + 1}")
+        if self.s > 0 and (self.mine - self.sent_grad):
+            raise end_err(f"the gradient of microbatch {min(self.mine - self.sent_grad)} is never sent to stage "
+                          f"{self.s - 1}")
+        if self.steps != self.n_updates:
+            raise end_err(f"stage {self.s} takes {self.steps} optimizer steps; the schedule needs {self.n_updates}")
 
 
 def _check_transfer(a: Action, k: int, s: int, n: int, i: int, peer_rank, fwd_ver, done_b, sent_act, sent_grad,
@@ -285,27 +298,28 @@ def _check_transfer(a: Action, k: int, s: int, n: int, i: int, peer_rank, fwd_ve
 def _check_version(schedule: Schedule, a: Action, steps: int, v0: dict[int, int] | None, replicas: int, err, k: int,
                    forward: bool, fwd_version: int | None) -> None:
     """The version rules of docs/architecture.md "Schedule semantics"."""
-    kind, m, v = schedule.kind, schedule.microbatches, a.version
+    kind, m, v = schedule_kind(schedule.kind), schedule.microbatches, a.version
     plan = schedule.plan
-    if kind in ("flush", "gpipe"):
+    rule = kind.version_rule
+    if rule is VersionRule.BATCH:
         want = a.id // m
         if v != want:
-            raise err(k, f"{kind}: every F/B of batch {want} uses version {want}, not {v}")
+            raise err(k, f"{kind.name}: every F/B of batch {want} uses version {want}, not {v}")
         if steps != want:
-            raise err(k, f"{kind}: batch {want} must run after exactly {want} optimizer steps (found {steps}): no flush")
+            raise err(k, f"{kind.name}: batch {want} must run after exactly {want} optimizer steps (found {steps}): no flush")
         return
-    if kind == "2bw":
+    if rule is VersionRule.PREVIOUS_BATCH:
         want = max(0, a.id // m - 1)
         if v != want:
-            raise err(k, f"2bw: every F/B of batch {a.id // m} uses version {want} (W^(t-1)), not {v}")
+            raise err(k, f"{kind.name}: every F/B of batch {a.id // m} uses version {want} (W^(t-1)), not {v}")
         if not steps - 1 <= want <= steps:
-            raise err(k, f"2bw: version {want} is not one of the two alive ({max(0, steps - 1)}, {steps})")
+            raise err(k, f"{kind.name}: version {want} is not one of the two alive ({max(0, steps - 1)}, {steps})")
         return
-    if kind == "naive":
+    if rule is VersionRule.NEWEST:
         if v != steps:
-            raise err(k, f"naive: {'F' if forward else 'B'} uses the newest weights, version {steps}, not {v}")
+            raise err(k, f"{kind.name}: {'F' if forward else 'B'} uses the newest weights, version {steps}, not {v}")
         return
-    # pipedream
+    # STASHED (pipedream)
     if not forward:
         if v != fwd_version:
             raise err(k, f"weight stashing: B{a.id} must use the version its forward used ({fwd_version}), not {v}")
@@ -318,7 +332,7 @@ def _check_version(schedule: Schedule, a: Action, steps: int, v0: dict[int, int]
             raise err(k, f"vertical sync: version {want} does not exist yet (only {steps} steps taken)")
         return
     if v != steps:
-        raise err(k, f"pipedream: F{a.id} uses the newest weights on this rank, version {steps}, not {v}")
+        raise err(k, f"{kind.name}: F{a.id} uses the newest weights on this rank, version {steps}, not {v}")
 
 
 # --------------------------------------------------------------------- matching and deadlock
@@ -451,10 +465,12 @@ def validate_schedule(schedule: Schedule) -> None:
         plan.validate()
     except ValueError as exc:
         raise ScheduleError(f"the schedule's plan is invalid: {exc}") from None
-    if schedule.kind not in ("pipedream", "2bw", "flush", "gpipe", "naive"):
-        raise ScheduleError(f"unknown schedule kind {schedule.kind!r}")
-    if schedule.kind in ROUND_ROBIN_KINDS and schedule.microbatches != 1:
-        raise ScheduleError(f"{schedule.kind} schedules have 1 microbatch per minibatch, not {schedule.microbatches}")
+    try:
+        kind = schedule_kind(schedule.kind)
+    except UnknownKindError as exc:
+        raise ScheduleError(str(exc)) from None
+    if kind.round_robin and schedule.microbatches != 1:
+        raise ScheduleError(f"{kind.name} schedules have 1 microbatch per minibatch, not {schedule.microbatches}")
     if schedule.minibatches < 1 or schedule.microbatches < 1:
         raise ScheduleError("minibatches and microbatches must be positive")
     want = set(range(plan.num_workers))
@@ -464,11 +480,11 @@ def validate_schedule(schedule: Schedule) -> None:
         )
     v0 = None
     vsync = bool((schedule.options or {}).get("vertical_sync"))
-    if vsync and schedule.kind != "pipedream":
-        raise ScheduleError("vertical_sync applies to pipedream schedules only")
+    if vsync and not kind.stashes_weights:
+        raise ScheduleError("vertical_sync applies to schedules with weight stashing (pipedream) only")
     order = sorted(schedule.actions, key=lambda r: plan.stage_of_rank(r))
     for r in order:
-        _walk_rank(schedule, r, v0, check=True)
+        _RankWalk(schedule, r, v0).run()
         if vsync and v0 is None and plan.stage_of_rank(r)[0] == 0 and r == plan.stages[0].ranks[-1]:
             v0 = {a.id: a.version for rr in plan.stages[0].ranks for a in schedule.actions[rr] if a.kind is Kind.FORWARD}  # type: ignore[misc]
     _check_matching(schedule)
@@ -482,7 +498,7 @@ def schedule_stats(schedule: Schedule) -> ScheduleStats:
     (1 for naive, which stashes none); in flight = forwarded, not yet backpropagated.
     """
     mv, ma = {}, {}
-    naive = schedule.kind == "naive"
+    naive = schedule_kind(schedule.kind).version_rule is VersionRule.NEWEST
     F, B, U = Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER_STEP
     for r, acts in schedule.actions.items():
         inflight: dict[int, int] = {}

@@ -171,16 +171,16 @@ def schedules_figure(out: str | Path, stages: int = 4) -> Path:
     work (a pipedream minibatch or a microbatch of the others), 8 units in all: pipedream runs
     8 minibatches, the batched schedules 2 batches of 4 microbatches.
     """
-    from .plan import Plan
+    from .plans import Plan
     from .schedules import build_schedule
-    from .simulate import Costs, simulate
+    from .simulator import Costs, simulate
 
     plan = Plan.straight([[f"layer{i}"] for i in range(stages)])
     costs = Costs(forward_s=[1.0] * stages, backward_s=[2.0] * stages)
     panels = []
-    for kind, mb, m in (("pipedream", 8, None), ("2bw", 2, 4), ("flush", 2, 4), ("gpipe", 2, 4)):
-        res = simulate(build_schedule(plan, kind, minibatches=mb, microbatches=m), costs)
-        what = "8 minibatches" if m is None else f"{mb} batches × {m} microbatches"
+    for kind, minibatches, m in (("pipedream", 8, None), ("2bw", 2, 4), ("flush", 2, 4), ("gpipe", 2, 4)):
+        res = simulate(build_schedule(plan, kind, minibatches=minibatches, microbatches=m), costs)
+        what = "8 minibatches" if m is None else f"{minibatches} batches × {m} microbatches"
         versions = "/".join(str(v) for v in res.max_versions)
         panels.append((f"{kind} — {what}; weight versions per stage {versions}; "
                        f"bubble {res.bubble_fraction:.0%}", res.trace))

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..cli import CommandError
+from ..kinds import KIND_NAMES
+from . import CommandError
 
 
 def register(subparsers: Any) -> None:
@@ -19,7 +20,8 @@ def register(subparsers: Any) -> None:
         "server over 10 GB/s, 4 servers over 1.25 GB/s), 16:10GB/s, a preset (A, B, C, A:8, "
         "local, local:4) or a JSON file.",
     )
-    p.add_argument("graph", help="layer graph: JSON from `torchpipedream profile`, or a PipeDream graph.txt")
+    p.add_argument("graph", help="layer graph: JSON from `torchpipedream profile`, a PipeDream graph.txt, or the "
+                   "name of a bundled reference profile (alexnet, vgg16, resnet50, gnmt, ...)")
     p.add_argument("--topology", "-t", default="local", help="cluster spec, preset or JSON file (default: local)")
     p.add_argument("--straight", action="store_true", help="one worker per stage, no replication")
     p.add_argument("--stages", type=int, default=None, metavar="K", help="exactly K stages")
@@ -27,7 +29,8 @@ def register(subparsers: Any) -> None:
                    help="the plan may leave workers idle when that is not slower")
     p.add_argument("--memory", default=None, help="memory per worker, e.g. 16GB (default: the topology's, if any)")
     p.add_argument("--no-memory-limit", action="store_true", help="ignore the topology's memory per worker")
-    p.add_argument("--schedule", default="pipedream", help="pipedream (default), 2bw, flush, gpipe or naive")
+    p.add_argument("--schedule", default="pipedream", choices=KIND_NAMES,
+                   help="the schedule kind to plan for (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (2bw, flush, gpipe)")
     p.add_argument("--optimizer-state", type=float, default=None, metavar="F",
                    help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
@@ -38,11 +41,11 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..graph import LayerGraph
     from ..planner import DEFAULT_OPTIMIZER_STATE_FACTOR, plan
+    from ..profiles import load_profile
     from ..topology import Topology, parse_bytes
 
-    graph = LayerGraph.load(args.graph)
+    graph = load_profile(args.graph)
     topo = Topology.from_any(args.topology)
     memory = parse_bytes(args.memory) if args.memory else None
     if args.no_memory_limit:

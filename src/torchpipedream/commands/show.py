@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..cli import CommandError
+from . import CommandError
 from ..graph import LayerGraph
+from ..profiles import load_profile
 from ..units import human_bytes
 from .profile import _make_parent
 
@@ -21,7 +22,8 @@ def register(subparsers: Any) -> None:
         description="Print every layer's forward and backward time, activation and parameter "
         "size, with totals. Long graphs print their first --limit rows.",
     )
-    p.add_argument("graph", help="a layer graph: JSON from `profile`, or a PipeDream graph.txt")
+    p.add_argument("graph", help="a layer graph: JSON from `profile`, a PipeDream graph.txt, or the name of a "
+                   "bundled reference profile (alexnet, vgg16, resnet50, gnmt, ...)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help=f"rows to print (default {DEFAULT_LIMIT}; 0 prints all)")
     p.add_argument("--sort", choices=["order", "compute", "activation", "params"], default="order",
@@ -108,7 +110,7 @@ def plot_graph(graph: LayerGraph, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    graph = LayerGraph.load(args.graph)
+    graph = load_profile(args.graph)
     meta = graph.meta
     facts = [f"{len(graph)} layers", f"{len(graph.edges)} edges"]
     facts += [f"batch {graph.batch_size}"] if graph.batch_size else []

@@ -6,9 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..cli import CommandError
-
-_ALL = ("pipedream", "2bw", "flush", "gpipe", "naive")
+from ..kinds import KIND_NAMES, schedule_kind
+from . import CommandError
 
 
 def register(subparsers: Any) -> None:
@@ -22,9 +21,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("plan", help="plan JSON (from `torchpipedream plan`), or a schedule JSON (from "
                    "--save-schedule, possibly edited by hand: it is validated, then simulated)")
-    p.add_argument("--schedule", default=None,
-                   help="pipedream, 2bw, flush, gpipe, naive, a comma-separated list, or all "
-                   "(default: the plan's schedule)")
+    p.add_argument("--schedule", default=None, metavar="{" + ",".join(KIND_NAMES + ("all",)) + "}",
+                   help="a schedule kind, a comma-separated list of them, or all (default: the plan's schedule)")
     p.add_argument("--minibatches", type=int, default=32,
                    help="minibatches (pipedream, naive) or batches (2bw, flush, gpipe) to simulate (default 32)")
     p.add_argument("--microbatches", type=int, default=None,
@@ -43,11 +41,11 @@ def _kinds(text: str | None, plan_kind: str) -> list[str]:
     if text is None:
         return [plan_kind]
     if text.strip().lower() == "all":
-        return list(_ALL)
+        return list(KIND_NAMES)
     kinds = [k.strip().lower() for k in text.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in _ALL]
+    bad = [k for k in kinds if k not in KIND_NAMES]
     if bad or not kinds:
-        raise CommandError(f"--schedule {text!r}: expected {', '.join(_ALL)}, a comma-separated list, or all")
+        raise CommandError(f"--schedule {text!r}: expected {', '.join(KIND_NAMES)}, a comma-separated list, or all")
     return kinds
 
 
@@ -83,9 +81,9 @@ def _fmt_rate(x: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plan import Plan
+    from ..plans import Plan
     from ..schedules import ScheduleBuildError, build_schedule
-    from ..simulate import simulate
+    from ..simulator import simulate
     from ..viz import draw_timelines
 
     given = _load_schedule(args.plan)
@@ -126,11 +124,12 @@ def run(args: argparse.Namespace) -> int:
     print("-" * len(header))
     panels = []
     for kind in kinds:
-        m = args.microbatches if kind not in ("pipedream", "naive") else None
+        info = schedule_kind(kind)
+        m = args.microbatches if info.microbatched else None
         try:
             sched = given if given is not None else build_schedule(
                 plan, kind, minibatches=args.minibatches, microbatches=m,
-                vertical_sync=args.vertical_sync and kind == "pipedream")
+                vertical_sync=args.vertical_sync and info.stashes_weights)
         except ScheduleBuildError as exc:
             if not several:
                 raise

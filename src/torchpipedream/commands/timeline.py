@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..cli import CommandError
+from . import CommandError
 
 
 def register(subparsers: Any) -> None:

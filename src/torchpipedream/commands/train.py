@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from ..plan import SCHEDULE_KINDS
+from ..kinds import KIND_NAMES
 
 _EPILOG = """\
-With no options: the default CNN on scikit-learn's digits, one worker per core, PipeDream's
+With no options: the default CNN on the bundled digits images, one worker per core, PipeDream's
 1F1B schedule with weight stashing. Outputs (plan, profile, measured timeline picture, Chrome
 trace, checkpoint, report.json) go to --out; after every epoch the workers write an exact
 checkpoint into OUT/checkpoints/epoch_N/, and --resume continues from the newest complete one. Under torchrun the same command runs one worker per
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=d.model,
                    help="mlp, cnn, resnet, transformer (a character LM on Python's own sources), or a "
                         "user's module:function returning an nn.Module for (N,1,8,8) digits (default: %(default)s)")
-    p.add_argument("--schedule", default=d.schedule, choices=SCHEDULE_KINDS,
+    p.add_argument("--schedule", default=d.schedule, choices=KIND_NAMES,
                    help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe or naive (default: %(default)s)")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")
     p.add_argument("--workers", type=int, default=d.workers, help="number of worker processes (default: one per core)")
@@ -70,12 +70,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from ..train import TrainConfig, format_report, run
+    from ..train import TrainConfig
+    from ..train.job import run
+    from ..train.outputs import format_report
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
-    from ..runtime.launch import LaunchError
+    from ..runtime.launcher import LaunchError
 
     try:
         report = run(cfg)

@@ -2,7 +2,7 @@
 
 ``get_model("cnn")`` builds a registry model with its defaults; ``get_model("pkg.mod:fn")``
 imports ``pkg.mod`` and calls ``fn()``, which must return an ``nn.Module``. Importing this
-package does not import scikit-learn (only :func:`.data.digits_data` needs it).
+package needs no scikit-learn: the digits ship inside torchpipedream (``torchpipedream/data``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 from torch import nn
 
 from .data import cross_entropy, digits_data, loss_fn, sample_input, text_data
-from .transformer import VOCAB_SIZE, transformer
+from .language import VOCAB_SIZE, transformer
 from .vision import cnn, mlp, resnet
 
 __all__ = [

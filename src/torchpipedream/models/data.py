@@ -1,8 +1,8 @@
 """Data for the example models: real data sets for training, random batches for profiling.
 
-* :func:`digits_data` — scikit-learn's 8x8 digits (1,797 images, shipped inside
-  scikit-learn), a fixed stratified train/test split, pixels scaled to [0, 1].
-  scikit-learn is imported only here, only when called.
+* :func:`digits_data` — the 8x8 handwritten digits that scikit-learn distributes (1,797
+  images), shipped inside this package (``torchpipedream/data``: its README and licence), a
+  fixed stratified train/test split, pixels scaled to [0, 1]. No scikit-learn needed.
 * :func:`text_data` — a character corpus built from this Python's own standard-library
   ``.py`` sources (always present, no download), cut into next-character windows.
 * :func:`sample_input` / :func:`loss_fn` — a random batch of the right shape and dtype and
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from .transformer import VOCAB_SIZE
+from .language import VOCAB_SIZE
 
 __all__ = [
     "digits_data",
@@ -34,37 +35,40 @@ __all__ = [
 
 
 class DataError(ValueError):
-    """A data set cannot be built (missing optional dependency, bad argument)."""
+    """A data set cannot be built (bad argument)."""
 
 
 def digits_data(
     seed: int = 0, test_fraction: float = 0.25, flatten: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Return ``(x_train, y_train, x_test, y_test)`` from scikit-learn's digits.
+    """Return ``(x_train, y_train, x_test, y_test)`` from the bundled digits.
 
     Inputs are float32 in [0, 1] (pixel values 0..16 divided by 16), shaped ``(N, 1, 8, 8)``,
-    or ``(N, 64)`` with ``flatten``; labels are int64 in 0..9. The split is stratified and
-    fixed by ``seed``.
+    or ``(N, 64)`` with ``flatten``; labels are int64 in 0..9. The split is stratified (each
+    digit contributes ``round(count · test_fraction)`` of its images to the test set, chosen at
+    random) and fixed by ``seed``; both sets are in a seed-dependent random order.
     """
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"digits_data: test_fraction must be in (0, 1), got {test_fraction}")
-    try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError:
-        raise DataError(
-            "digits_data needs scikit-learn: pip install 'torchpipedream[examples]' (or scikit-learn)"
-        ) from None
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
-    idx = torch.arange(len(y)).numpy()
-    train_idx, test_idx = train_test_split(
-        idx, test_size=test_fraction, random_state=seed, stratify=digits.target
-    )
-    train_idx, test_idx = torch.as_tensor(train_idx), torch.as_tensor(test_idx)
-    if not flatten:
-        x = x.reshape(-1, 1, 8, 8)
+    import numpy as np
+
+    with resources.files("torchpipedream").joinpath("data", "digits.npz").open("rb") as f:
+        stored = np.load(f, allow_pickle=False)
+        images, labels = stored["images"], stored["labels"]
+    x = torch.from_numpy(images.astype(np.float32) / 16.0)
+    y = torch.from_numpy(labels.astype(np.int64))
+    g = torch.Generator().manual_seed(seed)
+    train_parts, test_parts = [], []
+    for digit in range(10):
+        members = torch.nonzero(y == digit).flatten()
+        members = members[torch.randperm(len(members), generator=g)]
+        n_test = round(len(members) * test_fraction)
+        test_parts.append(members[:n_test])
+        train_parts.append(members[n_test:])
+    train_idx, test_idx = torch.cat(train_parts), torch.cat(test_parts)
+    train_idx = train_idx[torch.randperm(len(train_idx), generator=g)]
+    test_idx = test_idx[torch.randperm(len(test_idx), generator=g)]
+    x = x.reshape(-1, 64) if flatten else x.reshape(-1, 1, 8, 8)
     return x[train_idx], y[train_idx], x[test_idx], y[test_idx]
 
 

@@ -1,4 +1,4 @@
-"""Example image classifiers for 8x8 digits (scikit-learn's ``load_digits``).
+"""Example image classifiers for the 8x8 digits (``data.digits_data``).
 
 Three shapes of model, each a plausible thing to pipeline:
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
 from .failures import PipelineFailure
-from .launch import LaunchError, launch
+from .launcher import LaunchError, launch
 from .pipeline import Pipeline, PipelineError, forward_only
 from .stage_split import StageSplitError, split_stages
 

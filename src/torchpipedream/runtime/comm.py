@@ -231,7 +231,7 @@ def _resize_message(expected: int, new_size: int, device: torch.device) -> torch
 class _ActRecv:
     """One posted activation receive."""
 
-    mb: int
+    microbatch: int
     buf: torch.Tensor
     work: Any
     checked: bool = False  # arrived and known not to be a resize message
@@ -239,7 +239,7 @@ class _ActRecv:
 
 @dataclass
 class _GradRecv:
-    mb: int
+    microbatch: int
     works: list[Any]
     tensors: list[torch.Tensor]
     nbytes: int
@@ -333,12 +333,12 @@ class P2P:
                 self._post_act(peer, queue.popleft())
         for peer, queue in self._grad_queue.items():
             while queue and queue[0] in self._grad_meta:
-                mb = queue.popleft()
-                metas = self._grad_meta.pop(mb)
+                microbatch = queue.popleft()
+                metas = self._grad_meta.pop(microbatch)
                 tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
                 works = [post_recv(t, peer, _TAG_GRAD) for t in tensors]
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                self._grad_posted[peer].append(_GradRecv(mb, works, tensors, nbytes))
+                self._grad_posted[peer].append(_GradRecv(microbatch, works, tensors, nbytes))
         if self._sends:
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
@@ -352,17 +352,17 @@ class P2P:
             return False
         self._sizes[("recv", peer)] = value
         buf = torch.empty(value, dtype=torch.uint8, device=self.device)
-        posted[0] = _ActRecv(rec.mb, buf, post_recv(buf, peer, _TAG_ACT))
+        posted[0] = _ActRecv(rec.microbatch, buf, post_recv(buf, peer, _TAG_ACT))
         return True
 
-    def _post_act(self, peer: int, mb: int) -> None:
+    def _post_act(self, peer: int, microbatch: int) -> None:
         size = self._sizes.get(("recv", peer), INITIAL_BYTES)
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._act_posted[peer].append(_ActRecv(mb, buf, post_recv(buf, peer, _TAG_ACT)))
+        self._act_posted[peer].append(_ActRecv(microbatch, buf, post_recv(buf, peer, _TAG_ACT)))
 
     # ------------------------------------------------------------------ activations
-    def send_acts(self, peer: int, mb: int, samples: int, tensors: list[Any], passengers: list[Any]) -> int:
-        """Send microbatch ``mb``'s activations (and passengers: targets) to ``peer``; returns bytes.
+    def send_acts(self, peer: int, microbatch: int, samples: int, tensors: list[Any], passengers: list[Any]) -> int:
+        """Send microbatch ``microbatch``'s activations (and passengers: targets) to ``peer``; returns bytes.
 
         Remembers which activations require grad, so the matching gradient receive can be
         posted right away.
@@ -377,14 +377,14 @@ class P2P:
             self._sends.append((post_send(note, peer, _TAG_ACT), note, "a shape message", peer))
             self._sizes[("send", peer)] = buf.numel()
             self.resizes += 1
-        self._sends.append((post_send(buf, peer, _TAG_ACT), buf, f"activations of microbatch {mb}", peer))
-        self._grad_meta[mb] = [
+        self._sends.append((post_send(buf, peer, _TAG_ACT), buf, f"activations of microbatch {microbatch}", peer))
+        self._grad_meta[microbatch] = [
             TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         return int(buf.numel())
 
-    def recv_acts(self, peer: int, mb: int) -> tuple[int, list[Any], list[Any], int]:
-        """Block until microbatch ``mb``'s activations from ``peer`` arrived.
+    def recv_acts(self, peer: int, microbatch: int) -> tuple[int, list[Any], list[Any], int]:
+        """Block until microbatch ``microbatch``'s activations from ``peer`` arrived.
 
         Returns (samples, activations, passengers, bytes); activations that required grad at
         the sender require grad here (leaves of this stage's graph).
@@ -395,12 +395,12 @@ class P2P:
         self.pump()
         while True:
             rec = posted[0]
-            if rec.mb != mb:
+            if rec.microbatch != microbatch:
                 raise CommError(
-                    f"{self.describe(self.rank)}: schedule asks for microbatch {mb} from {self.describe(peer)} "
-                    f"but the next message on that channel is microbatch {rec.mb}"
+                    f"{self.describe(self.rank)}: schedule asks for microbatch {microbatch} from {self.describe(peer)} "
+                    f"but the next message on that channel is microbatch {rec.microbatch}"
                 )
-            self._wait(rec.work, f"the activations of microbatch {mb}", peer)
+            self._wait(rec.work, f"the activations of microbatch {microbatch}", peer)
             if rec.checked or not self._check_resize(peer, posted):
                 break
         posted.popleft()
@@ -412,31 +412,31 @@ class P2P:
         return samples, acts, passengers, int(rec.buf.numel())
 
     # ------------------------------------------------------------------ gradients
-    def send_grads(self, peer: int, mb: int, grads: list[torch.Tensor]) -> int:
+    def send_grads(self, peer: int, microbatch: int, grads: list[torch.Tensor]) -> int:
         nbytes = 0
         for g in grads:
             data = g.detach().contiguous()
-            self._sends.append((post_send(data, peer, _TAG_GRAD), data, f"gradients of microbatch {mb}", peer))
+            self._sends.append((post_send(data, peer, _TAG_GRAD), data, f"gradients of microbatch {microbatch}", peer))
             nbytes += data.numel() * data.element_size()
         return nbytes
 
-    def recv_grads(self, peer: int, mb: int) -> tuple[list[torch.Tensor], int]:
-        """Block until the gradients of microbatch ``mb``'s activations arrive from ``peer``."""
+    def recv_grads(self, peer: int, microbatch: int) -> tuple[list[torch.Tensor], int]:
+        """Block until the gradients of microbatch ``microbatch``'s activations arrive from ``peer``."""
         self.pump()
         posted = self._grad_posted.get(peer)
         if not posted:
             raise CommError(
-                f"{self.describe(self.rank)}: RG {mb} from {self.describe(peer)} before the matching SA "
+                f"{self.describe(self.rank)}: RG {microbatch} from {self.describe(peer)} before the matching SA "
                 "(the schedule must send activations before receiving their gradients)"
             )
         rec = posted[0]
-        if rec.mb != mb:
+        if rec.microbatch != microbatch:
             raise CommError(
-                f"{self.describe(self.rank)}: schedule asks for gradients of microbatch {mb} from "
-                f"{self.describe(peer)} but the next message on that channel is microbatch {rec.mb}"
+                f"{self.describe(self.rank)}: schedule asks for gradients of microbatch {microbatch} from "
+                f"{self.describe(peer)} but the next message on that channel is microbatch {rec.microbatch}"
             )
         for w in rec.works:
-            self._wait(w, f"the gradients of microbatch {mb}", peer)
+            self._wait(w, f"the gradients of microbatch {microbatch}", peer)
         posted.popleft()
         return rec.tensors, rec.nbytes
 

@@ -187,15 +187,15 @@ class Engine:
         return results, events
 
     # ------------------------------------------------------------------ compute
-    def _inputs(self, mb: int, get_microbatch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], int, list[torch.Tensor]]:
+    def _inputs(self, microbatch: int, get_microbatch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], int, list[torch.Tensor]]:
         if self.is_first:
             if get_microbatch is None:
-                raise RuntimeError(f"rank {self.rank}: the first stage needs data for microbatch {mb}")
-            inputs, targets, samples = get_microbatch(mb)
+                raise RuntimeError(f"rank {self.rank}: the first stage needs data for microbatch {microbatch}")
+            inputs, targets, samples = get_microbatch(microbatch)
             return inputs, targets, samples, []
-        if mb not in self._received:
-            raise RuntimeError(f"rank {self.rank}: F{mb} before its activations were received (RA missing)")
-        samples, acts, passengers = self._received.pop(mb)
+        if microbatch not in self._received:
+            raise RuntimeError(f"rank {self.rank}: F{microbatch} before its activations were received (RA missing)")
+        samples, acts, passengers = self._received.pop(microbatch)
         leaves = [t for t in acts if isinstance(t, torch.Tensor) and t.requires_grad]
         return acts, passengers, samples, leaves
 
@@ -222,16 +222,16 @@ class Engine:
         loss = self.loss_fn(out, *targets) if self.is_last and not empty else None
         return out, loss
 
-    def _forward(self, mb: int, version: int, comm: P2P | None, get_microbatch: Any, train: bool,
+    def _forward(self, microbatch: int, version: int, comm: P2P | None, get_microbatch: Any, train: bool,
                  results: dict[int, MicrobatchResult]) -> None:
-        inputs, targets, samples, leaves = self._inputs(mb, get_microbatch)
+        inputs, targets, samples, leaves = self._inputs(microbatch, get_microbatch)
         with torch.set_grad_enabled(train):
             out, loss = self._run_module(version, inputs, targets)
         if train:
             self.weights.release(version)
         if self.is_last and samples == 0:
             if train:  # no loss: B has nothing to differentiate, the stage's inputs get zeros
-                self._ctx[mb] = _Context(version, inputs, leaves, loss=None, targets=targets, samples=0)
+                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=None, targets=targets, samples=0)
         elif self.is_last:
             assert loss is not None
             if loss.dim() != 0:
@@ -243,20 +243,20 @@ class Engine:
                 y = targets[0]
                 if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() == 1 and len(y) == len(out):
                     correct = int((out.detach().argmax(dim=1) == y).sum().item())
-            results[mb] = MicrobatchResult(samples, float(loss.detach().item()), correct)
+            results[microbatch] = MicrobatchResult(samples, float(loss.detach().item()), correct)
             if train:
-                self._ctx[mb] = _Context(version, inputs, leaves, loss=loss, targets=targets, samples=samples)
+                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=loss, targets=targets, samples=samples)
         else:
             outs = list(as_tuple(out))
-            self._to_send[mb] = (samples, outs, list(targets))
+            self._to_send[microbatch] = (samples, outs, list(targets))
             if train:
                 diff = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-                self._ctx[mb] = _Context(version, inputs, leaves, outputs=diff, targets=targets, samples=samples)
+                self._ctx[microbatch] = _Context(version, inputs, leaves, outputs=diff, targets=targets, samples=samples)
 
-    def _backward(self, mb: int, version: int | None) -> None:
-        ctx = self._ctx.pop(mb, None)
+    def _backward(self, microbatch: int, version: int | None) -> None:
+        ctx = self._ctx.pop(microbatch, None)
         if ctx is None:
-            raise RuntimeError(f"rank {self.rank}: B{mb} without its forward F{mb} on this rank")
+            raise RuntimeError(f"rank {self.rank}: B{microbatch} without its forward F{microbatch} on this rank")
         if version is not None and version != ctx.version:
             # No stashing (naive): recompute the forward with the weights this B names, then
             # differentiate that graph (inputs from F, weights of the B's version).
@@ -280,11 +280,11 @@ class Engine:
                 root = ctx.loss * ctx.samples if summed else ctx.loss
                 roots, grad_outputs = [root], None
         else:
-            grads = self._out_grads.pop(mb, None)
+            grads = self._out_grads.pop(microbatch, None)
             if grads is None:
-                raise RuntimeError(f"rank {self.rank}: B{mb} before the gradients of its outputs were received (RG missing)")
+                raise RuntimeError(f"rank {self.rank}: B{microbatch} before the gradients of its outputs were received (RG missing)")
             if len(grads) != len(ctx.outputs):
-                raise RuntimeError(f"rank {self.rank}: B{mb} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
+                raise RuntimeError(f"rank {self.rank}: B{microbatch} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
             roots, grad_outputs = ctx.outputs, grads
         wrt = params + ctx.leaves
         if wrt and roots:
@@ -293,6 +293,6 @@ class Engine:
             torch.autograd.backward(roots, grad_tensors=grad_outputs, inputs=wrt)
         self.weights.add_samples(ctx.samples)
         if not self.is_first:
-            self._in_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ctx.leaves]
+            self._in_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ctx.leaves]
         if version is not None:
             self.weights.release(version)

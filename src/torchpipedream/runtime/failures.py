@@ -26,11 +26,8 @@ a clean failure into a hang); a hung-but-alive peer is caught by ``timeout_s``, 
 of every wait. None of this adds work to the hot path: the board is touched only when an
 exception is already on its way up.
 
-Fault injection (for tests): ``TORCHPIPEDREAM_FAULT="rank=1,minibatch=12[,mode=kill|raise]"``
-makes that rank die (SIGKILL, default) or raise in the forward of that training minibatch
-(counted from 0 in this process), on the first attempt only (``TORCHELASTIC_RESTART_COUNT``
-unset or 0), so a job restarted by ``torchrun --max-restarts`` then runs clean. It is read
-in one place, :func:`install_fault`.
+The tests inject faults from outside the library (``tests/fault_injection``): nothing here can
+kill its own process.
 """
 
 from __future__ import annotations
@@ -38,24 +35,18 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import threading
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .comm import CommTimeout
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .pipeline import Pipeline
-
-__all__ = ["PipelineFailure", "FailureBoard", "is_comm_failure", "close_connections", "install_fault",
-           "parse_fault", "FAULT_ENV"]
+__all__ = ["PipelineFailure", "FailureBoard", "is_comm_failure", "close_connections"]
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "TORCHPIPEDREAM_FAULT"
 _CLOSE_TAG = 97
 T = TypeVar("T")
 
@@ -167,48 +158,3 @@ def close_connections(world_size: int, rank: int, timeout_s: float) -> None:
                 pass
 
     _bounded(go, timeout_s)
-
-
-# ---------------------------------------------------------------------------- fault injection
-def parse_fault(text: str) -> dict[str, Any]:
-    """``"rank=1,minibatch=12[,mode=kill|raise]"`` -> {"rank": 1, "minibatch": 12, "mode": "kill"}."""
-    out: dict[str, Any] = {"mode": "kill"}
-    try:
-        for part in text.split(","):
-            key, value = (x.strip() for x in part.split("="))
-            if key in ("rank", "minibatch"):
-                out[key] = int(value)
-            elif key == "mode" and value in ("kill", "raise"):
-                out[key] = value
-            else:
-                raise ValueError(part)
-        out["rank"], out["minibatch"]  # both required
-    except (ValueError, KeyError):
-        raise ValueError(f"{FAULT_ENV}={text!r}: expected 'rank=R,minibatch=K[,mode=kill|raise]'") from None
-    return out
-
-
-def install_fault(pipe: "Pipeline") -> None:
-    """Arm the fault named by ``TORCHPIPEDREAM_FAULT`` on this rank (tests only; see the module
-    docstring). Without the variable this does nothing and costs nothing."""
-    text = os.environ.get(FAULT_ENV)
-    if not text or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return
-    fault = parse_fault(text)
-    if fault["rank"] != pipe.rank:
-        return
-    per_minibatch = max(1, int(pipe.microbatches or pipe.plan.microbatches or 1)) if pipe.kind in ("2bw", "flush", "gpipe") else 1
-    fire_at = fault["minibatch"] * per_minibatch  # training forwards of this stage before the fault
-    seen = [0]
-
-    def hook(module: Any, args: Any) -> None:
-        if not torch.is_grad_enabled():  # evaluation does not count
-            return
-        seen[0] += 1
-        if seen[0] == fire_at + 1:
-            log.warning("rank %d: injected fault (%s) at minibatch %d", pipe.rank, fault["mode"], fault["minibatch"])
-            if fault["mode"] == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault at minibatch {fault['minibatch']} ({FAULT_ENV})")
-
-    pipe.module.register_forward_pre_hook(hook)

@@ -1,4 +1,4 @@
-"""Cut a model into pipeline stages: one ``nn.Module`` per stage of a :class:`~torchpipedream.plan.Plan`.
+"""Cut a model into pipeline stages: one ``nn.Module`` per stage of a :class:`~torchpipedream.plans.Plan`.
 
 Three ways in, one contract out. Every stage module is called with the tensors that cross
 into it as positional arguments (stage 0: the model's own inputs) and returns
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from torch import fx, nn
 
-from ..plan import Plan, PlanError
+from ..plans import Plan, PlanError
 
 __all__ = ["split_stages", "StageSplitError"]
 

@@ -10,10 +10,10 @@ runtime incurs it:
 * ``measure_accumulate_bandwidth``: a backward adding its gradient into an existing one;
 * ``measure_concurrency_slowdown``: N workers stepping in lockstep against one alone;
 * ``measure_loopback_bandwidth``: gloo send/recv between two local processes
-  (``Topology.local(measure=True)``).
+  (``Topology.local(bandwidth_Bps=...)``).
 
 ``measure_local_costs(plan)`` measures what a plan needs and returns keyword overrides for
-:meth:`~torchpipedream.simulate.Costs.from_plan`. Every function spawns processes (except the
+:meth:`~torchpipedream.simulator.Costs.from_plan`. Every function spawns processes (except the
 copy bandwidth), so call them from a script's ``if __name__ == "__main__":`` block.
 """
 
@@ -24,11 +24,10 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from .freed_memory import keep_freed_memory
-from .huge_pages import spawning_with_huge_pages
+from ..tuning import tune_own_process
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from ..plans import Plan
 
 __all__ = [
     "measure_local_costs",
@@ -130,7 +129,7 @@ def measure_accumulate_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 10) ->
 
     import torch
 
-    from .profiler import disturb_caches
+    from ..profiler import disturb_caches
 
     def once() -> float:
         new = torch.full_like(acc, 0.5)  # a fresh gradient, as each backward makes one
@@ -213,8 +212,8 @@ def _spawned_pool(workers: int, limit_s: float, **pool_options: Any) -> Iterator
     import multiprocessing as mp
 
     init = (pool_options.pop("initializer", None), pool_options.pop("initargs", ()))
-    with spawning_with_huge_pages(), mp.get_context("spawn").Pool(
-            workers, initializer=_measuring_process_init, initargs=init, **pool_options) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer=_measuring_process_init, initargs=init,
+                                      **pool_options) as pool:
         try:
             yield pool
         except mp.TimeoutError:
@@ -224,7 +223,7 @@ def _spawned_pool(workers: int, limit_s: float, **pool_options: Any) -> Iterator
 
 def _measuring_process_init(init: Callable[..., None] | None, initargs: Sequence[Any]) -> None:
     """Pool initializer: allocate as launch()'s workers do, then the caller's initializer."""
-    keep_freed_memory()
+    tune_own_process()
     if init is not None:
         init(*initargs)
 
@@ -331,9 +330,8 @@ def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: 
     queue = ctx.Queue()
     procs = [ctx.Process(target=_group_worker, args=(target, r, workers, port, nbytes, repeats, queue))
              for r in range(workers)]
-    with spawning_with_huge_pages():  # measured as launch()'s workers will run
-        for p in procs:
-            p.start()
+    for p in procs:
+        p.start()
     import queue as queues
     import time
 
@@ -365,7 +363,7 @@ def _group_worker(target: Any, rank: int, world: int, port: int, nbytes: int, re
     import torch
     import torch.distributed as dist
 
-    keep_freed_memory()  # allocate as launch()'s workers do
+    tune_own_process()  # allocate as launch()'s workers do
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -385,8 +383,8 @@ def _message_overhead(rank: int, world: int, nbytes: int, repeats: int) -> float
     import torch
     import torch.distributed as dist
 
-    from .profiler import disturb_caches
-    from .runtime.comm import pack, post_recv, post_send, unpack
+    from ..profiler import disturb_caches
+    from .comm import pack, post_recv, post_send, unpack
 
     cpu = torch.device("cpu")
     act = torch.randn(max(1, nbytes // 4))
@@ -445,7 +443,7 @@ def _allreduce(rank: int, world: int, nbytes: int, repeats: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from .profiler import disturb_caches
+    from ..profiler import disturb_caches
 
     flat = torch.ones(max(1, nbytes // 4))
     times = []

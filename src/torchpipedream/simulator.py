@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actions import Action, Kind, Schedule
-from .plan import Plan
+from .plans import Plan
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
 
@@ -60,7 +60,7 @@ DEFAULT_BANDWIDTH_BPS = 10e9
 DEFAULT_COPY_BPS = 12e9
 #: Gradient bytes added per second when a backward accumulates into an existing gradient
 #: (``grad += new``, three passes over the bytes): 5.2-6.2 GB/s for 2-76 MB on one thread of
-#: the development machine (``host_costs.measure_accumulate_bandwidth``); pass a measured
+#: the development machine (``runtime.measure.measure_accumulate_bandwidth``); pass a measured
 #: ``accumulate_Bps`` for other hardware.
 DEFAULT_ACCUMULATE_BPS = 5e9
 #: Optimizer state (+ gradient buffer) per worker in multiples of the stage's weights; the
@@ -311,23 +311,63 @@ def accumulating_backwards(actions: list[Action], replicated: bool) -> set[int]:
     return out
 
 
+@dataclass
+class _Charges:
+    """Seconds each action costs on each stage, precomputed from :class:`Costs` once per run."""
+
+    forward: list[float]
+    backward: list[float]
+    step: list[float]
+    copy: list[float]  # extra on a U that keeps the old version (``stash_copies``)
+    add: list[float]  # extra on a B that accumulates into an existing gradient
+    output_bytes: list[float]
+    allreduce: dict[int, float]  # stage -> seconds of one all-reduce among its replicas
+    allreduce_bytes: dict[int, int]  # stage -> bytes each replica moves in it
+
+    @classmethod
+    def of(cls, plan: Plan, costs: Costs) -> "_Charges":
+        slow = costs.compute_slowdown
+        n = plan.num_stages
+        params = costs.parameter_bytes or [0.0] * n
+        steps = costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * n
+        allreduce: dict[int, float] = {}
+        moved: dict[int, int] = {}
+        for s, st in enumerate(plan.stages):
+            r = st.replicas
+            if r < 2:
+                continue
+            moved[s] = int(2 * (r - 1) / r * params[s])
+            measured = costs.allreduce_s[s] if costs.allreduce_s is not None else None
+            if measured is not None:
+                allreduce[s] = float(measured)
+                continue
+            bw = min(costs.bandwidth(a, b) for a in st.ranks for b in st.ranks if a != b) * costs.allreduce_efficiency
+            allreduce[s] = 2 * (r - 1) * costs.latency_s + (2 * (r - 1) / r * params[s] / bw
+                                                              if bw != float("inf") else 0.0)
+        return cls(forward=[f * slow for f in costs.forward_s], backward=[b * slow for b in costs.backward_s],
+                   step=[u * slow for u in steps], copy=[b / costs.copy_Bps for b in params],
+                   add=[b / costs.accumulate_Bps for b in params], output_bytes=costs.output_bytes or [0.0] * n,
+                   allreduce=allreduce, allreduce_bytes=moved)
+
+
 def _run(schedule: Schedule, costs: Costs) -> list[Event]:
-    """The event loop: advance any rank that can run until all lists are done."""
+    """The event loop: advance any rank that can run until all lists are done.
+
+    Sends never block (a link carries one message at a time, in order); a receive waits for
+    its message's arrival; an all-reduce waits for every replica of its stage, then ends for
+    all of them at once.
+    """
     plan = schedule.plan
-    slow = costs.compute_slowdown
-    fwd, bwd = [f * slow for f in costs.forward_s], [b * slow for b in costs.backward_s]
-    outb = costs.output_bytes or [0.0] * plan.num_stages
-    params = costs.parameter_bytes or [0.0] * plan.num_stages
+    charge = _Charges.of(plan, costs)
+    fwd, bwd, step_s, copy_s, add_s, outb = (charge.forward, charge.backward, charge.step, charge.copy, charge.add,
+                                             charge.output_bytes)
     lat, ovh = costs.latency_s, costs.message_overhead_s
-    step_s = [u * slow for u in (costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * plan.num_stages)]
-    F, B, SA, RA, SG, RG, AR, U = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT,
-                                   Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.OPTIMIZER_STEP)
+    F, B, SA, RA, SG, RG, AR = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT,
+                                Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.ALLREDUCE)
     stage_of = {r: plan.stage_of_rank(r) for r in schedule.actions}
     acts = schedule.actions
     copy_at = {r: stash_copies(lst) for r, lst in acts.items()}
-    copy_s = [b / costs.copy_Bps for b in params]
     adds_at = {r: accumulating_backwards(lst, plan.stages[stage_of[r][0]].replicas > 1) for r, lst in acts.items()}
-    add_s = [b / costs.accumulate_Bps for b in params]
     clock = {r: 0.0 for r in acts}
     pc = {r: 0 for r in acts}
     link_free: dict[tuple[int, int], float] = {}
@@ -335,21 +375,16 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     link_cost: dict[tuple[int, int, int], float] = {}
     waiting: dict[tuple[int, int], int] = {}
     ar_state: dict[tuple[int, int], list[Any]] = {}
-    ar_cost: dict[int, float] = {}
     events: list[Event] = []
     emit = events.append
     Ev, text, KV = Event, _text, _KV  # local names: this loop runs once per action
     ready = deque(sorted(acts))
     queued = set(ready)
-    for s, st in enumerate(plan.stages):
-        r = st.replicas
-        measured = costs.allreduce_s[s] if costs.allreduce_s is not None else None
-        if r > 1 and measured is not None:
-            ar_cost[s] = float(measured)
-        elif r > 1:
-            bw = min(costs.bandwidth(a, b) for a in st.ranks for b in st.ranks if a != b)
-            bw *= costs.allreduce_efficiency
-            ar_cost[s] = 2 * (r - 1) * lat + (2 * (r - 1) / r * params[s] / bw if bw != float("inf") else 0.0)
+
+    def wake(rank: int) -> None:
+        if rank not in queued:
+            ready.append(rank)
+            queued.add(rank)
 
     while ready:
         r = ready.popleft()
@@ -384,9 +419,8 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 arrivals.setdefault(ch, deque()).append(end)
                 emit(Ev(r, s, KV[k], a.id, start - ovh, end, int(nbytes), text(a), q, None))
                 w = waiting.pop(ch, None)
-                if w is not None and w not in queued:
-                    ready.append(w)
-                    queued.add(w)
+                if w is not None:
+                    wake(w)
             elif k is RA or k is RG:
                 ch = (a.peer, r)  # type: ignore[assignment]
                 qd = arrivals.get(ch)
@@ -400,28 +434,21 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 t += ovh
                 emit(Ev(r, s, KV[k], a.id, start, t, 0, text(a), q, None))
             elif k is AR:
-                key2 = (s, a.id)
-                stt = ar_state.get(key2)
-                if stt is None:
-                    stt = ar_state[key2] = [set(), 0.0, []]
-                if r not in stt[0]:
-                    stt[0].add(r)
-                    stt[1] = max(stt[1], t)
-                    stt[2].append((r, t, a))
-                if len(stt[0]) < plan.stages[s].replicas:
+                group = ar_state.setdefault((s, a.id), [set(), 0.0, []])  # arrived, latest arrival, who
+                if r not in group[0]:
+                    group[0].add(r)
+                    group[1] = max(group[1], t)
+                    group[2].append((r, t, a))
+                if len(group[0]) < plan.stages[s].replicas:
                     break
-                begin = stt[1]
-                end = begin + ar_cost.get(s, 0.0)
-                nbytes = int(2 * (plan.stages[s].replicas - 1) / plan.stages[s].replicas * params[s])
-                for o, arrived_at, act in stt[2]:
-                    oq = stage_of[o][1]
-                    emit(Ev(o, s, "AR", act.id, arrived_at, end, nbytes, text(act), oq, None))
-                    if o != r:
+                end = group[1] + charge.allreduce.get(s, 0.0)
+                for o, arrived_at, act in group[2]:
+                    emit(Ev(o, s, "AR", act.id, arrived_at, end, charge.allreduce_bytes.get(s, 0), text(act),
+                            stage_of[o][1], None))
+                    if o != r:  # the others were parked at this AR: it is done for them too
                         clock[o] = end
                         pc[o] += 1
-                        if o not in queued:
-                            ready.append(o)
-                            queued.add(o)
+                        wake(o)
                 t = end
             else:  # U
                 d = step_s[s] + (copy_s[s] if p in copy_at[r] else 0.0)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from torchpipedream.host_costs import bracketed_slowdown, measure_concurrency_slowdown
+from torchpipedream.runtime.measure import bracketed_slowdown, measure_concurrency_slowdown
 
 
 def test_bracketing_cancels_a_linear_drift() -> None:

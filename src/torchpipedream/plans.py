@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from .jsonio import read_json, write_json
+from .kinds import UnknownKindError, schedule_kind
 
-__all__ = ["Stage", "Plan", "PlanError", "SCHEDULE_KINDS", "PLAN_FORMAT_VERSION"]
+__all__ = ["Stage", "Plan", "PlanError", "PLAN_FORMAT_VERSION"]
 
 PLAN_FORMAT_VERSION = 1
-#: Schedule families a plan may name (see schedules.py and the table in docs/architecture.md).
-SCHEDULE_KINDS = ("pipedream", "2bw", "flush", "gpipe", "naive")
+#: Fields that older plan files carry and this version derives or no longer keeps: read and dropped.
+_LEGACY_STAGE_FIELDS = frozenset({"output_tensors"})
 
 
 class PlanError(ValueError):
@@ -40,7 +41,6 @@ class Stage:
         parameter_bytes: bytes of the stage's weights.
         output_bytes: bytes sent to the next stage per minibatch (activations; the gradient
             coming back has the same size). 0 for the last stage.
-        output_tensors: producer layer names whose outputs cross to later stages.
         comm_ms: predicted communication per minibatch (activation/gradient transfers and
             the replicas' weight synchronisation, amortised).
         memory_bytes: predicted peak memory of one worker of this stage.
@@ -54,7 +54,6 @@ class Stage:
     backward_ms: float = 0.0
     parameter_bytes: int = 0
     output_bytes: int = 0
-    output_tensors: list[str] = field(default_factory=list)
     comm_ms: float = 0.0
     memory_bytes: int = 0
     optimizer_ms: float = 0.0
@@ -70,12 +69,10 @@ class Plan:
 
     Attributes:
         stages: the stages in pipeline order.
-        schedule: the schedule family the plan was made for (one of SCHEDULE_KINDS).
+        schedule: the schedule kind the plan was made for (a name in ``kinds.SCHEDULE_KINDS``).
         batch_size: samples per minibatch the costs refer to (None if unknown).
         microbatches: microbatches per minibatch for the batch-synchronous schedules
             (flush, gpipe, 2bw); 1 means no splitting.
-        noam: number of minibatches the input stage admits before its first backward
-            (PipeDream's NUM_OPT_ACTIVE_MINIBATCHES, ceil(workers / input-stage replicas)).
         topology: the topology spec the plan was made for (see topology.py).
         predicted: at least ``time_per_minibatch_s`` and ``samples_per_s``.
         meta: provenance (graph source, model name, planner options, planning time).
@@ -85,7 +82,6 @@ class Plan:
     schedule: str = "pipedream"
     batch_size: int | None = None
     microbatches: int = 1
-    noam: int = 1
     topology: str = ""
     predicted: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
@@ -114,6 +110,13 @@ class Plan:
             return f"straight ×{self.num_stages}"
         return self.config
 
+    @property
+    def noam(self) -> int:
+        """Minibatches the input stage admits before its first backward (PipeDream's
+        NUM_OPT_ACTIVE_MINIBATCHES): ⌈workers / input-stage replicas⌉, the warm-up depth of
+        stage 0 (``placement.warmup_depth``)."""
+        return -(-self.num_workers // self.stages[0].replicas)
+
     def stage_of_rank(self, rank: int) -> tuple[int, int]:
         """(stage index, replica index) of a global rank."""
         for s, stage in enumerate(self.stages):
@@ -121,20 +124,17 @@ class Plan:
                 return s, stage.ranks.index(rank)
         raise PlanError(f"rank {rank} is not in the plan (it has {self.num_workers} workers)")
 
-    def stage_of_layer(self) -> dict[str, int]:
-        return {name: s for s, stage in enumerate(self.stages) for name in stage.layers}
-
     # ----------------------------------------------------------- validation
     def validate(self, layer_names: list[str] | None = None, world_size: int | None = None) -> None:
         """Check the plan's own consistency, and optionally against a model and a launch."""
         if not self.stages:
             raise PlanError("plan has no stages")
-        if self.schedule not in SCHEDULE_KINDS:
-            raise PlanError(f"unknown schedule {self.schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+        try:
+            schedule_kind(self.schedule)
+        except UnknownKindError as exc:
+            raise PlanError(str(exc)) from None
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer, got {self.microbatches!r}")
-        if not isinstance(self.noam, int) or self.noam < 1:
-            raise PlanError(f"noam must be a positive integer, got {self.noam!r}")
         seen_layers: dict[str, int] = {}
         seen_ranks: set[int] = set()
         for s, stage in enumerate(self.stages):
@@ -212,16 +212,15 @@ class Plan:
         for i, raw in enumerate(raw_stages):
             if not isinstance(raw, dict) or "layers" not in raw:
                 raise PlanError(f"{source}: stages[{i}] must be an object with 'layers'")
-            unknown = set(raw) - known
+            unknown = set(raw) - known - _LEGACY_STAGE_FIELDS
             if unknown:
                 raise PlanError(f"{source}: stages[{i}]: unknown field(s) {sorted(unknown)}")
-            stages.append(Stage(**raw))
+            stages.append(Stage(**{k: v for k, v in raw.items() if k in known}))
         plan = cls(
             stages=stages,
             schedule=data.get("schedule", "pipedream"),
             batch_size=data.get("batch_size"),
             microbatches=data.get("microbatches", 1),
-            noam=data.get("noam", 1),
             topology=data.get("topology", ""),
             predicted=dict(data.get("predicted") or {}),
             meta=dict(data.get("meta") or {}),
@@ -280,6 +279,6 @@ class Plan:
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":
         """A plan with one worker per stage, ranks 0..n-1 (costs unknown unless given)."""
         stages = [Stage(layers=list(g), replicas=1, ranks=[i]) for i, g in enumerate(layer_groups)]
-        plan = cls(stages=stages, schedule=schedule, noam=len(stages), **kwargs)
+        plan = cls(stages=stages, schedule=schedule, **kwargs)
         plan.validate()
         return plan

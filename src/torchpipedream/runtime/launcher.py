@@ -13,16 +13,19 @@ killed; the error reported is the root cause, a rank whose own code failed, rath
 rank that stopped because a peer failed (:class:`PipelineFailure`). All workers are killed
 when ``timeout_s`` passes.
 
-Workers start with PyTorch's huge-page allocation on (``THP_MEM_ALLOC_ENABLE=1``, see
-``torchpipedream/huge_pages.py``) unless the caller's environment says otherwise, and keep
-the memory of freed tensors for reuse instead of faulting fresh pages in every step
-(``torchpipedream/freed_memory.py``).
+The workers are processes of torchpipedream's own, so they are tuned (``tuning.py``) before
+their first tensor: PyTorch's huge-page allocation on (``THP_MEM_ALLOC_ENABLE=1``) unless the
+caller's environment says otherwise, and malloc keeping the memory of freed tensors for reuse
+instead of faulting fresh pages in every step. The caller's own process and environment are
+left as they are: ``fn`` and ``args`` travel pickled and are unpickled in the worker after
+the tuning, so that even tensors among the arguments are allocated the tuned way.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -34,8 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..freed_memory import keep_freed_memory as _keep_freed_memory
-from ..huge_pages import spawning_with_huge_pages
+from ..tuning import tune_own_process
 
 __all__ = ["launch", "LaunchError", "free_port", "init_from_env"]
 
@@ -72,10 +74,10 @@ def init_from_env(backend: str, timeout_s: float) -> None:
         dist.init_process_group(backend, timeout=timeout)
 
 
-def _worker(rank: int, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, port: int,
-            backend: str, timeout_s: float, outdir: str, threads: int, keep_freed: bool) -> None:
-    if keep_freed:
-        _keep_freed_memory()
+def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, timeout_s: float, outdir: str,
+            threads: int, huge_pages: bool, keep_freed: bool) -> None:
+    tune_own_process(huge_pages=huge_pages, keep_freed=keep_freed)  # before the first tensor
+    fn, args = pickle.loads(payload)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
@@ -181,15 +183,19 @@ def launch(
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
+    try:
+        payload = pickle.dumps((fn, args))
+    except Exception as exc:
+        raise LaunchError(f"launch() sends fn and args to the workers by pickling them: {type(exc).__name__}: {exc} "
+                          "(use a module-level function and picklable arguments)") from None
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tpd_launch_") as outdir:
-        with spawning_with_huge_pages(huge_pages):  # spawned workers copy this environment
-            ctx = mp.start_processes(
-                _worker,
-                args=(fn, args, nprocs, port, backend, comm_timeout_s or timeout_s, outdir, threads,
-                      keep_freed_memory),
-                nprocs=nprocs, join=False, start_method="spawn",
-            )
+        ctx = mp.start_processes(
+            _worker,
+            args=(payload, nprocs, port, backend, comm_timeout_s or timeout_s, outdir, threads, huge_pages,
+                  keep_freed_memory),
+            nprocs=nprocs, join=False, start_method="spawn",
+        )
         deadline = time.monotonic() + timeout_s
         try:
             failed = _wait_for_workers(ctx.processes, deadline, failure_grace_s)

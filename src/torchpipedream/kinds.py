@@ -1,0 +1,153 @@
+"""The schedule kinds and their properties: one registry that every part of the library asks.
+
+A kind is named in plans, schedules, traces and on the command line by its text
+(``"pipedream"``, ``"2bw"``, ...); in code it is a :class:`ScheduleKind` with the properties
+that the planner, the generators, the validator, the runtime and the CLI need. Code asks a
+property (``kind.microbatched``, ``kind.version_rule``), never compares names, so a new kind
+is one entry here plus one generator in ``schedules.py``.
+
+The semantics behind the properties (docs/architecture.md, "Schedule semantics"; w^(k) is a
+stage's weights after k updates, minibatch t, n stages, s counted from 0):
+
+=========== ====================================================== =========================
+kind        weights minibatch t uses                                versions alive per stage
+=========== ====================================================== =========================
+pipedream   the newest at its forward, stashed for its backward     up to n − s
+2bw         W^(t−1) for every microbatch of batch t                 2
+flush       W^(t)                                                   1
+gpipe       W^(t), all forwards of a batch before its backwards     1
+naive       the newest at each of its forward and its backward      1
+=========== ====================================================== =========================
+
+No torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["VersionRule", "ScheduleKind", "SCHEDULE_KINDS", "KIND_NAMES", "schedule_kind", "UnknownKindError"]
+
+
+class UnknownKindError(ValueError):
+    """A schedule kind name that the registry does not know; the message lists the known ones."""
+
+
+class VersionRule(enum.Enum):
+    """Which weight version the forward and the backward of a microbatch use."""
+
+    #: every F and B of batch t use W^(t): plain training with gradient accumulation (flush, gpipe)
+    BATCH = "batch"
+    #: every F and B of batch t use W^(t−1): one update of staleness (2bw)
+    PREVIOUS_BATCH = "previous batch"
+    #: F uses the newest version on its stage, B the one F used (weight stashing: pipedream)
+    STASHED = "stashed"
+    #: F and B each use the newest version at their time: no true gradient (naive)
+    NEWEST = "newest"
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One schedule family and what the rest of the library needs to know about it.
+
+    Attributes:
+        name: the text used in files and on the command line.
+        summary: one line for help texts.
+        version_rule: which weights a microbatch's forward and backward use.
+        microbatched: a minibatch is split into microbatches and each update applies one whole
+            minibatch (its replicas share the minibatch's microbatches); otherwise a microbatch
+            is a minibatch and a replicated stage takes whole minibatches in turn (round robin).
+        flushes: the pipeline drains before every update (a bubble per minibatch).
+        forwards_first: every forward of a batch runs before its first backward (GPipe).
+    """
+
+    name: str
+    summary: str
+    version_rule: VersionRule
+    microbatched: bool
+    flushes: bool = False
+    forwards_first: bool = False
+
+    @property
+    def round_robin(self) -> bool:
+        """Replicas of a stage take whole minibatches in turn (minibatch t → replica t mod r)."""
+        return not self.microbatched
+
+    @property
+    def asynchronous(self) -> bool:
+        """Updates are computed on weights older than the ones they update (stale gradients)."""
+        return self.version_rule is not VersionRule.BATCH
+
+    @property
+    def stashes_weights(self) -> bool:
+        """A microbatch's backward uses the weights its forward used, kept until then."""
+        return self.version_rule is VersionRule.STASHED
+
+    @property
+    def true_gradients(self) -> bool:
+        """Each gradient is the exact gradient of the weights that produced it (all but naive)."""
+        return self.version_rule is not VersionRule.NEWEST
+
+    def max_versions(self, warmup: int, vertical_sync: bool = False) -> int:
+        """Weight versions a replica keeps alive at most, for a stage with ``warmup`` forwards
+        before its first backward (one stash per in-flight minibatch for pipedream)."""
+        if self.version_rule is VersionRule.STASHED:
+            return warmup + (1 if vertical_sync else 0)
+        return 2 if self.version_rule is VersionRule.PREVIOUS_BATCH else 1
+
+    def max_inflight(self, warmup: int, local_microbatches: int) -> int:
+        """Microbatches whose activations a replica holds at most: the warm-up depth, or for
+        ``forwards_first`` kinds every microbatch of a batch that the replica runs."""
+        return local_microbatches if self.forwards_first else warmup
+
+    def fill_drain_factor(self, microbatches: int, depth: int) -> float:
+        """Time per minibatch over the bottleneck stage's, for a pipeline ``depth`` stages deep:
+        a flushing kind runs μ microbatches in μ + n − 1 slots of 1/μ minibatch (GPipe's bubble);
+        the others keep the pipeline full across minibatches."""
+        return (microbatches + depth - 1) / microbatches if self.flushes else 1.0
+
+    def memory_terms(self, weights: Any, inputs: Any, microbatches: int, optimizer_factor: float) -> tuple[Any, Any, float]:
+        """The planner's memory model of one replica: ``base + per · min(d, cap)`` bytes for a
+        stage holding ``d`` minibatches in flight, with ``weights`` the stage's parameter bytes
+        and ``inputs`` the bytes of its input activations per minibatch (scalars or numpy
+        arrays alike). Optimizer state is ``optimizer_factor`` × the weights."""
+        w, a, mu, f = weights, inputs, microbatches, optimizer_factor
+        rule = self.version_rule
+        if rule is VersionRule.STASHED:  # a weight stash and an input stash per in-flight minibatch
+            return f * w, w + a, float("inf")
+        if rule is VersionRule.NEWEST:
+            return (1 + f) * w, a, float("inf")
+        if rule is VersionRule.PREVIOUS_BATCH:
+            return (2 + f) * w, a / mu, float("inf")
+        if self.forwards_first:  # all μ microbatches of a batch in flight
+            return (1 + f) * w + a, 0.0 * a, float("inf")
+        return (1 + f) * w, a / mu, float(mu)
+
+
+SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("pipedream", "1F1B with weight stashing (PipeDream): no flush, stale but true gradients",
+                 VersionRule.STASHED, microbatched=False),
+    ScheduleKind("2bw", "PipeDream-2BW: 1F1B over microbatches, double-buffered weights, one update stale",
+                 VersionRule.PREVIOUS_BATCH, microbatched=True),
+    ScheduleKind("flush", "PipeDream-Flush (synchronous 1F1B): plain training with gradient accumulation",
+                 VersionRule.BATCH, microbatched=True, flushes=True),
+    ScheduleKind("gpipe", "GPipe: all forwards of a batch, then all backwards; plain training",
+                 VersionRule.BATCH, microbatched=True, flushes=True, forwards_first=True),
+    ScheduleKind("naive", "pipelining without weight stashing (for experiments: wrong gradients)",
+                 VersionRule.NEWEST, microbatched=False),
+)}
+
+#: The kind names in registry order (for ``choices=`` and messages).
+KIND_NAMES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
+
+
+def schedule_kind(kind: str | ScheduleKind) -> ScheduleKind:
+    """The registered kind for a name (a :class:`ScheduleKind` passes through)."""
+    if isinstance(kind, ScheduleKind):
+        return kind
+    found = SCHEDULE_KINDS.get(kind) if isinstance(kind, str) else None
+    if found is None:
+        raise UnknownKindError(f"unknown schedule {kind!r}; expected one of {', '.join(KIND_NAMES)}")
+    return found

@@ -1,0 +1,125 @@
+"""Before any worker starts: options checked, the model profiled, a plan made (or loaded and
+checked) and its time predicted."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..graph import LayerGraph
+from ..plans import Plan, PlanError
+from ..units import human_bytes
+from .config import TrainConfig, TrainError, check_options, microbatches_of
+from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
+
+__all__ = ["Prepared", "prepare", "explain_plan"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """What the parent process computed before launching workers (picklable)."""
+
+    config: TrainConfig
+    plan: Plan
+    graph: LayerGraph
+    predicted: dict[str, float] = field(default_factory=dict)
+    why: str = ""
+    resume_from: str | None = None  # checkpoint directory to load before training
+
+
+def explain_plan(plan: Plan, graph: LayerGraph) -> str:
+    """One line on why the planner chose this plan (the trade it made)."""
+    total_w = sum(s.parameter_bytes for s in plan.stages)
+    t = plan.predicted.get("time_per_minibatch_s")
+    speedup = plan.predicted.get("speedup_over_data_parallel")
+    if plan.num_stages == 1:
+        if plan.stages[0].replicas == 1:
+            return "one worker: nothing to split."
+        return (
+            f"data parallelism: the {human_bytes(total_w)} of weights are cheap to all-reduce next to "
+            f"the compute, and every cut would send more than it saves."
+        )
+    heavy = max(range(plan.num_stages), key=lambda s: plan.stages[s].parameter_bytes)
+    share = plan.stages[heavy].parameter_bytes / max(total_w, 1)
+    cut_bytes = sum(s.output_bytes for s in plan.stages[:-1])
+    line = (
+        f"{plan.summary}: stage {heavy} holds {share:.0%} of the {human_bytes(total_w)} of weights; "
+        f"pipelining sends {human_bytes(cut_bytes)} of activations per minibatch across its cuts "
+        f"instead of all-reducing weights"
+    )
+    if speedup:
+        line += f", predicted {speedup:.2f}x the throughput of data parallelism"
+    if t:
+        line += f" ({t * 1e3:.2f} ms per minibatch)"
+    return line + "."
+
+
+def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: Plan | None) -> Plan:
+    """The checkpoint's plan on resume, ``--plan`` when given (checked against the model and
+    the workers), else a new plan for ``--topology`` or this computer's workers."""
+    if saved_plan is not None:  # resume on the checkpoint's plan (re-planning could pick another)
+        try:
+            saved_plan.validate(layer_names=graph.names, world_size=workers)
+        except PlanError as exc:
+            raise TrainError(f"--resume: the checkpoint's plan {exc}") from None
+        return saved_plan
+    if cfg.plan_file:
+        plan = Plan.load(cfg.plan_file)
+        try:
+            plan.validate(layer_names=graph.names, world_size=workers)
+        except PlanError as exc:
+            raise TrainError(f"plan file {cfg.plan_file}: {exc}") from None
+        plan.schedule = cfg.schedule
+        return plan
+    from ..planner import plan as make_plan
+    from ..topology import Topology
+
+    topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
+    if topo.num_workers != workers:
+        raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
+    return make_plan(graph, topo, schedule=cfg.schedule, microbatches=microbatches_of(cfg),
+                     num_stages=cfg.stages, straight=cfg.straight)
+
+
+def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
+    """Check options, profile the model, plan (or load and check a plan) and predict its time.
+
+    With ``measure_host`` (a local run on this machine's cores, no --topology) the prediction
+    charges this host's measured message overhead, all-reduces and copy bandwidth
+    (``runtime.measure.measure_local_costs``, a few seconds of spawned processes) instead of the
+    link model's bytes / bandwidth, which on CPU workers predicts gloo's collectives 3-10× too fast.
+    """
+    from ..profiler import profile
+    from ..schedules import build_schedule
+    from ..simulator import Costs, simulate
+    from .resume import resume_point
+
+    check_options(cfg)
+    resume_from, saved_plan = resume_point(cfg) if cfg.resume else (None, None)
+    workers = cfg.resolved_workers()
+    m = microbatches_of(cfg)
+    model = build_model(cfg)
+    x, y, _, _ = load_data(cfg)
+    graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
+                    name=cfg.model, optimizer=optimizer_factory(cfg), microbatches=m)
+    plan = _choose_plan(cfg, graph, workers, saved_plan)
+    n = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
+    sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=m,
+                           **({"vertical_sync": True} if cfg.vertical_sync else {}))
+    host: dict[str, Any] = {}
+    if measure_host and not cfg.topology and plan.num_workers > 1:
+        from ..runtime.measure import measure_local_costs
+
+        log.info("measuring this host's message, all-reduce and copy costs for the prediction")
+        host = measure_local_costs(plan, m)
+    sim = simulate(sched, Costs.from_plan(plan, microbatches=m, **host))
+    predicted = {
+        "time_per_minibatch_s": sim.makespan_s / n,
+        "samples_per_s": cfg.batch_size * n / sim.makespan_s if sim.makespan_s > 0 else float("inf"),
+        "steady_samples_per_s": (sim.steady_minibatches_per_s or 0.0) * cfg.batch_size,
+        "bubble_fraction": sim.bubble_fraction,
+    }
+    return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph), resume_from=resume_from)

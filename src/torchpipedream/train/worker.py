@@ -1,0 +1,99 @@
+"""One rank of a training run: build the pipeline, train epoch by epoch with checkpoints,
+evaluate, and hand the results to rank 0."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from .config import microbatches_of
+from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
+from .preparation import Prepared
+from .resume import checkpoint_dir
+
+__all__ = ["train_rank"]
+
+
+def _progress_bar(rank: int, prep: Prepared, per_epoch: int) -> Any:
+    cfg = prep.config
+    if rank != 0 or not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.epochs * per_epoch, unit="minibatch", dynamic_ncols=True,
+                desc=f"train {cfg.model} [{prep.plan.summary}, {cfg.schedule}]")
+
+
+def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
+    """Train as rank ``rank`` of the plan; rank 0 returns history, trace and full state."""
+    from ..runtime import Pipeline
+
+    cfg = prep.config
+    model = build_model(cfg)
+    x, y, xt, yt = load_data(cfg)
+    pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
+                    schedule=cfg.schedule, microbatches=microbatches_of(cfg), vertical_sync=cfg.vertical_sync,
+                    timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s)
+    test = minibatches(xt, yt, 256, None, None)
+    per_epoch = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
+    bar = _progress_bar(rank, prep, per_epoch)
+    history: list[dict[str, Any]] = []
+    start_epoch, start_minibatch, partial = 0, 0, {"losses": [], "seconds": 0.0}
+    if prep.resume_from is not None:
+        extra = pipe.load_checkpoint(prep.resume_from)  # collective; verified on every rank
+        start_epoch, history = int(extra["epoch"]), list(extra["history"])
+        start_minibatch = int(extra.get("minibatch", 0))  # inside epoch `start_epoch` (--checkpoint-every)
+        partial = dict(extra.get("partial") or partial)
+        if bar is not None:
+            bar.update(start_epoch * per_epoch + start_minibatch)
+    trace = None
+    for epoch in range(start_epoch, cfg.epochs):
+        batches = minibatches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch)
+        resumed = epoch == start_epoch
+        losses, seconds = _train_epoch(pipe, cfg, epoch, batches, start_minibatch if resumed else 0,
+                                       list(partial["losses"]) if resumed else [],
+                                       float(partial["seconds"]) if resumed else 0.0, history, bar)
+        pipe.epochs_done += 1
+        if epoch == cfg.epochs - 1:
+            trace = pipe.trace(dst=0)  # collective: the measured trace of the last schedule
+        metrics = pipe.evaluate(test)
+        samples = sum(len(b[1]) for b in batches)
+        row = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "test_loss": metrics["loss"],
+               "test_accuracy": metrics["accuracy"], "seconds": seconds, "minibatches": len(batches),
+               "samples_per_s": samples / seconds}
+        history.append(row)
+        # Collective, after the schedule returned: nothing in flight; exact to resume from.
+        pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch + 1), epoch=epoch + 1, minibatch=0, history=history,
+                             config=asdict(cfg))
+        if bar is not None:
+            acc = row["test_accuracy"]
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc="-" if acc is None else f"{acc:.3f}",
+                            samples_s=f"{row['samples_per_s']:.0f}")
+    if bar is not None:
+        bar.close()
+    state = pipe.state_dict(dst=0)
+    if rank != 0:
+        return None
+    return {"history": history, "trace": trace, "state": state}
+
+
+def _train_epoch(pipe: Any, cfg: Any, epoch: int, batches: list, first: int, losses: list[float], seconds: float,
+                 history: list[dict[str, Any]], bar: Any) -> tuple[list[float], float]:
+    """Train ``batches[first:]``: one schedule per chunk of ``--checkpoint-every`` minibatches
+    (the whole epoch by default). The pipeline drains at each chunk's end, so a checkpoint
+    there is exact. Returns the epoch's losses and training seconds so far."""
+    every = cfg.checkpoint_every or len(batches)
+    for lo in range(first, len(batches), every):
+        chunk = batches[lo: lo + every]
+        t0 = time.perf_counter()
+        losses += pipe.train_minibatches(chunk)
+        seconds += time.perf_counter() - t0
+        if bar is not None:
+            bar.update(len(chunk))
+        done = lo + len(chunk)
+        if done < len(batches):
+            pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch, done), epoch=epoch, minibatch=done,
+                                 partial={"losses": losses, "seconds": seconds}, history=history,
+                                 config=asdict(cfg))
+    return losses, seconds

@@ -1,0 +1,94 @@
+"""Fault injection for the tests: a rank that dies or raises at a chosen minibatch.
+
+``TORCHPIPEDREAM_FAULT="rank=1,minibatch=12[,mode=kill|raise]"`` makes that rank die (SIGKILL,
+default) or raise in the forward of that training minibatch (counted from 0 in its process), on
+the first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a job restarted by
+``torchrun --max-restarts`` then runs clean.
+
+The library knows nothing of this. A process started with :func:`fault_environment` finds
+``sitecustomize.py`` (next to this file) on its path at start-up; that wraps
+``Pipeline.__init__`` when ``torchpipedream.runtime.pipeline`` is first imported, and arms the
+fault on the rank it names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tests.fault_injection")
+
+FAULT_ENV = "TORCHPIPEDREAM_FAULT"
+HERE = Path(__file__).resolve().parent
+
+
+def fault_environment(fault: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables that arm ``fault`` in processes started with them (``base``
+    defaults to this process's environment; the result is a new dict)."""
+    env = dict(os.environ if base is None else base)
+    env[FAULT_ENV] = fault
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def parse_fault(text: str) -> dict[str, Any]:
+    """``"rank=1,minibatch=12[,mode=kill|raise]"`` -> {"rank": 1, "minibatch": 12, "mode": "kill"}."""
+    out: dict[str, Any] = {"mode": "kill"}
+    try:
+        for part in text.split(","):
+            key, value = (x.strip() for x in part.split("="))
+            if key in ("rank", "minibatch"):
+                out[key] = int(value)
+            elif key == "mode" and value in ("kill", "raise"):
+                out[key] = value
+            else:
+                raise ValueError(part)
+        out["rank"], out["minibatch"]  # both required
+    except (ValueError, KeyError):
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected 'rank=R,minibatch=K[,mode=kill|raise]'") from None
+    return out
+
+
+def install_fault(pipe: Any) -> None:
+    """Arm the fault named by ``TORCHPIPEDREAM_FAULT`` on ``pipe``'s rank (a forward pre-hook on
+    its stage module), on a first attempt only."""
+    import torch
+
+    from torchpipedream.kinds import schedule_kind
+
+    text = os.environ.get(FAULT_ENV)
+    if not text or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    fault = parse_fault(text)
+    if fault["rank"] != pipe.rank:
+        return
+    per_minibatch = max(1, int(pipe.microbatches or pipe.plan.microbatches or 1)) \
+        if schedule_kind(pipe.kind).microbatched else 1
+    fire_at = fault["minibatch"] * per_minibatch  # training forwards of this stage before the fault
+    seen = [0]
+
+    def hook(module: Any, args: Any) -> None:
+        if not torch.is_grad_enabled():  # evaluation does not count
+            return
+        seen[0] += 1
+        if seen[0] == fire_at + 1:
+            log.warning("rank %d: injected fault (%s) at minibatch %d", pipe.rank, fault["mode"], fault["minibatch"])
+            if fault["mode"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault at minibatch {fault['minibatch']} ({FAULT_ENV})")
+
+    pipe.module.register_forward_pre_hook(hook)
+
+
+def wrap_pipeline(pipeline_class: Any) -> None:
+    """Make every new ``Pipeline`` arm the fault once it is built."""
+    original = pipeline_class.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        install_fault(self)
+
+    pipeline_class.__init__ = __init__
