@@ -3,10 +3,8 @@ faults (freed_memory.py), and the user's own malloc settings win."""
 
 from __future__ import annotations
 
-import resource
-
 import pytest
-import torch
+from allocation_probe import churn_worker
 
 from torchpipedream import freed_memory
 from torchpipedream.runtime import launch
@@ -20,21 +18,6 @@ def glibc_defaults(monkeypatch):
     monkeypatch.delenv(freed_memory.KEEP_FREED_MEMORY_ENV, raising=False)
     for name in (*freed_memory._USER_VARIABLES, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
-
-
-def churn_worker(rank: int) -> float:
-    """Page faults per round of three 8 MiB buffers allocated, written and freed (like a
-    step's activations), after six rounds of warm-up."""
-    def round_() -> None:
-        buffers = [torch.empty(2 << 20).fill_(1.0) for _ in range(3)]
-        del buffers
-
-    for _ in range(6):
-        round_()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        round_()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
 
 
 @glibc_only

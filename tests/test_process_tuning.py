@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,22 +17,10 @@ from torchpipedream.runtime import launch
 
 glibc_only = pytest.mark.skipif(freed_memory._glibc() is None, reason="mallopt is glibc's")
 
-CHURN = """
-import resource, torch
-def faults_per_round():
-    def round_():
-        buffers = [torch.empty(2 << 20).fill_(1.0) for _ in range(3)]
-        del buffers
-    for _ in range(6):
-        round_()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        round_()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
-"""
-
-LIBRARY_USE = CHURN + """
-import os, torch, torchpipedream as tpd
+LIBRARY_USE = """
+import os, sys, torch, torchpipedream as tpd
+sys.path.insert(0, TESTS)
+from allocation_probe import faults_per_round
 from torch import nn
 from torchpipedream import freed_memory
 from torchpipedream.cli import main
@@ -53,6 +42,9 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+TESTS = repr(str(Path(__file__).resolve().parent))
+
+
 def _result(code: str) -> list[str]:
     proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,14 +53,14 @@ def _result(code: str) -> list[str]:
 
 @glibc_only
 def test_profile_pipeline_and_cli_main_change_nothing_process_wide() -> None:
-    tuned, huge_pages, faults = _result(LIBRARY_USE.replace("TUNE", "False"))
+    tuned, huge_pages, faults = _result(LIBRARY_USE.replace("TUNE", "False").replace("TESTS", TESTS))
     assert tuned == "False" and huge_pages == "None"
     assert float(faults) > 100  # glibc's defaults: freed buffers go back to the kernel (~1,500 faults)
 
 
 @glibc_only
 def test_pipeline_tunes_the_allocator_when_asked() -> None:
-    tuned, huge_pages, faults = _result(LIBRARY_USE.replace("TUNE", "True"))
+    tuned, huge_pages, faults = _result(LIBRARY_USE.replace("TUNE", "True").replace("TESTS", TESTS))
     assert tuned == "True" and huge_pages == "None"
     assert float(faults) < 50  # freed buffers are reused
 
