@@ -50,6 +50,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import (Workload, cpu_probe, peak_rss_mb, run_ddp, run_single, run_torch_pipelining,  # noqa: E402
                    training_step)
+from doc_tables import compare_results  # noqa: E402  (the docs render compare.md the same way)
 
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
@@ -338,28 +339,6 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     return rows
 
 
-def _markdown(rows: list[dict], probes: tuple[float, float], procs: int) -> str:
-    pages = "huge pages" if huge_pages_on() else "PyTorch's default pages"
-    lines = [f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; {procs} processes; "
-             f"every row allocates on {pages}"
-             f"{' and keeps freed memory for reuse' if KEEPS_FREED_MEMORY else ''}.",
-             "", "| model | row | plan | samples/s | × DDP | × perfect scaling | × side-by-side ceiling | predicted | "
-             "measured / predicted | run's compute / predicted compute | measured / predicted from the run's compute "
-             "| peak RSS per rank (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-
-    def num(value: float | None, fmt: str = ".2f") -> str:
-        return "-" if value is None else format(value, fmt)
-
-    for r in rows:
-        rss = ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
-        lines.append(f"| {r['model']} | {r['row']} | {r['plan'] or '-'} | {r['samples_per_s']:.1f} | {r['vs_ddp']:.2f} | "
-                     f"{r['vs_perfect_scaling']:.2f} | {r['vs_side_by_side_ceiling']:.2f} | "
-                     f"{num(r['predicted_samples_per_s'], '.0f')} | {num(r['measured_vs_predicted'])} | "
-                     f"{num(r['run_compute_vs_profile'])} | {num(r['measured_vs_run_compute'])} | {rss} |")
-    return "\n".join(lines)
-
-
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -408,13 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU probe at end: {end:.2f}", flush=True)
     if abs(end - start) / max(start, end) > 0.15:
         print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
-    table = _markdown(rows, (start, end), args.procs)
+    result = {"probes": [start, end], "args": vars(args), "huge_pages": huge_pages_on(),
+              "keeps_freed_memory": KEEPS_FREED_MEMORY, "rows": rows}
+    table = compare_results(result)  # the same function renders docs/benchmarks.md's table
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"probes": [start, end], "args": vars(args),
-                                                      "huge_pages": huge_pages_on(),
-                                                      "keeps_freed_memory": KEEPS_FREED_MEMORY, "rows": rows}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
     Path(f"{out}.md").write_text(table + "\n")
     _plot(rows, Path(f"{out}.png"))
     print(f"wrote {out}.json, {out}.md, {out}.png")

@@ -25,10 +25,13 @@ from typing import Callable
 
 import torch
 
-from torchpipedream.runtime import launch
-from torchpipedream.train import TrainConfig
-from torchpipedream.train.inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
-from torchpipedream.train.job import run
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_tables import statistical_efficiency as efficiency_table  # noqa: E402  (the docs' renderer)
+
+from torchpipedream.runtime import launch  # noqa: E402
+from torchpipedream.train import TrainConfig  # noqa: E402
+from torchpipedream.train.inputs import build_model, load_data, loss_for, minibatches, optimizer_factory  # noqa: E402
+from torchpipedream.train.job import run  # noqa: E402
 
 PIPELINE_METHODS = {
     "pipedream": dict(schedule="pipedream"),
@@ -183,19 +186,11 @@ def summarise(results: dict[str, list[list[dict]]], targets: list[float]) -> lis
 def write_outputs(results: dict[str, list[list[dict]]], meta: dict, out: Path) -> None:
     """Print and write the table (epochs to 95%, 97% and the headline target), JSON and plot."""
     targets = sorted({0.95, 0.97, meta["target"]})
-    rows = summarise(results, targets)
-    head = " | ".join(f"epochs to {t:.0%} (seeds)" for t in targets)
-    lines = [f"| method | {head} | final accuracy | s/epoch |", "| --- |" + " --- |" * (len(targets) + 2)]
-    for r in rows:
-        cells = []
-        for t in targets:
-            e = r[f"epochs_to_{t:g}"]
-            cells.append(("-" if e is None else f"{e:.2f}") + f" ({r[f'reached_{t:g}']})")
-        lines.append(f"| {r['method']} | {' | '.join(cells)} | {r['final_accuracy_mean']:.4f} | {r['seconds_per_epoch']:.2f} |")
-    table = "\n".join(lines)
+    data = {"meta": meta, "rows": summarise(results, targets), "histories": results}
+    table = efficiency_table(data)  # the same function renders docs/statistical_efficiency.md's tables
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows, "histories": results}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps(data, indent=1))
     Path(f"{out}.md").write_text(table + "\n")
     _plot(results, meta["target"], Path(f"{out}.png"))
     print(f"wrote {out}.json, {out}.md, {out}.png")
