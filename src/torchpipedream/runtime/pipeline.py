@@ -97,7 +97,7 @@ class Pipeline:
         tune_allocator: make this process's malloc keep freed memory for reuse
             (``torchpipedream.keep_freed_memory``; process-wide and for the process's
             lifetime, so off by default; the workers of ``launch`` and of the command line
-            are tuned anyway). 10-40% faster steps on CPU workers.
+            are tuned anyway). Faster steps on CPU workers (docs/architecture.md, "Freed memory").
 
     Example, in one process (the same code runs on every rank under ``torchrun`` or
     :func:`~torchpipedream.launch` with a plan of more workers, e.g.
@@ -168,7 +168,7 @@ class Pipeline:
             torch.cuda.set_device(self.device)  # NCCL point-to-point uses the current device
         elif self.rank == 0 and HUGE_PAGES_ENV not in os.environ:
             log.info("%s is not set: CPU workers allocate weight gradients on 4 KiB pages; "
-                     "`export %s=1` before torchrun makes weight-heavy models train up to ~30%% faster "
+                     "`export %s=1` before torchrun makes weight-heavy models train faster "
                      "(torchpipedream.launch sets it; see torchpipedream/huge_pages.py)", HUGE_PAGES_ENV, HUGE_PAGES_ENV)
         if seed is not None:
             torch.manual_seed(seed + self.rank)
