@@ -19,7 +19,16 @@ Fails (exit code 1) when a rank's RSS grows by more than ``--tolerance-mib`` bet
 of warm-up (``--warmup`` minibatches) and any later sample, or when a stage ever held more
 versions than its bound. Prints a table and writes benchmarks/results/soak.json.
 
-    .venv/bin/python benchmarks/soak.py            # ~2-4 minutes on 2 cores
+With ``--train-minutes M`` it soaks the main job instead: ``torchpipedream train`` with its
+defaults, for as many epochs as take at least M minutes (calibrated on a 2-epoch run first),
+sampling every 10 s the workers' resident memory, the checkpoint directories in ``--out`` and
+their size. It fails unless the run ends normally (exit 0, a valid report.json) after at least
+M minutes, the checkpoints stay within ``--keep-checkpoints`` + 1 and no worker's memory grows
+by more than ``--tolerance-mib`` after the first fifth of the run. Writes
+benchmarks/results/soak_train.json.
+
+    .venv/bin/python benchmarks/soak.py                      # ~1-2 minutes on 2 cores
+    .venv/bin/python benchmarks/soak.py --train-minutes 16   # the main job for 16+ minutes
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,8 +110,106 @@ def check(kind: str, m: int, ranks: list[dict], warmup: int, tolerance: float) -
     return problems
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def _is_worker(pid: int) -> bool:
+    """A process that launch() spawned (not multiprocessing's resource tracker)."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _du_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6 if path.exists() else 0.0
+
+
+def soak_train(minutes: float, out: Path, tolerance: float, keep: int) -> dict:
+    """The main job for at least ``minutes``: see the module docstring."""
+    import shutil
+    import subprocess
+
+    cli = [sys.executable, "-m", "torchpipedream", "train", "--no-progress"]
+    shutil.rmtree(out, ignore_errors=True)
+    calib = subprocess.run([*cli, "--epochs", "2", "--out", str(out / "calibration")], capture_output=True, text=True)
+    if calib.returncode != 0:
+        raise SystemExit(f"calibration run failed: {calib.stderr[-2000:]}")
+    history = json.loads((out / "calibration" / "report.json").read_text())["history"]
+    per_epoch = max(r["seconds"] for r in history) + 0.5  # training plus evaluation and a checkpoint
+    epochs = int(minutes * 60 / per_epoch * 1.15) + 2
+    run_out = out / "run"
+    t0 = time.monotonic()
+    proc = subprocess.Popen([*cli, "--epochs", str(epochs), "--keep-checkpoints", str(keep), "--out", str(run_out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples = []
+    while proc.poll() is None:
+        time.sleep(10)
+        workers = [p for p in _descendants(proc.pid) if _is_worker(p)]
+        ckpts = run_out / "checkpoints"
+        samples.append({"seconds": round(time.monotonic() - t0, 1),
+                        "worker_rss_mib": sorted(round(_rss_mib(p) or 0.0, 1) for p in workers),
+                        "checkpoint_dirs": len([d for d in ckpts.iterdir() if d.is_dir()]) if ckpts.exists() else 0,
+                        "out_mb": round(_du_mb(run_out), 2)})
+    stdout, stderr = proc.communicate()
+    wall = time.monotonic() - t0
+    problems = []
+    if proc.returncode != 0:
+        problems.append(f"the run ended with exit code {proc.returncode}: {stderr[-1500:]}")
+    if wall < minutes * 60:
+        problems.append(f"the run took {wall / 60:.1f} minutes, less than the {minutes:g} asked for")
+    try:
+        report = json.loads((run_out / "report.json").read_text(), parse_constant=float)
+    except (OSError, ValueError) as exc:
+        report = None
+        problems.append(f"report.json: {exc}")
+    most = max((s["checkpoint_dirs"] for s in samples), default=0)
+    if most > keep + 1:
+        problems.append(f"{most} checkpoint directories at once; --keep-checkpoints {keep} allows {keep + 1}")
+    steady = [s for s in samples if s["seconds"] >= wall / 5 and len(s["worker_rss_mib"]) >= 2]
+    growth = 0.0
+    if steady:
+        first = steady[0]["worker_rss_mib"]
+        growth = max(max(a - b for a, b in zip(s["worker_rss_mib"], first)) for s in steady)
+        if growth > tolerance:
+            problems.append(f"a worker's memory grew {growth:.1f} MiB after the first fifth, tolerance {tolerance:g}")
+    return {"minutes": minutes, "epochs": epochs, "wall_s": round(wall, 1), "exit_code": proc.returncode,
+            "final_test_accuracy": report and report.get("final_test_accuracy"), "max_checkpoint_dirs": most,
+            "keep_checkpoints": keep, "final_out_mb": samples[-1]["out_mb"] if samples else None,
+            "worker_rss_growth_mib": round(growth, 2), "samples": samples, "stdout_tail": stdout[-1500:],
+            "passed": not problems, "problems": problems}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--train-minutes", type=float, default=None,
+                    help="soak the main job (torchpipedream train) for at least this many minutes instead")
+    ap.add_argument("--keep-checkpoints", type=int, default=3, help="with --train-minutes")
     ap.add_argument("--minibatches", type=int, default=10_000)
     ap.add_argument("--every", type=int, default=500, help="minibatches per schedule and per sample")
     ap.add_argument("--warmup", type=int, default=1_000, help="minibatches before the memory baseline")
@@ -109,6 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="pipedream,2bw")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if args.train_minutes is not None:
+        out = Path(args.out if args.out != str(RESULTS) else RESULTS.with_name("soak_train.json"))
+        with tempfile.TemporaryDirectory(prefix="tpd_soak_") as tmp:
+            result = soak_train(args.train_minutes, Path(tmp), args.tolerance_mib, args.keep_checkpoints)
+        result.update(python=platform.python_version(), torch=torch.__version__)
+        print(f"main job for {result['wall_s'] / 60:.1f} minutes ({result['epochs']} epochs): exit code "
+              f"{result['exit_code']}, at most {result['max_checkpoint_dirs']} checkpoint directories "
+              f"(--keep-checkpoints {result['keep_checkpoints']}), {result['final_out_mb']} MB in --out at the end, "
+              f"worker memory growth {result['worker_rss_growth_mib']} MiB, test accuracy "
+              f"{result['final_test_accuracy']}")
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        for p in result["problems"]:
+            print("FAIL:", p)
+        return 0 if result["passed"] else 1
     if args.minibatches % args.every or args.warmup >= args.minibatches:
         ap.error("--minibatches must be a multiple of --every and larger than --warmup")
 

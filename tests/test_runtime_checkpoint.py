@@ -142,14 +142,15 @@ def test_checkpoint_layout_and_manifest(runs):
     root, _, _ = runs
     d = root / "pipedream_2_1"
     manifest = verify_checkpoint(d)
-    names = sorted(e["file"] for e in manifest["files"])
-    assert names == ["extra.pt", "stage0.pt", "stage0_replica1.pt", "stage1.pt"]
-    assert manifest["world_size"] == 3 and manifest["plan_config"] == "2-1"
-    for e in manifest["files"]:
+    names = sorted(e["file"] for e in manifest.files)
+    assert names == ["extra.json", "stage0.pt", "stage0_replica1.pt", "stage1.pt"]
+    assert manifest.world_size == 3 and manifest.raw["plan_config"] == "2-1"
+    for e in manifest.files:
         assert (d / e["file"]).stat().st_size == e["size"]
     assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temporary files left
-    stage0 = torch.load(d / "stage0.pt", weights_only=False)
+    stage0 = torch.load(d / "stage0.pt", weights_only=True)  # plain tensors and containers only
     assert stage0["version"] == 5 and stage0["data"] == {"epoch": 0, "minibatches": 10}
+    assert stage0["save_id"] == manifest.save_id
     assert "momentum_buffer" in next(iter(stage0["optimizer"]["state"].values()))
 
 
@@ -212,10 +213,10 @@ def test_checkpoint_of_another_plan_or_world_size_is_refused(tmp_path, runs):
     assert again.weights.version == pipe.weights.version == 2
 
 
-def test_unpicklable_extra_and_mid_schedule_save_are_refused(tmp_path):
+def test_non_json_extra_and_mid_schedule_save_are_refused(tmp_path):
     pipe = _single(2)
     pipe.train_minibatches(data(1))
-    with pytest.raises(CheckpointError, match=r"rank 0: cannot write its checkpoint file .*PicklingError|AttributeError"):
+    with pytest.raises(CheckpointError, match=r"rank 0: cannot write its checkpoint file .*not JSON serializable"):
         pipe.save_checkpoint(tmp_path / "bad", fn=lambda: 0)
     assert latest_checkpoint(tmp_path) is None  # no manifest: not a checkpoint
     # A stash still alive (what a save in the middle of a pipedream schedule would meet).

@@ -90,10 +90,11 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     plan.save(tmp_path / "plan.json")
     common["plan_file"] = str(tmp_path / "plan.json")
     straight_run = run(TrainConfig(epochs=4, out=str(tmp_path / "a"), **common))
-    run(TrainConfig(epochs=2, out=str(tmp_path / "b"), **common))
+    first = run(TrainConfig(epochs=2, out=str(tmp_path / "b"), **common))
     assert latest_checkpoint(tmp_path / "b" / "checkpoints") == tmp_path / "b" / "checkpoints" / "epoch_2"
-    with pytest.raises(TrainError, match="already at epoch 2 of --epochs 2"):
-        run(TrainConfig(epochs=2, out=str(tmp_path / "b"), resume=True, **common))
+    (tmp_path / "b" / "report.json").unlink()
+    again = run(TrainConfig(epochs=2, out=str(tmp_path / "b"), resume=True, **common))  # complete: outputs again
+    assert again["history"] == first["history"] and (tmp_path / "b" / "report.json").exists()
     with pytest.raises(TrainError, match="other options: --lr 0.05"):
         run(TrainConfig(epochs=4, out=str(tmp_path / "b"), resume=True, **{**common, "lr": 0.1}))
     resumed = run(TrainConfig(epochs=4, out=str(tmp_path / "b"), resume=True, **common))
@@ -102,7 +103,8 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert [r["train_loss"] for r in resumed["history"]] == [r["train_loss"] for r in straight_run["history"]]
-    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == [f"epoch_{i}" for i in (1, 2, 3, 4)]
+    # --keep-checkpoints 3 (the default): the oldest epoch's checkpoint is gone
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == [f"epoch_{i}" for i in (2, 3, 4)]
 
 
 def _mlp_layer_names() -> list[str]:
@@ -134,4 +136,6 @@ def test_a_failing_worker_ends_the_command_with_its_error_not_a_launcher_traceba
     err = capsys.readouterr().err
     assert rc == 1
     assert err.startswith("torchpipedream train: training failed:")
-    assert "rank 1" in err and "--resume" in err
+    assert "rank 1" in err
+    # nothing to resume from: no resume hint for checkpoints that do not exist
+    assert "no checkpoint was written" in err and "--resume" not in err

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .jsonio import read_json, write_json
 from .kinds import UnknownKindError, schedule_kind
@@ -125,9 +125,12 @@ class Plan:
         raise PlanError(f"rank {rank} is not in the plan (it has {self.num_workers} workers)")
 
     # ----------------------------------------------------------- validation
-    def validate(self, layer_names: list[str] | None = None, world_size: int | None = None) -> None:
-        """Check the plan's own consistency, and optionally against a model and a launch."""
-        if not self.stages:
+    def validate(self, layer_names: list[str] | None = None, world_size: int | None = None,
+                 edges: Iterable[tuple[str, str]] | None = None) -> None:
+        """Check the plan's own consistency (types, layers and ranks each used once, ranks
+        0..n-1), and optionally against a model (its layer names, and with ``edges`` the data
+        flow: no layer may feed a layer of an earlier stage) and a launch (the world size)."""
+        if not isinstance(self.stages, list) or not self.stages:
             raise PlanError("plan has no stages")
         try:
             schedule_kind(self.schedule)
@@ -138,10 +141,17 @@ class Plan:
         seen_layers: dict[str, int] = {}
         seen_ranks: set[int] = set()
         for s, stage in enumerate(self.stages):
+            if not isinstance(stage, Stage):
+                raise PlanError(f"stage {s} is a {type(stage).__name__}, not a Stage")
+            if not isinstance(stage.layers, list) or not all(isinstance(n, str) for n in stage.layers):
+                raise PlanError(f"stage {s}: layers must be a list of layer names, got {stage.layers!r:.100}")
             if not stage.layers:
                 raise PlanError(f"stage {s} has no layers")
-            if not isinstance(stage.replicas, int) or stage.replicas < 1:
+            if isinstance(stage.replicas, bool) or not isinstance(stage.replicas, int) or stage.replicas < 1:
                 raise PlanError(f"stage {s}: replicas must be a positive integer, got {stage.replicas!r}")
+            if not isinstance(stage.ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                              for r in stage.ranks):
+                raise PlanError(f"stage {s}: ranks must be a list of integers, got {stage.ranks!r:.100}")
             if len(stage.ranks) != stage.replicas:
                 raise PlanError(f"stage {s}: {stage.replicas} replicas but {len(stage.ranks)} ranks {stage.ranks}")
             for name in stage.layers:
@@ -154,7 +164,7 @@ class Plan:
                 seen_ranks.add(r)
             for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes", "memory_bytes"):
                 v = getattr(stage, attr)
-                if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                     raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
         if seen_ranks != set(range(self.num_workers)):
             raise PlanError(f"ranks must be 0..{self.num_workers - 1}, got {sorted(seen_ranks)}")
@@ -173,6 +183,12 @@ class Plan:
                     + f"). The model has {len(layer_names)} layers, the plan {len(seen_layers)}: "
                     "re-run `torchpipedream plan` on this model's profile."
                 )
+        if edges is not None:
+            for a, b in edges:
+                if a in seen_layers and b in seen_layers and seen_layers[a] > seen_layers[b]:
+                    raise PlanError(
+                        f"layer {a!r} (stage {seen_layers[a]}) feeds layer {b!r} of an earlier stage "
+                        f"({seen_layers[b]}): stages must follow the model's data flow, stage 0 first")
         if world_size is not None and world_size != self.num_workers:
             raise PlanError(
                 f"the plan is for {self.num_workers} workers ({self.summary}) but {world_size} were launched"
@@ -216,6 +232,10 @@ class Plan:
             if unknown:
                 raise PlanError(f"{source}: stages[{i}]: unknown field(s) {sorted(unknown)}")
             stages.append(Stage(**{k: v for k, v in raw.items() if k in known}))
+        for key, types in (("schedule", str), ("batch_size", (int, type(None))), ("microbatches", int),
+                           ("topology", str), ("predicted", (dict, type(None))), ("meta", (dict, type(None)))):
+            if key in data and (isinstance(data[key], bool) or not isinstance(data[key], types)):
+                raise PlanError(f"{source}: field {key!r} has the wrong type ({type(data[key]).__name__})")
         plan = cls(
             stages=stages,
             schedule=data.get("schedule", "pipedream"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,26 +36,41 @@ def fault_environment(fault: str, base: dict[str, str] | None = None) -> dict[st
 
 
 def parse_fault(text: str) -> dict[str, Any]:
-    """``"rank=1,minibatch=12[,mode=kill|raise]"`` -> {"rank": 1, "minibatch": 12, "mode": "kill"}."""
+    """``"rank=1,minibatch=12[,mode=kill|raise|stop]"`` or ``"rank=1,save=2,mode=stop"`` ->
+    {"rank": 1, "minibatch": 12, "mode": "kill"} (a ``save`` instead of the ``minibatch``)."""
     out: dict[str, Any] = {"mode": "kill"}
     try:
         for part in text.split(","):
             key, value = (x.strip() for x in part.split("="))
-            if key in ("rank", "minibatch"):
+            if key in ("rank", "minibatch", "save"):
                 out[key] = int(value)
-            elif key == "mode" and value in ("kill", "raise"):
+            elif key == "mode" and value in ("kill", "raise", "stop"):
                 out[key] = value
             else:
                 raise ValueError(part)
-        out["rank"], out["minibatch"]  # both required
+        out["rank"]  # required
+        if ("minibatch" in out) == ("save" in out):
+            raise ValueError("give one of minibatch and save")
     except (ValueError, KeyError):
-        raise ValueError(f"{FAULT_ENV}={text!r}: expected 'rank=R,minibatch=K[,mode=kill|raise]'") from None
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected 'rank=R,minibatch=K[,mode=kill|raise|stop]' "
+                         "or 'rank=R,save=K[,mode=...]'") from None
     return out
+
+
+def _fire(fault: dict[str, Any], where: str) -> None:
+    log.warning("injected fault (%s) %s", fault["mode"], where)
+    if fault["mode"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault["mode"] == "stop":
+        print(f"FAULT-STOP pid={os.getpid()} time={time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    raise RuntimeError(f"injected fault {where} ({FAULT_ENV})")
 
 
 def install_fault(pipe: Any) -> None:
     """Arm the fault named by ``TORCHPIPEDREAM_FAULT`` on ``pipe``'s rank (a forward pre-hook on
-    its stage module), on a first attempt only."""
+    its stage module, or a wrapper of its ``save_checkpoint``), on a first attempt only."""
     import torch
 
     from torchpipedream.kinds import schedule_kind
@@ -64,6 +80,18 @@ def install_fault(pipe: Any) -> None:
         return
     fault = parse_fault(text)
     if fault["rank"] != pipe.rank:
+        return
+    if "save" in fault:
+        saves = [0]
+        original = pipe.save_checkpoint
+
+        def save_checkpoint(directory: Any, **extra: Any) -> Any:
+            saves[0] += 1
+            if saves[0] == fault["save"]:
+                _fire(fault, f"at checkpoint save {saves[0]} on rank {pipe.rank}")
+            return original(directory, **extra)
+
+        pipe.save_checkpoint = save_checkpoint
         return
     per_minibatch = max(1, int(pipe.microbatches or pipe.plan.microbatches or 1)) \
         if schedule_kind(pipe.kind).microbatched else 1
@@ -75,10 +103,7 @@ def install_fault(pipe: Any) -> None:
             return
         seen[0] += 1
         if seen[0] == fire_at + 1:
-            log.warning("rank %d: injected fault (%s) at minibatch %d", pipe.rank, fault["mode"], fault["minibatch"])
-            if fault["mode"] == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault at minibatch {fault['minibatch']} ({FAULT_ENV})")
+            _fire(fault, f"at minibatch {fault['minibatch']} on rank {pipe.rank}")
 
     pipe.module.register_forward_pre_hook(hook)
 

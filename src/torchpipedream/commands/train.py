@@ -12,8 +12,11 @@ _EPILOG = """\
 With no options: the default CNN on the bundled digits images, one worker per core, PipeDream's
 1F1B schedule with weight stashing. Outputs (plan, profile, measured timeline picture, Chrome
 trace, checkpoint, report.json) go to --out; after every epoch the workers write an exact
-checkpoint into OUT/checkpoints/epoch_N/, and --resume continues from the newest complete one. Under torchrun the same command runs one worker per
-process: torchrun --nproc-per-node 4 -m torchpipedream train --model cnn
+checkpoint into OUT/checkpoints/epoch_N/ (the newest --keep-checkpoints are kept), and --resume
+continues from the newest one written with the same options (or, for a finished run, writes
+its outputs again). A --out that holds another run is refused unless --resume or --overwrite.
+Under torchrun the same command runs one worker per process:
+torchrun --nproc-per-node 4 -m torchpipedream train --model cnn
 With torchrun --max-restarts K a job whose worker died restarts and resumes from the newest
 checkpoint by itself (add --checkpoint-every N to lose at most N minibatches).
 """
@@ -52,11 +55,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (default: %(default)s)")
     p.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
-                   help="seconds any worker waits for a peer before failing (default: %(default)s)")
-    p.add_argument("--max-minibatches", type=int, default=None, help="cap minibatches per epoch (quick runs)")
+                   help="the deadline of every wait for a peer and of every collective step; a run stops when "
+                        "no worker makes progress for this long (plus the failure path's), never while it "
+                        "works; must exceed the longest single step (default: %(default)s)")
+    p.add_argument("--max-minibatches", type=int, default=None, metavar="N",
+                   help="train at most N minibatches per epoch (quick runs; N >= 1)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete, verified checkpoint in OUT/checkpoints (written after "
-                        "every epoch), with the same options; --epochs is the total to reach")
+                   help="continue from the newest complete, verified checkpoint in OUT/checkpoints written with "
+                        "the same options (it says which); --epochs is the total to reach; a finished run only "
+                        "writes its outputs again")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="also write an exact checkpoint every N minibatches inside an epoch (the pipeline "
                         "drains there: one schedule per N minibatches); under torchrun --max-restarts a "
@@ -65,8 +72,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when a worker fails, the deadline of each step the others take to stop "
                         "(reporting and reading the failure; they stop within milliseconds per stage "
                         "when the failed worker's connections close) (default: %(default)s)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, metavar="N",
+                   help="keep the N newest checkpoints, and always the newest one of an epoch's end; 0 keeps "
+                        "every checkpoint (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--out holds another run: delete its checkpoints and outputs and start afresh")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(handler=_handle)
+
+
+def _resume_hint(out: str) -> str:
+    from ..runtime.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(f"{out}/checkpoints")
+    if found is None:
+        return "no checkpoint was written before the failure: run again to start over"
+    return f"the newest checkpoint is {found}; continue from it with --resume (and the same options)"
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -79,13 +100,18 @@ def _handle(args: argparse.Namespace) -> int:
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
     from ..runtime.launcher import LaunchError
 
+    from ..train import TrainError
+
     try:
         report = run(cfg)
+    except TrainError as exc:
+        if exc.quiet:  # under torchrun, rank 0 reports it
+            return 2
+        raise
     except LaunchError as exc:
         # A worker failed: its own error and traceback are in the message; the launcher's
         # stack on top of it would only bury them. Checkpoints written so far are kept.
-        print(f"torchpipedream train: training failed: {exc}\n"
-              f"checkpoints so far are in {cfg.out}/checkpoints; continue with --resume", file=sys.stderr)
+        print(f"torchpipedream train: training failed: {exc}\n{_resume_hint(cfg.out)}", file=sys.stderr)
         return 1
     if report:  # under torchrun only rank 0 reports
         print(format_report(report))

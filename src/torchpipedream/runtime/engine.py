@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from ..actions import Action, Kind
 from ..trace import Event
+from . import liveness
 from .comm import P2P
 from .weights import WeightVersions
 
@@ -171,6 +172,7 @@ class Engine:
             else:  # pragma: no cover - Kind is closed
                 raise RuntimeError(f"unknown action {action}")
             end = time.perf_counter()
+            liveness.mark()
             if comm is not None:
                 comm.pump()  # post the receives that became possible (outside the timed action)
             events.append(Event(

@@ -88,34 +88,31 @@ def _bounded(fn: Callable[[], T], timeout_s: float) -> T | None:
     return box[0] if box else None
 
 
-_instances = 0  # Pipelines built in this process (the same order on every rank: SPMD)
+_instances = 0  # users of the store in this process: Pipelines, train's start (the same order on every rank)
+
+
+def new_store_prefix() -> tuple[Any, str]:
+    """The default process group's key-value store and a key prefix unique to its caller (a
+    Pipeline being built, the start of a training run): ``torchpipedream/<restart>/<n>/``, so
+    a restarted job (a new ``TORCHELASTIC_RESTART_COUNT``) and a second Pipeline in the same
+    processes start afresh. Every rank must call it the same number of times (SPMD)."""
+    global _instances
+    _instances += 1
+    store = dist.distributed_c10d._get_default_store()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return store, f"torchpipedream/{restart}/{_instances}/"
 
 
 class FailureBoard:
-    """First-come reports of failed ranks, in the process group's key-value store.
-
-    Keys live under ``torchpipedream/failures/<restart>/<pipeline>/`` so a restarted job (a
-    new ``TORCHELASTIC_RESTART_COUNT``) and a second Pipeline in the same processes start
-    with an empty board. Every operation returns within ``timeout_s``.
+    """First-come reports of failed ranks, in the process group's key-value store (under the
+    Pipeline's own prefix: :func:`new_store_prefix`). Every operation returns within
+    ``timeout_s``.
     """
 
     def __init__(self, store: Any, prefix: str, timeout_s: float) -> None:
         self.store = store
         self.prefix = prefix
         self.timeout_s = float(timeout_s)
-
-    @classmethod
-    def for_process_group(cls, timeout_s: float) -> "FailureBoard | None":
-        """The board of this Pipeline in the default group's store (None without one)."""
-        global _instances
-        _instances += 1
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except Exception as exc:  # no default group, or a torch without the accessor
-            log.debug("no failure board (no c10d store): %s", exc)
-            return None
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(store, f"torchpipedream/failures/{restart}/{_instances}/", timeout_s)
 
     def post(self, text: str) -> None:
         """Add one report (a line naming the rank and stage, and what happened)."""

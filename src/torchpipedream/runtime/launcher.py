@@ -1,17 +1,28 @@
 """Local launcher: run ``fn(rank, *args)`` on ``nprocs`` processes of this computer.
 
-Each worker gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK/WORLD_SIZE/LOCAL_RANK, one
-intra-op thread, and an initialised default process group (gloo on CPU, NCCL when there is a
-GPU per worker). The same user function runs unchanged under ``torchrun``, where
-:class:`~torchpipedream.runtime.pipeline.Pipeline` picks up the environment's process group.
+Each worker gets RANK/WORLD_SIZE/LOCAL_RANK, one intra-op thread, and an initialised default
+process group (gloo on CPU, NCCL when there is a GPU per worker). The same user function runs
+unchanged under ``torchrun``, where :class:`~torchpipedream.runtime.pipeline.Pipeline` picks up
+the environment's process group.
 
-Results come back through files (``torch.save``), so tensors and plain objects both work. A
-worker's exception is re-raised in the parent as :class:`LaunchError` naming its rank, with
-its traceback. When a worker fails, the others get ``failure_grace_s`` to stop on their own
-(a Pipeline's ranks do, in milliseconds: see ``runtime/failures.py``), then the rest are
-killed; the error reported is the root cause, a rank whose own code failed, rather than a
-rank that stopped because a peer failed (:class:`PipelineFailure`). All workers are killed
-when ``timeout_s`` passes.
+**Rendezvous on this computer only.** The launcher hosts the process group's key-value store
+in its own process, listening on 127.0.0.1 alone, and the workers' gloo sockets bind to the
+loopback interface (``GLOO_SOCKET_IFNAME``, unless the caller set it): nothing of a local run is
+reachable from another machine. Because the launcher hosts the store, a worker that is stopped
+or killed does not take the rendezvous with it: the others' deadlines still work and name it.
+
+**No wall-clock limit on a healthy run.** The runtime marks progress (``liveness.py``) after
+every action and collective step; with ``stall_timeout_s`` the launcher stops the run when no
+worker has made progress for that long, and never otherwise (``timeout_s``, a limit on the
+whole run, is off unless given).
+
+Results come back pickled through files in a private temporary directory that only this
+launch's own workers write, so tensors and plain objects both work. A worker's exception is re-raised in the parent as
+:class:`LaunchError` naming its rank, with its traceback. When a worker fails, the others get
+``failure_grace_s`` to stop on their own (a Pipeline's ranks do, in milliseconds: see
+``runtime/failures.py``), then the rest are killed; the error reported is the root cause, a
+rank whose own code failed, rather than a rank that stopped because a peer failed
+(:class:`PipelineFailure`).
 
 The workers are processes of torchpipedream's own, so they are tuned (``tuning.py``) before
 their first tensor: PyTorch's huge-page allocation on (``THP_MEM_ALLOC_ENABLE=1``) unless the
@@ -23,9 +34,12 @@ the tuning, so that even tensors among the arguments are allocated the tuned way
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import os
 import pickle
+import re
 import socket
 import tempfile
 import time
@@ -38,8 +52,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..tuning import tune_own_process
+from . import liveness
 
-__all__ = ["launch", "LaunchError", "free_port", "init_from_env"]
+__all__ = ["launch", "LaunchError", "free_port", "init_from_env", "loopback_interface", "without_cpp_frames"]
 
 
 class LaunchError(RuntimeError):
@@ -51,6 +66,36 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def loopback_interface() -> str | None:
+    """The name of this computer's loopback network interface ("lo" on Linux), if any."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # pragma: no cover - platforms without if_nameindex
+        return None
+    return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None))
+
+
+def without_cpp_frames(text: str) -> str:
+    """``text`` without the C++ stack traces that torch appends to some errors ("Exception
+    raised from ...", "frame #3: ..."): they bury the message and say nothing to a user."""
+    lines = [line for line in text.splitlines()
+             if not re.match(r"\s*(frame #\d+:|Exception raised from |<omitting python frames>)", line)]
+    return "\n".join(lines)
+
+
+def _loopback_store(world: int, timeout_s: float) -> Any:
+    """A key-value store hosted in this process and listening on 127.0.0.1 only (TCPStore binds
+    every interface unless it is handed a socket that is already bound)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(128, 2 * world))
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    sock.detach()  # the store owns the listening socket now, and closes it
+    return store, port
 
 
 def init_from_env(backend: str, timeout_s: float) -> None:
@@ -75,25 +120,31 @@ def init_from_env(backend: str, timeout_s: float) -> None:
 
 
 def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, timeout_s: float, outdir: str,
-            threads: int, huge_pages: bool, keep_freed: bool) -> None:
+            threads: int, huge_pages: bool, keep_freed: bool, marks: Any) -> None:
     tune_own_process(huge_pages=huge_pages, keep_freed=keep_freed)  # before the first tensor
+    liveness.attach(marks, rank)
     fn, args = pickle.loads(payload)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
+    loopback = loopback_interface()
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo listens on loopback only
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=nprocs,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=timeout)
     try:
         try:
             result = fn(rank, *args)
         except BaseException as exc:
-            text = f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            text = without_cpp_frames(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             kind = "consequence" if type(exc).__name__ == "PipelineFailure" else "cause"
             (Path(outdir) / f"error_{rank}.{kind}.txt").write_text(text)
             raise RuntimeError(text) from None
-        torch.save(result, Path(outdir) / f"result_{rank}.pt")
+        with open(Path(outdir) / f"result_{rank}.pickle", "wb") as f:
+            pickle.dump(result, f)
         # Tear down together: a rank that destroys its process group while a peer still has
         # gloo work in flight can abort the peer ("terminate called without an active
         # exception", seen intermittently at the end of benchmark runs). A rank that failed
@@ -106,42 +157,63 @@ def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, tim
             pass
 
 
-def _wait_for_workers(processes: list[Any], deadline: float, grace_s: float) -> dict[int, int] | None:
-    """Wait until every worker exited, or until ``grace_s`` after the first failure.
-
-    Returns {rank: exit code} of the failed workers ({} when all succeeded), None on timeout.
-    """
+def _wait_for_workers(processes: list[Any], deadline: float | None, grace_s: float, marks: Any,
+                      stall_s: float | None, start_s: float) -> tuple[dict[int, int], str | None]:
+    """Wait until every worker exited, until ``grace_s`` after the first failure, or until the
+    run is stuck: past ``deadline`` (a wall-clock limit), a worker not started (its first
+    progress mark) within ``start_s``, or, once all started, no worker marking progress for
+    ``stall_s``. Returns ({rank: exit code} of the failed workers, why it stopped early)."""
     first_failure = None
+    began = time.monotonic()
     while True:
         codes = [p.exitcode for p in processes]
         failed = {r: c for r, c in enumerate(codes) if c not in (None, 0)}
         if failed and first_failure is None:
             first_failure = time.monotonic()
         if all(c is not None for c in codes):
-            return failed
+            return failed, None
         if first_failure is not None and time.monotonic() - first_failure > grace_s:
-            return failed
-        if time.monotonic() > deadline:
-            return None
+            return failed, None
+        if deadline is not None and time.monotonic() > deadline:
+            return failed, "deadline"
+        running = [r for r, c in enumerate(codes) if c is None]
+        if first_failure is None and any(marks[r] == 0.0 for r in running):
+            if time.monotonic() - began > start_s:
+                return failed, "start"
+        elif stall_s is not None and first_failure is None and running:
+            if min(liveness.last_marks(marks)[r] for r in running) > stall_s:
+                return failed, "stall"
         time.sleep(0.02)
 
 
-def _root_cause(failed: dict[int, int], outdir: Path) -> str:
-    """The error to report: a rank whose own code failed, else one that died without a word
-    (killed), else the first rank that stopped because a peer failed."""
+def _stall_message(marks: Any, stall_s: float, nprocs: int) -> str:
+    idle = liveness.last_marks(marks)
+    oldest = max(range(nprocs), key=lambda r: idle[r])
+    ages = ", ".join(f"rank {r} {idle[r]:.0f} s ago" for r in range(nprocs))
+    return (f"no worker made progress for {stall_s:g} s (last progress: {ages}); rank {oldest} stopped first. "
+            f"All {nprocs} workers were killed")
+
+
+def _root_cause(failed: dict[int, int], outdir: Path, running: list[int]) -> str:
+    """The error to report: a rank whose own code failed (with its traceback), else one that
+    died without a word (killed), else the first rank that stopped because a peer failed (its
+    message alone: the traceback of a rank that only saw a peer fail says nothing more). Ranks
+    still running when the others gave up (hung, stopped) are named: they are killed next."""
     def text(rank: int, kind: str) -> str | None:
         path = outdir / f"error_{rank}.{kind}.txt"
         return path.read_text() if path.exists() else None
 
+    still = (f"\nrank(s) {', '.join(map(str, running))} had not stopped and were killed" if running else "")
     for rank in sorted(failed):
         cause = text(rank, "cause")
         if cause is not None:
-            return f"worker rank {rank} failed:\n{cause}"
+            return f"worker rank {rank} failed:\n{cause}{still}"
     for rank in sorted(failed):
         if text(rank, "consequence") is None:
-            return f"worker rank {rank} exited with code {failed[rank]}"
+            return f"worker rank {rank} exited with code {failed[rank]} (killed by a signal if negative){still}"
     rank = min(failed)
-    return f"worker rank {rank} failed:\n{text(rank, 'consequence')}"
+    first_line = (text(rank, "consequence") or "").splitlines()[0]
+    return f"worker rank {rank} failed: {first_line}{still}"
 
 
 def launch(
@@ -149,8 +221,9 @@ def launch(
     nprocs: int,
     *args: Any,
     backend: str | None = None,
-    timeout_s: float = 600.0,
-    comm_timeout_s: float | None = None,
+    timeout_s: float | None = None,
+    stall_timeout_s: float | None = None,
+    comm_timeout_s: float = 300.0,
     return_all: bool = False,
     threads: int = 1,
     failure_grace_s: float = 3.0,
@@ -163,8 +236,13 @@ def launch(
         fn: a picklable (module-level) function.
         nprocs: number of worker processes.
         backend: "gloo" or "nccl" (default: nccl if there is a GPU per worker, else gloo).
-        timeout_s: wall-clock limit of the whole run; the workers are killed after it.
-        comm_timeout_s: the process group's timeout (default ``timeout_s``).
+        timeout_s: a wall-clock limit on the whole run (default: none); the workers are killed
+            after it.
+        stall_timeout_s: stop the run when no worker has marked progress (``liveness.py``:
+            the runtime marks every action and collective step) for this long (default:
+            never). A run that keeps working is never cut short.
+        comm_timeout_s: the process group's timeout: the deadline of gloo's own waits, and of
+            connecting to the launcher's store.
         return_all: return every rank's result as a list.
         threads: intra-op threads per worker.
         failure_grace_s: after a worker fails, how long the others may take to stop on their
@@ -176,11 +254,15 @@ def launch(
             (``freed_memory.py``; a training step re-allocates the same buffers each time).
 
     Raises:
-        LaunchError: a worker raised (the message names its rank and has its traceback) or
-            the run exceeded ``timeout_s``.
+        LaunchError: a worker raised (the message names its rank and has its traceback), the
+            run exceeded ``timeout_s``, or it stalled for ``stall_timeout_s``.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    for name, value in (("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s),
+                        ("comm_timeout_s", comm_timeout_s)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
     try:
@@ -188,29 +270,42 @@ def launch(
     except Exception as exc:
         raise LaunchError(f"launch() sends fn and args to the workers by pickling them: {type(exc).__name__}: {exc} "
                           "(use a module-level function and picklable arguments)") from None
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tpd_launch_") as outdir:
-        ctx = mp.start_processes(
-            _worker,
-            args=(payload, nprocs, port, backend, comm_timeout_s or timeout_s, outdir, threads, huge_pages,
-                  keep_freed_memory),
-            nprocs=nprocs, join=False, start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            failed = _wait_for_workers(ctx.processes, deadline, failure_grace_s)
-            if failed is None:
-                raise LaunchError(f"the run did not finish within {timeout_s:g} s; all {nprocs} workers were killed")
-            if failed:
-                raise LaunchError(_root_cause(failed, Path(outdir)))
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(timeout=5)
-        results = []
-        for rank in range(nprocs):
-            path = Path(outdir) / f"result_{rank}.pt"
-            results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    store, port = _loopback_store(nprocs, comm_timeout_s)
+    marks = mp.get_context("spawn").Array("d", nprocs, lock=False)  # 0.0 until a worker starts
+    try:
+        with tempfile.TemporaryDirectory(prefix="tpd_launch_") as outdir:
+            ctx = mp.start_processes(
+                _worker,
+                args=(payload, nprocs, port, backend, comm_timeout_s, outdir, threads,
+                      huge_pages, keep_freed_memory, marks),
+                nprocs=nprocs, join=False, start_method="spawn",
+            )
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            try:
+                failed, early = _wait_for_workers(ctx.processes, deadline, failure_grace_s, marks, stall_timeout_s,
+                                                  comm_timeout_s)
+                if early == "start":
+                    late = [r for r in range(nprocs) if marks[r] == 0.0]
+                    raise LaunchError(f"worker rank(s) {', '.join(map(str, late))} did not start within "
+                                      f"{comm_timeout_s:g} s; all {nprocs} workers were killed")
+                if early == "deadline":
+                    raise LaunchError(f"the run did not finish within {timeout_s:g} s; all {nprocs} workers were killed")
+                if early == "stall":
+                    raise LaunchError(_stall_message(marks, stall_timeout_s, nprocs))  # type: ignore[arg-type]
+                if failed:
+                    running = [r for r, p in enumerate(ctx.processes) if p.exitcode is None]
+                    raise LaunchError(_root_cause(failed, Path(outdir), running))
+            finally:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in ctx.processes:
+                    p.join(timeout=5)
+            results = []
+            for rank in range(nprocs):  # this launch's own private directory, written by its own workers
+                path = Path(outdir) / f"result_{rank}.pickle"
+                with open(path, "rb") if path.exists() else contextlib.nullcontext() as f:
+                    results.append(pickle.load(f) if f is not None else None)
+    finally:
+        del store  # closes the listening socket
     return results if return_all else results[0]

@@ -29,7 +29,10 @@ samples (``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import io
+import json
 import logging
 import os
 import time
@@ -43,11 +46,12 @@ from ..actions import Action, Kind, Schedule
 from ..huge_pages import HUGE_PAGES_ENV
 from ..plans import Plan
 from ..schedules import build_schedule
-from ..trace import Trace
+from ..trace import Event, Trace
 from ..validate import validate_schedule
 from .comm import P2P
 from .engine import Engine, MicrobatchResult, as_tuple
-from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure
+from .agreement import Agreement
+from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
 from .stage_split import split_stages
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means
 
@@ -198,7 +202,13 @@ class Pipeline:
         self.history: list[float] = []
         self.epochs_done = 0  # data position, saved in checkpoints: epochs finished by fit
         self.minibatches_done = 0  # minibatches trained in total (train_step and fit)
-        self._board = FailureBoard.for_process_group(self.failure_timeout_s) if self.distributed else None
+        self._board: FailureBoard | None = None
+        self.agreement: Agreement | None = None  # deadline-bounded JSON collectives (runtime/agreement.py)
+        if self.distributed:
+            store, prefix = new_store_prefix()
+            self._board = FailureBoard(store, prefix + "failures/", self.failure_timeout_s)
+            self.agreement = Agreement(store, self.rank, self.world_size, self.timeout_s, prefix + "agree/",
+                                       self._describe)
 
     # ------------------------------------------------------------------ setup
     def _ensure_process_group(self, workers: int) -> bool:
@@ -369,7 +379,7 @@ class Pipeline:
                     grad_order.setdefault(a.peer, []).append(a.id)
             comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s,
                        sizes=self._message_sizes)
-            dist.barrier()
+            self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(iter(batches), m) if (self.stage == 0 and batches is not None) else None
         t0 = time.perf_counter()
         results, events = self.engine.run(actions, comm, source, train=train, version_base=base, t0=t0)
@@ -388,6 +398,7 @@ class Pipeline:
             table[t, 2] += r.correct or 0
             table[t, 3] += 1 if r.correct is not None else 0
         if self.distributed:
+            self.agreement.barrier("the end of the schedule")  # type: ignore[union-attr]
             table = table.to(self.device)
             dist.all_reduce(table)
             table = table.cpu()
@@ -470,26 +481,47 @@ class Pipeline:
         mine = self.stage_state_dict() if self.replica == 0 else {}
         if not self.distributed:
             return mine
+        buf = io.BytesIO()
+        torch.save(mine, buf)
         with self._failure_guard("gathering the state"):
-            if dst is None:
-                parts: list[Any] = [None] * self.world_size
-                dist.all_gather_object(parts, mine)
-            else:
-                parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
-                dist.gather_object(mine, parts, dst=dst)
-        if dst is not None and self.rank != dst:
+            parts = self._gather_bytes(buf.getvalue(), dst, "the gathering of the state")
+        if parts is None:
             return None
         full: dict[str, torch.Tensor] = {}
-        for p in parts:
-            full.update(p)
+        for part in parts:
+            full.update(torch.load(io.BytesIO(part), map_location="cpu", weights_only=True))
         return full
+
+    def _gather_bytes(self, data: bytes, dst: int | None, what: str) -> list[bytes] | None:
+        """Every rank's ``data`` on rank ``dst`` (every rank when None; None elsewhere): raw
+        bytes through the process group, after a deadline-bounded barrier that names a rank
+        that does not come. Nothing is unpickled."""
+        self.agreement.barrier(what)  # type: ignore[union-attr]
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=self.device))
+        lengths = [int(t.item()) for t in sizes]
+        width = max(1, max(lengths))
+        buf = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(self.device)
+        if dst is None:
+            parts = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+            dist.all_gather(parts, buf)
+        else:
+            parts = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)] \
+                if self.rank == dst else None  # type: ignore[assignment]
+            dist.gather(buf, parts, dst=dst)
+            if self.rank != dst:
+                return None
+        return [bytes(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, lengths)]
 
     def save_checkpoint(self, directory: str | os.PathLike[str], **extra: Any) -> Any:
         """Write an exact checkpoint into ``directory`` (collective; between schedules).
 
         Each stage's file (weights, optimizer state, version, data position, RNG) is written
         atomically, then rank 0 writes a manifest with every file's sha256 last. ``extra``
-        (picklable) comes back from :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
+        (JSON-serialisable) comes back from :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
         """
         from .checkpoint import CheckpointError, save_checkpoint
 
@@ -514,15 +546,11 @@ class Pipeline:
             meta.update(minibatches=self.last_schedule.minibatches, microbatches=self.last_schedule.microbatches)
         if not self.distributed:
             return Trace(list(self._events), meta=meta)
+        mine = json.dumps([dataclasses.asdict(e) for e in self._events]).encode()
         with self._failure_guard("gathering the trace"):
-            if dst is None:
-                parts: list[Any] = [None] * self.world_size
-                dist.all_gather_object(parts, self._events)
-            else:
-                parts = [None] * self.world_size if self.rank == dst else None  # type: ignore[assignment]
-                dist.gather_object(self._events, parts, dst=dst)
-        if dst is not None and self.rank != dst:
+            parts = self._gather_bytes(mine, dst, "the gathering of the trace")
+        if parts is None:
             return None
-        events = [e for p in parts for e in p]
+        events = [Event(**e) for part in parts for e in json.loads(part.decode())]
         events.sort(key=lambda e: (e.start_s, e.rank))
         return Trace(events, meta=meta)

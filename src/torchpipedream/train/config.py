@@ -9,13 +9,34 @@ from dataclasses import dataclass
 
 from ..kinds import KIND_NAMES, schedule_kind
 
-__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "check_options", "microbatches_of"]
+__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "check_options", "microbatches_of", "flag", "WORKER_MEMORY_BYTES"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
+#: Resident memory of one worker process before its model (Python, torch, gloo): about 300 MB
+#: measured on the development machine (benchmarks/results/soak.json, "start_rss_mib"); the
+#: bound on --workers charges 400 MB each, plus the model's weights four times (weights,
+#: gradients, optimizer state, a stashed version).
+WORKER_MEMORY_BYTES = 400 * 2**20
+
+#: The command-line option of each TrainConfig field whose name differs from the option's.
+_FLAGS = {"plan_file": "--plan", "timeout_s": "--timeout", "failure_timeout_s": "--failure-timeout",
+          "progress": "--no-progress"}
+
+
+def flag(field_name: str) -> str:
+    """The command-line option that sets the TrainConfig field ``field_name``."""
+    return _FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
+
 
 class TrainError(ValueError):
-    """An option or input of `torchpipedream train` cannot be used; the message says what to do."""
+    """An option or input of `torchpipedream train` cannot be used; the message says what to do.
+
+    ``quiet``: another process (rank 0 under torchrun) reports it; this one only exits."""
+
+    def __init__(self, message: str, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
 
 
 @dataclass
@@ -43,6 +64,8 @@ class TrainConfig:
     resume: bool = False  # continue from the newest verified checkpoint in OUT/checkpoints
     checkpoint_every: int | None = None  # also checkpoint every N minibatches inside an epoch
     failure_timeout_s: float = 10.0  # deadline of each step of the failure path (runtime/failures.py)
+    keep_checkpoints: int = 3  # newest checkpoints kept (plus the newest epoch end); 0 keeps all
+    overwrite: bool = False  # replace another run's checkpoints and outputs in --out
 
     def resolved_workers(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)
@@ -54,6 +77,50 @@ def microbatches_of(cfg: TrainConfig) -> int:
     return cfg.microbatches if schedule_kind(cfg.schedule).microbatched else 1
 
 
+def _positive_int(cfg: TrainConfig, name: str, allow_none: bool = False, minimum: int = 1) -> None:
+    value = getattr(cfg, name)
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        if name in ("checkpoint_every", "max_minibatches"):
+            what = "a positive number of minibatches"
+        raise TrainError(f"{flag(name)} must be {what}, got {value!r}")
+
+
+def _positive_seconds(cfg: TrainConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise TrainError(f"{flag(name)} must be a positive number of seconds, got {value!r}")
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_workers_fit(workers: int, model_bytes: int = 0, available: int | None = None) -> None:
+    """TrainError when ``workers`` processes would not fit in this machine's available memory
+    (``WORKER_MEMORY_BYTES`` each, plus four copies of the model's weights)."""
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    need = workers * (WORKER_MEMORY_BYTES + 4 * model_bytes)
+    if need > available:
+        fit = max(1, available // (WORKER_MEMORY_BYTES + 4 * model_bytes))
+        raise TrainError(
+            f"--workers {workers} would need about {need / 2**30:.1f} GiB ({(WORKER_MEMORY_BYTES + 4 * model_bytes) / 2**20:.0f} "
+            f"MiB per worker process: Python, torch and the model) but this machine has {available / 2**30:.1f} GiB "
+            f"available: use at most {fit} workers")
+
+
 def check_options(cfg: TrainConfig) -> None:
     """TrainError for the first option that cannot work, before anything is started."""
     if cfg.schedule not in KIND_NAMES:
@@ -61,19 +128,18 @@ def check_options(cfg: TrainConfig) -> None:
     if cfg.optimizer not in OPTIMIZERS:
         raise TrainError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     for name in ("epochs", "batch_size", "microbatches"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < 1:
-            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if cfg.checkpoint_every is not None and (not isinstance(cfg.checkpoint_every, int) or cfg.checkpoint_every < 1):
-        raise TrainError(f"--checkpoint-every must be a positive number of minibatches, got {cfg.checkpoint_every!r}")
-    if not (cfg.failure_timeout_s > 0 and math.isfinite(cfg.failure_timeout_s)):
-        raise TrainError(f"--failure-timeout must be a positive number of seconds, got {cfg.failure_timeout_s}")
-    if cfg.stages is not None and cfg.stages < 1:
-        raise TrainError(f"--stages must be a positive integer, got {cfg.stages}")
-    if cfg.workers < 0:
-        raise TrainError(f"--workers must be >= 1 (or 0 for one per core), got {cfg.workers}")
+        _positive_int(cfg, name)
+    _positive_int(cfg, "checkpoint_every", allow_none=True)
+    _positive_int(cfg, "max_minibatches", allow_none=True)
+    _positive_int(cfg, "stages", allow_none=True)
+    _positive_int(cfg, "keep_checkpoints", minimum=0)
+    _positive_int(cfg, "workers", minimum=0)
+    _positive_seconds(cfg, "timeout_s")
+    _positive_seconds(cfg, "failure_timeout_s")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise TrainError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.resume and cfg.overwrite:
+        raise TrainError("--resume continues the run in --out and --overwrite replaces it: give one of them")
     from ..models import MODELS
 
     if cfg.model not in MODELS and ":" not in cfg.model:
@@ -85,3 +151,17 @@ def check_options(cfg: TrainConfig) -> None:
         raise TrainError(
             f"--batch-size {cfg.batch_size} cannot be split into --microbatches {cfg.microbatches}"
         )
+    if cfg.topology:
+        from ..topology import Topology, TopologyError
+
+        try:
+            Topology.from_any(cfg.topology)
+        except (TopologyError, ValueError, OSError) as exc:
+            raise TrainError(f"--topology {cfg.topology}: {exc}") from None
+    if cfg.plan_file:
+        from ..plans import Plan, PlanError
+
+        try:
+            Plan.load(cfg.plan_file)
+        except PlanError as exc:
+            raise TrainError(f"--plan: {exc}") from None

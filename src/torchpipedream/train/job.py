@@ -1,21 +1,41 @@
-"""A whole training run, on this computer's cores (``launch``) or as one process of torchrun."""
+"""A whole training run, on this computer's cores (``launch``) or as one process of torchrun.
+
+Before any worker starts, the options and ``--out`` are checked (``config.check_options``,
+``out_dir.prepare_out_dir``); a run whose newest compatible checkpoint already ends it only
+writes its outputs again. Locally, the launcher stops the run only when no worker has made
+progress for ``--timeout`` plus the failure path's deadlines: a healthy run is never cut
+short, however long it takes.
+
+Under torchrun, rank 0 prepares and sends the plan to the others as JSON through the store
+(``runtime/agreement.py``). A mistake of the user's (an option, a file) is reported once, by
+rank 0; a restarted attempt of the same torchrun job (``--max-restarts``) recognises it and
+stops at once instead of reporting it again, since a restart cannot fix it.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
-from .outputs import write_outputs
+from .config import TrainConfig, TrainError, check_options
+from .out_dir import prepare_out_dir
+from .outputs import outputs_from_checkpoint, write_outputs
 from .preparation import Prepared, prepare
 from .resume import resume_after_restart
 from .worker import train_rank
 
-__all__ = ["run"]
+__all__ = ["run", "stall_timeout_s"]
 
 log = logging.getLogger(__name__)
+
+
+def stall_timeout_s(cfg: TrainConfig) -> float:
+    """How long the launcher lets every worker go without progress before it stops the run:
+    ``--timeout`` (every wait's deadline) plus time for the failure path to report."""
+    return cfg.timeout_s + 3 * cfg.failure_timeout_s + 5.0
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
@@ -23,39 +43,106 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     returns the report.
 
     Under torchrun (RANK and WORLD_SIZE set) each process is one worker: rank 0 prepares and
-    broadcasts the plan, and writes the outputs (the other ranks return an empty dict).
+    sends the plan, and writes the outputs (the other ranks return an empty dict).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg)
     from ..runtime import launch
 
+    check_options(cfg)
+    prepare_out_dir(cfg)
     prep = prepare(cfg, measure_host=True)
+    if prep.complete:
+        return _rewrite_outputs(prep)
+    if prep.resume_from is not None:
+        log.warning("resuming from %s", prep.resume_from)
     log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
-    result = launch(train_rank, prep.plan.num_workers, prep, timeout_s=max(cfg.timeout_s * 4, 600.0))
+    result = launch(train_rank, prep.plan.num_workers, prep, stall_timeout_s=stall_timeout_s(cfg),
+                    comm_timeout_s=cfg.timeout_s)
     return write_outputs(prep, result, Path(cfg.out))
+
+
+def _rewrite_outputs(prep: Prepared) -> dict[str, Any]:
+    log.warning("the run in %s is complete (checkpoint %s): writing its outputs again", prep.config.out,
+                prep.resume_from)
+    return write_outputs(prep, outputs_from_checkpoint(prep.resume_from), Path(prep.config.out))  # type: ignore[arg-type]
+
+
+def _job_id() -> str | None:
+    """What identifies this torchrun job across its restarts: ``--rdzv-id`` when given, else the
+    elastic agent (the workers' parent) by its pid and start time (a reused pid differs in the
+    latter); None outside torchrun."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    agent = os.getppid()
+    try:
+        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"agent{agent}-{started}"
+
+
+def _marker() -> Path | None:
+    """Where rank 0 notes a user error for the restarts of the same torchrun job (None outside one)."""
+    job = _job_id()
+    if job is None:
+        return None
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in job)
+    return Path(tempfile.gettempdir()) / f"torchpipedream-{safe}-user-error.txt"
+
+
+def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
+    """What rank 0 sends the others: the prepared run, or the error that stops it."""
+    marker = _marker()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if marker is not None and restart > 0 and marker.exists():  # reported by the first attempt already
+        return {"error": f"not retried: {marker.read_text().strip()}", "user": True, "repeat": True}
+    try:
+        resume_after_restart(cfg)
+        check_options(cfg)
+        prepare_out_dir(cfg)
+        return {"prepared": prepare(cfg).to_dict()}
+    except (ValueError, FileNotFoundError) as exc:  # TrainError, PlanError, ...: the user's to fix
+        if marker is not None:
+            try:
+                marker.write_text(str(exc))
+            except OSError:
+                pass
+        return {"error": str(exc), "user": True}
+    except Exception as exc:
+        log.exception("rank 0 failed while preparing the run")
+        return {"error": f"{type(exc).__name__}: {exc}", "user": False}
 
 
 def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from ..runtime.agreement import Agreement
+    from ..runtime.failures import new_store_prefix
+
     if not dist.is_initialized():
         from ..runtime.launcher import init_from_env
 
-        init_from_env("nccl" if torch.cuda.is_available() else "gloo", max(cfg.timeout_s, 60.0))
+        init_from_env("nccl" if torch.cuda.is_available() else "gloo", cfg.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.workers = world
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            resume_after_restart(cfg)
-            box[0] = prepare(cfg)
-        except Exception as exc:  # tell the other ranks, then fail here
-            box[0] = exc
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    prep: Prepared = box[0]
+    store, prefix = new_store_prefix()
+    # Rank 0 profiles and plans while the others wait: a longer deadline than one step's.
+    agreement = Agreement(store, rank, world, max(cfg.timeout_s, 600.0), prefix + "start/")
+    sent = agreement.broadcast("the start of the run", _prepare_on_rank0(cfg) if rank == 0 else None)
+    if "error" in sent:
+        dist.destroy_process_group()  # leave no gloo work behind ("terminate called without an active exception")
+        if rank == 0 and not sent.get("repeat"):
+            raise TrainError(sent["error"]) if sent["user"] else RuntimeError(sent["error"])
+        raise TrainError(sent["error"], quiet=True)  # reported once: by rank 0, on the first attempt
+    prep = Prepared.from_dict(sent["prepared"])
+    if prep.complete:
+        dist.destroy_process_group()
+        return _rewrite_outputs(prep) if rank == 0 else {}
     if prep.resume_from is not None:
         log.warning("rank %d: resuming from %s", rank, prep.resume_from)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))

@@ -1,19 +1,64 @@
 """What a finished run leaves behind: plan, profile, trace, timeline, final checkpoint, and the
-report (``report.json`` and the lines printed at the end)."""
+report (``report.json`` and the lines printed at the end).
+
+Every file is written to a temporary name and renamed into place, so a failure (a full disk)
+leaves the previous file or none, never half of one, and is one line naming the file. The
+final checkpoint of the run holds what the outputs are made of (weights, history, the last
+epoch's trace), so ``train --resume`` with the same options writes them again
+(:func:`outputs_from_checkpoint`). ``report.json`` is strict JSON: a loss that is not a
+number (a diverged run) is written as ``null``.
+"""
 
 from __future__ import annotations
 
+import io
 import json
-import os
+import math
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..trace import Trace
+from .config import TrainError
 from .preparation import Prepared
 
-__all__ = ["write_outputs", "format_report"]
+__all__ = ["write_outputs", "format_report", "outputs_from_checkpoint", "strict_json"]
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _write(path: Path, data: bytes) -> None:
+    from ..runtime.checkpoint import write_atomic
+
+    try:
+        write_atomic(path, data)
+    except OSError as exc:
+        raise TrainError(f"cannot write the run's outputs: {exc.strerror or exc}; free space and run the same "
+                         "command with --resume to write them again from the last checkpoint") from None
+
+
+def outputs_from_checkpoint(directory: str | Path) -> dict[str, Any]:
+    """The training result (history, trace, full state) a run's final checkpoint holds."""
+    from ..runtime.checkpoint import read_extra, read_stage_states
+
+    extra = read_extra(directory)
+    if not extra.get("trace"):
+        raise TrainError(f"--resume: the checkpoint {directory} ends the run but holds no trace to write the "
+                         "outputs from (it was written by an older version)")
+    return {"history": list(extra["history"]), "trace": Trace.from_dict(extra["trace"], source=str(directory)),
+            "state": read_stage_states(directory)}
 
 
 def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -31,19 +76,22 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         "checkpoint": out / "checkpoint.pt",
         "report": out / "report.json",
     }
-    plan.save(paths["plan"])
-    prep.graph.save(paths["graph"])
-    trace = result["trace"]
-    trace.save(paths["trace"])
-    trace.to_chrome(paths["chrome_trace"])
-    draw_timeline(trace, paths["timeline"], title=f"{cfg.model}: {plan.summary}, {cfg.schedule} (last epoch, measured)")
-    tmp = paths["checkpoint"].with_suffix(".pt.tmp")
+    trace: Trace = result["trace"]
+    _write(paths["plan"], (json.dumps(plan.to_dict(), indent=1) + "\n").encode())
+    _write(paths["graph"], (json.dumps(prep.graph.to_dict(), indent=1) + "\n").encode())
+    _write(paths["trace"], (json.dumps(trace.to_dict(), indent=1) + "\n").encode())
+    _write(paths["chrome_trace"], json.dumps(trace.to_chrome_dict()).encode())
+    with tempfile.TemporaryDirectory(dir=out) as tmp:  # matplotlib writes a file; then moved in whole
+        picture = Path(tmp) / "timeline.png"
+        draw_timeline(trace, picture, title=f"{cfg.model}: {plan.summary}, {cfg.schedule} (last epoch, measured)")
+        _write(paths["timeline"], picture.read_bytes())
+    buf = io.BytesIO()
     torch.save({"model": cfg.model, "plan": plan.to_dict(), "state_dict": result["state"],
-                "config": asdict(cfg)}, tmp)
-    os.replace(tmp, paths["checkpoint"])
+                "config": asdict(cfg)}, buf)
+    _write(paths["checkpoint"], buf.getvalue())
     last = result["history"][-1]
     measured_t = last["seconds"] / last["minibatches"]
-    report = {
+    report = strict_json({
         "config": asdict(cfg),
         "plan": plan.summary,
         "plan_config": plan.config,
@@ -54,27 +102,33 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         "final_test_loss": last["test_loss"],
         "history": result["history"],
         "files": {k: str(v) for k, v in paths.items()},
-    }
-    paths["report"].write_text(json.dumps(report, indent=1) + "\n")
+    })
+    _write(paths["report"], (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
     return report
 
 
+def _number(value: Any, scale: float = 1.0, spec: str = ".2f", missing: str = "-") -> str:
+    return missing if value is None else format(value * scale, spec)
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """The human-readable end-of-run report."""
+    """The human-readable end-of-run report (numbers that are not numbers print as "-")."""
     m, p = report["measured"], report["predicted"]
     acc = report["final_test_accuracy"]
-    ratio = p["time_per_minibatch_s"] / m["time_per_minibatch_s"] if m["time_per_minibatch_s"] else float("nan")
+    measured_t, predicted_t = m["time_per_minibatch_s"], p.get("time_per_minibatch_s")
+    ratio = predicted_t / measured_t if measured_t and predicted_t is not None else None
     rows = [
         ("plan", f"{report['plan']} ({report['plan_config']}), schedule {report['config']['schedule']}"),
         ("why", report["why"]),
-        ("time/minibatch", f"measured {m['time_per_minibatch_s'] * 1e3:.2f} ms, predicted "
-                           f"{p['time_per_minibatch_s'] * 1e3:.2f} ms (measured reaches {ratio:.0%} of the predicted "
-                           "throughput; last epoch, warm-up and drain included)"),
-        ("throughput", f"measured {m['samples_per_s']:.0f} samples/s, predicted {p['samples_per_s']:.0f} samples/s"),
-        ("test", f"accuracy {'-' if acc is None else f'{acc:.2%}'}, loss {report['final_test_loss']:.4f}"),
+        ("time/minibatch", f"measured {_number(measured_t, 1e3)} ms, predicted {_number(predicted_t, 1e3)} ms "
+                           f"(measured reaches {_number(ratio, 1, '.0%')} of the predicted throughput; last epoch, "
+                           "warm-up and drain included)"),
+        ("throughput", f"measured {_number(m['samples_per_s'], 1, '.0f')} samples/s, predicted "
+                       f"{_number(p.get('samples_per_s'), 1, '.0f')} samples/s"),
+        ("test", f"accuracy {_number(acc, 1, '.2%')}, loss "
+                 f"{_number(report['final_test_loss'], 1, '.4f', 'not a number (the run diverged)')}"),
     ]
     for key, label in (("timeline", "timeline"), ("chrome_trace", "trace"), ("checkpoint", "checkpoint"),
                        ("report", "report")):
         rows.append((label, report["files"][key]))
-    lines = [f"{label:<15}{text}" for label, text in rows]
-    return "\n".join(lines)
+    return "\n".join(f"{label:<15}{text}" for label, text in rows)

@@ -4,14 +4,15 @@ checked) and its time predicted."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..graph import LayerGraph
 from ..plans import Plan, PlanError
 from ..units import human_bytes
-from .config import TrainConfig, TrainError, check_options, microbatches_of
+from .config import TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
+from .resume import ResumePoint, resume_point
 
 __all__ = ["Prepared", "prepare", "explain_plan"]
 
@@ -28,6 +29,18 @@ class Prepared:
     predicted: dict[str, float] = field(default_factory=dict)
     why: str = ""
     resume_from: str | None = None  # checkpoint directory to load before training
+    complete: bool = False  # the checkpoint ends the run: only the outputs are written again
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON (rank 0 sends it to the other ranks under torchrun: nothing is pickled)."""
+        return {"config": asdict(self.config), "plan": self.plan.to_dict(), "graph": self.graph.to_dict(),
+                "predicted": self.predicted, "why": self.why, "resume_from": self.resume_from,
+                "complete": self.complete}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Prepared":
+        return cls(TrainConfig(**data["config"]), Plan.from_dict(data["plan"]), LayerGraph.from_dict(data["graph"]),
+                   dict(data["predicted"]), str(data["why"]), data["resume_from"], bool(data["complete"]))
 
 
 def explain_plan(plan: Plan, graph: LayerGraph) -> str:
@@ -62,16 +75,16 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
     the workers), else a new plan for ``--topology`` or this computer's workers."""
     if saved_plan is not None:  # resume on the checkpoint's plan (re-planning could pick another)
         try:
-            saved_plan.validate(layer_names=graph.names, world_size=workers)
+            saved_plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
         except PlanError as exc:
             raise TrainError(f"--resume: the checkpoint's plan {exc}") from None
         return saved_plan
     if cfg.plan_file:
         plan = Plan.load(cfg.plan_file)
         try:
-            plan.validate(layer_names=graph.names, world_size=workers)
+            plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
         except PlanError as exc:
-            raise TrainError(f"plan file {cfg.plan_file}: {exc}") from None
+            raise TrainError(f"--plan {cfg.plan_file}: {exc}") from None
         plan.schedule = cfg.schedule
         return plan
     from ..planner import plan as make_plan
@@ -95,22 +108,22 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     from ..profiler import profile
     from ..schedules import build_schedule
     from ..simulator import Costs, simulate
-    from .resume import resume_point
-
     check_options(cfg)
-    resume_from, saved_plan = resume_point(cfg) if cfg.resume else (None, None)
+    point: ResumePoint | None = resume_point(cfg) if cfg.resume else None
     workers = cfg.resolved_workers()
     m = microbatches_of(cfg)
     model = build_model(cfg)
     x, y, _, _ = load_data(cfg)
+    if measure_host:  # a local run: its workers must fit in this machine's memory
+        check_workers_fit(workers, sum(p.numel() * p.element_size() for p in model.parameters()))
     graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
                     name=cfg.model, optimizer=optimizer_factory(cfg), microbatches=m)
-    plan = _choose_plan(cfg, graph, workers, saved_plan)
+    plan = _choose_plan(cfg, graph, workers, point.plan if point is not None else None)
     n = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
     sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=m,
                            **({"vertical_sync": True} if cfg.vertical_sync else {}))
     host: dict[str, Any] = {}
-    if measure_host and not cfg.topology and plan.num_workers > 1:
+    if measure_host and not cfg.topology and plan.num_workers > 1 and not (point is not None and point.complete):
         from ..runtime.measure import measure_local_costs
 
         log.info("measuring this host's message, all-reduce and copy costs for the prediction")
@@ -122,4 +135,6 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
         "steady_samples_per_s": (sim.steady_minibatches_per_s or 0.0) * cfg.batch_size,
         "bubble_fraction": sim.bubble_fraction,
     }
-    return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph), resume_from=resume_from)
+    return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph),
+                    resume_from=str(point.directory) if point is not None else None,
+                    complete=point is not None and point.complete)

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
+from ..plans import Plan, PlanError
+from .config import TrainConfig, TrainError, flag
 
-from ..plans import Plan
-from .config import TrainConfig, TrainError
-
-__all__ = ["checkpoint_dir", "resume_point", "resume_after_restart", "RESUMABLE_CHANGES"]
+__all__ = ["checkpoint_dir", "is_epoch_end", "ResumePoint", "resume_point", "resume_after_restart",
+           "RESUMABLE_CHANGES"]
 
 log = logging.getLogger(__name__)
 
 #: Options that may change between a run and its resumption (everything else must match).
-RESUMABLE_CHANGES = frozenset({"epochs", "progress", "timeout_s", "resume", "out", "failure_timeout_s"})
+RESUMABLE_CHANGES = frozenset({"epochs", "progress", "timeout_s", "resume", "out", "failure_timeout_s",
+                               "keep_checkpoints", "overwrite", "plan_file"})  # --plan: compared by content
 
 
 def checkpoint_dir(out: str | Path, epoch: int, minibatch: int = 0) -> Path:
@@ -27,35 +28,74 @@ def checkpoint_dir(out: str | Path, epoch: int, minibatch: int = 0) -> Path:
     return Path(out) / "checkpoints" / name
 
 
-def resume_point(cfg: TrainConfig) -> tuple[str, Plan]:
-    """The newest verified checkpoint in OUT/checkpoints and its plan, after checking that it
-    was written by a run with the same options and has epochs left to train."""
-    from ..runtime.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+def is_epoch_end(directory: Path) -> bool:
+    """Whether ``directory`` (named by :func:`checkpoint_dir`) holds a checkpoint taken at the
+    end of an epoch."""
+    return directory.name.startswith("epoch_") and "_plus_" not in directory.name
 
-    root = Path(cfg.out) / "checkpoints"
-    found = latest_checkpoint(root)
-    if found is None:
-        raise TrainError(
-            f"--resume: no complete checkpoint in {root} (incomplete or corrupted ones are skipped); "
-            "run without --resume to start from scratch"
-        )
-    try:
-        manifest = read_manifest(found)
-        extra = torch.load(found / "extra.pt", map_location="cpu", weights_only=False)
-    except (CheckpointError, OSError) as exc:
-        raise TrainError(f"--resume: {exc}") from None
-    saved = extra.get("config", {}) if isinstance(extra, dict) else {}
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from: where, its plan, what the run saved with it, and
+    whether the run it belongs to had already finished (then only the outputs are rewritten)."""
+
+    directory: Path
+    plan: Plan
+    extra: dict[str, Any]
+    complete: bool
+
+
+def _differences(cfg: TrainConfig, saved: dict[str, Any]) -> list[str]:
+    """The options (besides those that may change) that differ from the saved run's, as text."""
     mine = asdict(cfg)
     differ = sorted(k for k in mine if k not in RESUMABLE_CHANGES and saved.get(k) != mine[k])
-    if differ:
-        shown = ", ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} (now {mine[k]!r})" for k in differ)
-        raise TrainError(f"--resume: the checkpoint {found} was written with other options: {shown}; "
-                         "resume with the same options (only --epochs, --timeout and progress may change)")
-    done = int(extra.get("epoch", 0))
-    if done >= cfg.epochs and not extra.get("minibatch", 0):
-        raise TrainError(f"--resume: the checkpoint {found} is already at epoch {done} of --epochs {cfg.epochs}; "
-                         "raise --epochs to train further")
-    return str(found), Plan.from_dict(manifest["plan"], source=str(found / "manifest.json"))
+    return [f"{flag(k)} {saved.get(k)!r} (now {mine[k]!r})" for k in differ]
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    def shape(p: Plan) -> list[Any]:
+        return [[st.layers, st.replicas, st.ranks] for st in p.stages]
+
+    return shape(a) == shape(b)
+
+
+def resume_point(cfg: TrainConfig) -> ResumePoint:
+    """The newest verified checkpoint in OUT/checkpoints written by a run with the same options
+    (checkpoints of other options are skipped, with a warning saying which option differs)."""
+    from ..runtime.checkpoint import CheckpointError, checkpoints_newest_first, read_extra, verify_checkpoint
+
+    root = Path(cfg.out) / "checkpoints"
+    rejected: list[str] = []
+    for manifest in checkpoints_newest_first(root):
+        found = manifest.path.parent
+        try:
+            verify_checkpoint(found)
+            extra = read_extra(found, manifest)
+            plan = Plan.from_dict(manifest.plan, source=str(manifest.path))
+        except (CheckpointError, PlanError) as exc:
+            log.warning("skipping checkpoint %s: %s", found, exc)
+            rejected.append(f"{found.name}: {exc}")
+            continue
+        saved = extra.get("config") if isinstance(extra.get("config"), dict) else {}
+        differ = _differences(cfg, saved)
+        if differ:
+            log.warning("skipping checkpoint %s: written with other options: %s", found, ", ".join(differ))
+            rejected.append(f"{found.name} was written with other options: {', '.join(differ)}")
+            continue
+        if cfg.plan_file and not _same_plan(Plan.load(cfg.plan_file), plan):
+            rejected.append(f"{found.name} was made with another plan than --plan {cfg.plan_file}")
+            continue
+        done = int(extra.get("epoch", 0)) >= cfg.epochs and not extra.get("minibatch", 0)
+        return ResumePoint(found, plan, extra, complete=done)
+    if rejected:
+        raise TrainError(f"--resume: no checkpoint in {root} fits this run; "
+                         + "; ".join(rejected[:3]) + ("; ..." if len(rejected) > 3 else "")
+                         + ". Resume with the options of the run that wrote them (only --epochs, --timeout, "
+                         "--failure-timeout and --no-progress may change)")
+    raise TrainError(
+        f"--resume: no complete checkpoint in {root} (incomplete or corrupted ones are skipped); "
+        "run without --resume to start from scratch"
+    )
 
 
 def resume_after_restart(cfg: TrainConfig) -> None:

@@ -3,14 +3,20 @@ evaluate, and hand the results to rank 0."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from .config import microbatches_of
+from .config import TrainConfig, microbatches_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
+from .out_dir import checkpoints_root, prune_checkpoints
 from .preparation import Prepared
 from .resume import checkpoint_dir
+
+log = logging.getLogger(__name__)
 
 __all__ = ["train_rank"]
 
@@ -63,9 +69,15 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
                "test_accuracy": metrics["accuracy"], "seconds": seconds, "minibatches": len(batches),
                "samples_per_s": samples / seconds}
         history.append(row)
-        # Collective, after the schedule returned: nothing in flight; exact to resume from.
-        pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch + 1), epoch=epoch + 1, minibatch=0, history=history,
-                             config=asdict(cfg))
+        if rank == 0 and not math.isfinite(row["train_loss"]) and all(math.isfinite(r["train_loss"])
+                                                                       for r in history[:-1]):
+            log.warning("the training loss is %s in epoch %d: the run diverged (a smaller --lr may help)",
+                        row["train_loss"], epoch + 1)
+        # Collective, after the schedule returned: nothing in flight; exact to resume from. The
+        # last one also keeps the measured trace, so the outputs can be written again from it.
+        last = epoch == cfg.epochs - 1
+        _checkpoint(pipe, cfg, rank, checkpoint_dir(cfg.out, epoch + 1), epoch=epoch + 1, minibatch=0,
+                    history=history, trace=trace.to_dict() if last and trace is not None else None)
         if bar is not None:
             acc = row["test_accuracy"]
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc="-" if acc is None else f"{acc:.3f}",
@@ -93,7 +105,14 @@ def _train_epoch(pipe: Any, cfg: Any, epoch: int, batches: list, first: int, los
             bar.update(len(chunk))
         done = lo + len(chunk)
         if done < len(batches):
-            pipe.save_checkpoint(checkpoint_dir(cfg.out, epoch, done), epoch=epoch, minibatch=done,
-                                 partial={"losses": losses, "seconds": seconds}, history=history,
-                                 config=asdict(cfg))
+            _checkpoint(pipe, cfg, pipe.rank, checkpoint_dir(cfg.out, epoch, done), epoch=epoch, minibatch=done,
+                        partial={"losses": losses, "seconds": seconds}, history=history)
     return losses, seconds
+
+
+def _checkpoint(pipe: Any, cfg: TrainConfig, rank: int, directory: Path, **extra: Any) -> None:
+    """Save (collective), then rank 0 keeps the newest ``--keep-checkpoints`` (out_dir.py)."""
+    pipe.save_checkpoint(directory, config=asdict(cfg), **extra)
+    if rank == 0:
+        for deleted in prune_checkpoints(checkpoints_root(cfg.out), cfg.keep_checkpoints):
+            log.debug("deleted checkpoint %s (--keep-checkpoints %d)", deleted, cfg.keep_checkpoints)

@@ -1,0 +1,383 @@
+"""Long runs that are never cut short, and no wait without a deadline (issue 24's cases).
+
+The launcher's liveness, a worker stopped (SIGSTOP) while a checkpoint is written, ``--out``
+checks, bounds on every numeric option, checkpoint retention, temporary files, a full disk,
+manifests checked field by field, a file from another save, plans against the data flow, user
+errors under torchrun, a killed rank 0, and a diverged loss in report.json.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fault_injection.faults import fault_environment
+from torchpipedream.cli import main
+from torchpipedream.plans import Plan, PlanError
+from torchpipedream.runtime import LaunchError, launch, latest_checkpoint, liveness
+from torchpipedream.runtime.checkpoint import CheckpointError, read_manifest
+from torchpipedream.runtime.launcher import free_port
+
+CLI = [sys.executable, "-m", "torchpipedream", "train"]
+QUICK = ["--model", "mlp", "--workers", "2", "--stages", "2", "--no-progress"]
+
+
+# ------------------------------------------------------------------------------- the launcher
+def busy_worker(rank: int, seconds: float) -> int:
+    """Works (marks progress) for ``seconds``, longer than the launcher's stall timeout."""
+    end = time.monotonic() + seconds
+    steps = 0
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        liveness.mark()
+        steps += 1
+    return steps
+
+
+def idle_worker(rank: int) -> None:
+    time.sleep(60)
+
+
+def test_a_working_run_longer_than_the_stall_timeout_is_never_cut_short() -> None:
+    assert launch(busy_worker, 2, 4.0, stall_timeout_s=1.0) > 10
+
+
+def test_a_run_that_makes_no_progress_is_stopped_and_named() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"no worker made progress for 1 s .*rank 0 .*rank 1 .*were killed"):
+        launch(idle_worker, 2, stall_timeout_s=1.0)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(180)
+def test_train_runs_longer_than_its_stall_limit_and_finishes(tmp_path: Path, capsys) -> None:
+    from torchpipedream.train import TrainConfig
+    from torchpipedream.train.job import stall_timeout_s
+
+    limit = stall_timeout_s(TrainConfig(timeout_s=2.0, failure_timeout_s=0.1))  # 7.3 s without progress
+    t0 = time.monotonic()
+    rc = main(["train", *QUICK, "--epochs", "150", "--max-minibatches", "20", "--timeout", "2", "--failure-timeout",
+               "0.1", "--out", str(tmp_path / "run")])
+    assert rc == 0, capsys.readouterr().err
+    assert time.monotonic() - t0 > limit  # longer than the limit, and never cut short
+    assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 3  # --keep-checkpoints 3
+
+
+# ------------------------------------------------------------------------------- deadlines
+@pytest.mark.timeout(180)
+def test_a_worker_stopped_during_a_checkpoint_save_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
+    timeout = 5
+    env = fault_environment("rank=1,save=1,mode=stop", dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run([*CLI, *QUICK, "--epochs", "2", "--max-minibatches", "6", "--timeout", str(timeout),
+                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=150)
+    gone = time.time()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    stopped = re.search(r"FAULT-STOP pid=(\d+) time=([\d.]+)", proc.stdout + proc.stderr)
+    assert stopped, proc.stdout[-2000:]
+    pid, at = int(stopped.group(1)), float(stopped.group(2))
+    elapsed = gone - at
+    print(f"SIGSTOP during a checkpoint save -> every process gone in {elapsed:.1f} s (--timeout {timeout})")
+    assert elapsed < timeout + 10
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the stopped worker was killed, not left behind
+    assert "rank 1 (stage 1) did not" in proc.stderr and "checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------- --out
+def test_an_out_that_is_a_file_or_under_a_file_is_refused_at_once(tmp_path: Path, capsys) -> None:
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for out in (a_file, a_file / "below"):
+        t0 = time.monotonic()
+        assert main(["train", "--model", "mlp", "--no-progress", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "--out" in err and "file" in err and len(err.strip().splitlines()) == 1
+        assert time.monotonic() - t0 < 10
+    assert a_file.read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Run A (lr 0.05, 2 epochs, a checkpoint every 3 minibatches) into ``a``; run B (lr 0.1,
+    1 epoch) into ``b``; both on one plan file."""
+    from torchpipedream.profiler import profile
+    from torchpipedream.train import TrainConfig
+    from torchpipedream.train.inputs import build_model, load_data, loss_for
+
+    root = tmp_path_factory.mktemp("runs")
+    cfg = TrainConfig(model="mlp")
+    x, y, _, _ = load_data(cfg)
+    names = profile(build_model(cfg), x[:4], loss_fn=loss_for(cfg), target=y[:4]).names
+    Plan.straight([names[:2], names[2:]]).save(root / "plan.json")
+    common = ["--model", "mlp", "--workers", "2", "--no-progress", "--max-minibatches", "6", "--timeout", "60",
+              "--plan", str(root / "plan.json")]
+    assert main(["train", *common, "--epochs", "2", "--lr", "0.05", "--checkpoint-every", "3",
+                 "--keep-checkpoints", "0", "--out", str(root / "a")]) == 0
+    assert main(["train", *common, "--epochs", "1", "--lr", "0.1", "--out", str(root / "b")]) == 0
+    return root, common
+
+
+def test_a_second_run_into_the_same_out_is_refused_unless_resume_or_overwrite(two_runs, capsys) -> None:
+    root, common = two_runs
+    before = (root / "b" / "report.json").read_text()
+    assert main(["train", *common, "--epochs", "1", "--lr", "0.1", "--out", str(root / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "holds another run" in err and "--resume" in err and "--overwrite" in err
+    assert (root / "b" / "report.json").read_text() == before  # nothing overwritten
+
+
+def test_overwrite_replaces_the_earlier_run(two_runs, tmp_path: Path, capsys) -> None:
+    root, common = two_runs
+    out = tmp_path / "b"
+    shutil.copytree(root / "b", out)
+    (out / "notes.txt").write_text("mine")
+    assert main(["train", *common, "--epochs", "1", "--lr", "0.05", "--overwrite", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["lr"] == 0.05 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_resume_takes_the_newest_checkpoint_of_the_same_options_and_says_which(two_runs, tmp_path: Path,
+                                                                                  caplog) -> None:
+    root, common = two_runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    # A newer checkpoint of another run (lr 0.1) lands in a's checkpoints: it must be skipped.
+    intruder = out / "checkpoints" / "zz_other"
+    shutil.copytree(root / "b" / "checkpoints" / "epoch_1", intruder)
+    manifest = json.loads((intruder / "manifest.json").read_text())
+    manifest["created_unix"] += 1e6
+    (intruder / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copy(root / "plan.json", tmp_path / "same_plan_elsewhere.json")  # --plan is compared by content
+    args = [a if a != str(root / "plan.json") else str(tmp_path / "same_plan_elsewhere.json") for a in common]
+    with caplog.at_level(logging.WARNING, logger="torchpipedream"):
+        assert main(["train", *args, "--epochs", "3", "--lr", "0.05", "--checkpoint-every", "3",
+                     "--keep-checkpoints", "0", "--resume", "--out", str(out)]) == 0
+    text = caplog.text
+    assert "skipping checkpoint" in text and "zz_other" in text and "--lr 0.1" in text
+    assert f"resuming from {out / 'checkpoints' / 'epoch_2'}" in text
+
+
+def test_resume_names_the_plan_option_when_the_plan_differs(two_runs, tmp_path: Path, capsys) -> None:
+    root, common = two_runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    plan = Plan.load(root / "plan.json")
+    other = Plan.straight([plan.stages[0].layers[:1], plan.stages[0].layers[1:] + plan.stages[1].layers])
+    other.save(tmp_path / "other.json")
+    args = [a if a != str(root / "plan.json") else str(tmp_path / "other.json") for a in common]
+    assert main(["train", *args, "--epochs", "3", "--lr", "0.05", "--checkpoint-every", "3",
+                 "--keep-checkpoints", "0", "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "another plan than --plan" in err and "--plan-file" not in err
+
+
+# ------------------------------------------------------------------------------- bounds
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "1000"], "--workers 1000 would need about"),
+    (["--timeout", "-5"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "inf"], "--timeout must be a positive number of seconds"),
+    (["--max-minibatches", "0"], "--max-minibatches must be a positive number of minibatches"),
+    (["--max-minibatches", "-3"], "--max-minibatches must be a positive number of minibatches"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints must be an integer >= 0"),
+    (["--workers", "-2"], "--workers must be an integer >= 0"),
+    (["--topology", "4x:fast"], "--topology 4x:fast"),
+    (["--resume", "--overwrite"], "give one of them"),
+])
+def test_bad_numbers_are_refused_before_anything_starts(argv, message, tmp_path: Path, capsys, monkeypatch) -> None:
+    import torchpipedream.profiler as profiler
+
+    monkeypatch.setattr(profiler, "profile", lambda *a, **k: pytest.fail("profiled before the options were checked"))
+    t0 = time.monotonic()
+    assert main(["train", "--model", "mlp", "--no-progress", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "x").exists()
+
+
+def test_a_plan_against_the_data_flow_is_refused_before_launch(two_runs, tmp_path: Path, capsys) -> None:
+    root, common = two_runs
+    plan = Plan.load(root / "plan.json")
+    reversed_plan = Plan.straight([plan.stages[1].layers, plan.stages[0].layers])
+    reversed_plan.save(tmp_path / "reversed.json")
+    args = [a if a != str(root / "plan.json") else str(tmp_path / "reversed.json") for a in common]
+    assert main(["train", *args, "--epochs", "1", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "earlier stage" in err and "Traceback" not in err
+    with pytest.raises(PlanError, match="feeds layer"):
+        reversed_plan.validate(edges=[(plan.stages[0].layers[-1], plan.stages[1].layers[0])])
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda p: p["stages"][0].update(ranks=["0"]), "ranks must be a list of integers"),
+    (lambda p: p["stages"][0].update(layers="abc"), "layers must be a list of layer names"),
+    (lambda p: p.update(microbatches="4"), "'microbatches' has the wrong type"),
+    (lambda p: p.update(predicted=[1]), "'predicted' has the wrong type"),
+])
+def test_wrongly_typed_plan_fields_are_one_clear_error(tmp_path: Path, mutate, message) -> None:
+    data = Plan.straight([["a"], ["b"]]).to_dict()
+    mutate(data)
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message):
+        Plan.load(tmp_path / "p.json")
+
+
+# ------------------------------------------------------------------------------- disk
+def test_retention_keeps_the_newest_and_the_newest_epoch_end(two_runs, tmp_path: Path) -> None:
+    from torchpipedream.train.out_dir import prune_checkpoints
+
+    root, _ = two_runs
+    shutil.copytree(root / "a" / "checkpoints", tmp_path / "c")
+    before = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert before == ["epoch_0_plus_3_minibatches", "epoch_1", "epoch_1_plus_3_minibatches", "epoch_2"]
+    newest = latest_checkpoint(tmp_path / "c")
+    assert newest is not None and newest.name == "epoch_2"
+    deleted = prune_checkpoints(tmp_path / "c", keep=1)
+    assert sorted(p.name for p in deleted) == ["epoch_0_plus_3_minibatches", "epoch_1", "epoch_1_plus_3_minibatches"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["epoch_2"]
+    assert prune_checkpoints(tmp_path / "c", keep=0) == []
+
+
+def test_leftover_temporary_files_are_removed_at_start(two_runs, tmp_path: Path) -> None:
+    from torchpipedream.train import TrainConfig
+    from torchpipedream.train.out_dir import prepare_out_dir
+
+    root, _ = two_runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    leftover = out / "checkpoints" / "epoch_1" / ".stage0.pt.tmp-4242"
+    leftover.write_bytes(b"half a file")
+    prepare_out_dir(TrainConfig(out=str(out), resume=True))
+    assert not leftover.exists() and (out / "checkpoints" / "epoch_1" / "stage0.pt").exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    from torchpipedream.runtime import Pipeline
+
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 3)), Plan.straight([["input_1", "_0"]]),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss())
+    pipe.train_step((torch.randn(8, 4), torch.randint(0, 3, (8,))))
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointError, match=r"no space left on the device of .* while writing stage0\.pt"):
+        pipe.save_checkpoint(tmp_path / "ckpt")
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
+
+
+def test_a_full_disk_at_the_outputs_is_one_line_and_they_can_be_written_again(two_runs, tmp_path: Path,
+                                                                                monkeypatch, capsys) -> None:
+    import torchpipedream.runtime.checkpoint as checkpoint
+
+    root, common = two_runs
+    out = tmp_path / "b"
+    shutil.copytree(root / "b", out)
+    for name in ("report.json", "timeline.png"):
+        (out / name).unlink()
+    real = checkpoint.write_atomic
+
+    def full(path: Path, data: bytes) -> None:
+        if path.name == "timeline.png":
+            raise OSError(errno.ENOSPC, f"no space left on the device of {path.parent} while writing {path.name}")
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "write_atomic", full)
+    assert main(["train", *common, "--epochs", "1", "--lr", "0.1", "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no space left" in err and "--resume" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(checkpoint, "write_atomic", real)
+    assert main(["train", *common, "--epochs", "1", "--lr", "0.1", "--resume", "--out", str(out)]) == 0
+    again = json.loads((out / "report.json").read_text())
+    assert again["history"] == json.loads((root / "b" / "report.json").read_text())["history"]
+    assert (out / "timeline.png").exists()
+
+
+# ------------------------------------------------------------------------------- manifests, save ids
+@pytest.mark.parametrize("mutate, why", [
+    (lambda m: m.pop("plan"), "field 'plan' must be dict"),
+    (lambda m: m.update(created_unix="yesterday"), "field 'created_unix' must be int or float"),
+    (lambda m: m["files"].append({"file": "../x", "sha256": "0", "size": 1}), "not a file of this directory"),
+])
+def test_a_malformed_manifest_is_skipped_with_a_warning(two_runs, tmp_path: Path, mutate, why, caplog) -> None:
+    root, _ = two_runs
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    shutil.copytree(root / "a" / "checkpoints" / "epoch_1", good)
+    shutil.copytree(root / "a" / "checkpoints" / "epoch_2", bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    mutate(manifest)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path) == good
+    assert "skipping checkpoint" in caplog.text and str(bad) in caplog.text and why in caplog.text
+
+
+def test_a_stage_file_from_another_save_is_refused(two_runs, tmp_path: Path) -> None:
+    from torchpipedream.runtime.checkpoint import read_stage_states
+
+    root, _ = two_runs
+    mixed = tmp_path / "mixed"
+    shutil.copytree(root / "a" / "checkpoints" / "epoch_2", mixed)
+    donor = root / "a" / "checkpoints" / "epoch_1"
+    shutil.copy(donor / "stage1.pt", mixed / "stage1.pt")  # with its manifest entry copied too
+    mine, theirs = json.loads((mixed / "manifest.json").read_text()), read_manifest(donor)
+    entry = next(e for e in theirs.files if e["file"] == "stage1.pt")
+    mine["files"] = [entry if e["file"] == "stage1.pt" else e for e in mine["files"]]
+    (mixed / "manifest.json").write_text(json.dumps(mine))
+    with pytest.raises(CheckpointError, match=r"stage1\.pt belongs to another save"):
+        read_stage_states(mixed)
+
+
+# ------------------------------------------------------------------------------- torchrun, rank 0, NaN
+@pytest.mark.timeout(180)
+def test_a_user_error_under_torchrun_is_reported_once_and_not_retried(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2",
+           "--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+           "-m", "torchpipedream", "train", "--model", "nosuchpkg.x:build", "--no-progress",
+           "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode != 0
+    assert proc.stderr.count("cannot import module 'nosuchpkg.x'") == 1, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_0_ends_in_the_projects_message_not_cpp_frames(tmp_path: Path) -> None:
+    env = fault_environment("rank=0,minibatch=5,mode=kill", dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run([*CLI, *QUICK, "--epochs", "1", "--max-minibatches", "20", "--timeout", "10",
+                           "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1
+    assert "worker rank 0 exited with code -9" in proc.stderr
+    assert "frame #" not in proc.stderr and "Exception raised from" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 5, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_loss_is_null_in_report_json_with_a_warning(tmp_path: Path, capfd) -> None:
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--epochs", "1", "--max-minibatches", "10", "--lr", "1e8", "--optimizer", "sgd",
+                 "--out", str(out)]) == 0
+    captured = capfd.readouterr()  # the warning comes from rank 0's process
+    assert "diverged" in captured.err + captured.out
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"report.json holds {name}, which is not JSON")
+
+    report = json.loads((out / "report.json").read_text(), parse_constant=no_constants)
+    assert report["history"][0]["train_loss"] is None
