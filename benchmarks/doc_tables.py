@@ -258,6 +258,19 @@ def soak(data: Data) -> str:
     return caption + "\n\n" + _table(head, body)
 
 
+def soak_train(data: Data) -> str:
+    """soak_train.json (benchmarks/soak.py --train-minutes) → the main job's long run."""
+    verdict = "passed" if data["passed"] else "FAILED: " + "; ".join(data["problems"])
+    head = ["asked for (min)", "ran (min)", "epochs", "exit code", "most checkpoint directories at once",
+            "--keep-checkpoints", "--out at the end (MB)", "worker memory growth after the first fifth (MiB)",
+            "final test accuracy"]
+    acc = data.get("final_test_accuracy")
+    body = [[f"{data['minutes']:g}", f"{data['wall_s'] / 60:.1f}", data["epochs"], data["exit_code"],
+             data["max_checkpoint_dirs"], data["keep_checkpoints"], _num(data.get("final_out_mb"), ".1f"),
+             f"{data['worker_rss_growth_mib']:.2f}", "-" if acc is None else f"{acc:.2%}"]]
+    return f"`torchpipedream train` with its defaults, torch {data['torch']}: {verdict}.\n\n" + _table(head, body)
+
+
 # ----------------------------------------------------------------------------- statistical_efficiency*.json
 def _targets(meta: Data) -> list[float]:
     return sorted({0.95, 0.97, meta["target"]})
@@ -380,6 +393,7 @@ TABLES: dict[str, Table] = {
     "planner_reference": Table(("planner_speed.json",), planner_reference),
     "planner_speed": Table(("planner_speed.json",), planner_speed),
     "soak": Table(("soak.json",), soak),
+    "soak_train": Table(("soak_train.json",), soak_train),
     "statistical_efficiency": Table(("statistical_efficiency.json",), statistical_efficiency),
     "statistical_efficiency_agreement": Table(("statistical_efficiency.json",), statistical_efficiency_agreement),
     "statistical_efficiency_by_epoch": Table(("statistical_efficiency.json",), statistical_efficiency_by_epoch),

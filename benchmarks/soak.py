@@ -20,9 +20,10 @@ of warm-up (``--warmup`` minibatches) and any later sample, or when a stage ever
 versions than its bound. Prints a table and writes benchmarks/results/soak.json.
 
 With ``--train-minutes M`` it soaks the main job instead: ``torchpipedream train`` with its
-defaults, for as many epochs as take at least M minutes (calibrated on a 2-epoch run first),
+defaults, for as many epochs as take at least M minutes (calibrated first),
 sampling every 10 s the workers' resident memory, the checkpoint directories in ``--out`` and
-their size. It fails unless the run ends normally (exit 0, a valid report.json) after at least
+their size. The calibration runs 2 and 12 epochs and takes the difference of their wall times
+(start-up and outputs cancel). It fails unless the run ends normally (exit 0, a valid report.json) after at least
 M minutes, the checkpoints stay within ``--keep-checkpoints`` + 1 and no worker's memory grows
 by more than ``--tolerance-mib`` after the first fifth of the run. Writes
 benchmarks/results/soak_train.json.
@@ -35,11 +36,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -147,7 +150,35 @@ def _is_worker(pid: int) -> bool:
 
 
 def _du_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6 if path.exists() else 0.0
+    """Megabytes of the files under ``path`` (files deleted while counting are skipped)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total / 1e6
+
+
+def _count_dirs(path: Path) -> int:
+    try:
+        return sum(1 for d in os.scandir(path) if d.is_dir())
+    except OSError:
+        return 0
+
+
+def _sample(proc: Any, run_out: Path, t0: float) -> list[dict]:
+    """Every 10 s until ``proc`` ends: the workers' memory, checkpoint directories, --out's size."""
+    samples = []
+    while proc.poll() is None:
+        time.sleep(10)
+        workers = [p for p in _descendants(proc.pid) if _is_worker(p)]
+        samples.append({"seconds": round(time.monotonic() - t0, 1),
+                        "worker_rss_mib": {str(p): round(_rss_mib(p) or 0.0, 1) for p in workers},
+                        "checkpoint_dirs": _count_dirs(run_out / "checkpoints"),
+                        "out_mb": round(_du_mb(run_out), 2)})
+    return samples
 
 
 def soak_train(minutes: float, out: Path, tolerance: float, keep: int) -> dict:
@@ -157,26 +188,29 @@ def soak_train(minutes: float, out: Path, tolerance: float, keep: int) -> dict:
 
     cli = [sys.executable, "-m", "torchpipedream", "train", "--no-progress"]
     shutil.rmtree(out, ignore_errors=True)
-    calib = subprocess.run([*cli, "--epochs", "2", "--out", str(out / "calibration")], capture_output=True, text=True)
-    if calib.returncode != 0:
-        raise SystemExit(f"calibration run failed: {calib.stderr[-2000:]}")
-    history = json.loads((out / "calibration" / "report.json").read_text())["history"]
-    per_epoch = max(r["seconds"] for r in history) + 0.5  # training plus evaluation and a checkpoint
-    epochs = int(minutes * 60 / per_epoch * 1.15) + 2
+    walls = {}
+    for epochs in (2, 12):  # the wall time per epoch, start-up and outputs excluded
+        t0 = time.monotonic()
+        calib = subprocess.run([*cli, "--epochs", str(epochs), "--out", str(out / f"calibration{epochs}")],
+                               capture_output=True, text=True)
+        if calib.returncode != 0:
+            raise SystemExit(f"calibration run failed: {calib.stderr[-2000:]}")
+        walls[epochs] = time.monotonic() - t0
+    per_epoch = max((walls[12] - walls[2]) / 10, 1e-3)
+    epochs = int(minutes * 60 / per_epoch * 1.6) + 2  # the machine's speed drifts: rather too long than short
     run_out = out / "run"
     t0 = time.monotonic()
-    proc = subprocess.Popen([*cli, "--epochs", str(epochs), "--keep-checkpoints", str(keep), "--out", str(run_out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     samples = []
-    while proc.poll() is None:
-        time.sleep(10)
-        workers = [p for p in _descendants(proc.pid) if _is_worker(p)]
-        ckpts = run_out / "checkpoints"
-        samples.append({"seconds": round(time.monotonic() - t0, 1),
-                        "worker_rss_mib": sorted(round(_rss_mib(p) or 0.0, 1) for p in workers),
-                        "checkpoint_dirs": len([d for d in ckpts.iterdir() if d.is_dir()]) if ckpts.exists() else 0,
-                        "out_mb": round(_du_mb(run_out), 2)})
-    stdout, stderr = proc.communicate()
+    with open(out / "stdout.txt", "w") as so, open(out / "stderr.txt", "w") as se:
+        proc = subprocess.Popen([*cli, "--epochs", str(epochs), "--keep-checkpoints", str(keep), "--out",
+                                 str(run_out)], stdout=so, stderr=se, text=True)
+        try:
+            samples = _sample(proc, run_out, t0)
+        finally:
+            if proc.poll() is None:  # this script failed: do not leave the run behind
+                proc.kill()
+            proc.wait()
+    stdout, stderr = (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text()
     wall = time.monotonic() - t0
     problems = []
     if proc.returncode != 0:
@@ -195,7 +229,8 @@ def soak_train(minutes: float, out: Path, tolerance: float, keep: int) -> dict:
     growth = 0.0
     if steady:
         first = steady[0]["worker_rss_mib"]
-        growth = max(max(a - b for a, b in zip(s["worker_rss_mib"], first)) for s in steady)
+        growth = max(max(rss - first[pid] for pid, rss in s["worker_rss_mib"].items() if pid in first)
+                     for s in steady)
         if growth > tolerance:
             problems.append(f"a worker's memory grew {growth:.1f} MiB after the first fifth, tolerance {tolerance:g}")
     return {"minutes": minutes, "epochs": epochs, "wall_s": round(wall, 1), "exit_code": proc.returncode,

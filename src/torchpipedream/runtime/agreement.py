@@ -66,8 +66,9 @@ class Agreement:
         self._round += 1
         liveness.mark()
         keys = [self._key(n, r) for r in range(self.world)]
+        text = json.dumps(value)  # TypeError for what JSON cannot hold: a caller's mistake
         try:
-            self.store.set(keys[self.rank], json.dumps(value))
+            self.store.set(keys[self.rank], text)
             arrived = self._wait(keys)
         except Exception as exc:  # the store itself failed (its host is gone)
             raise CollectiveTimeout(f"{self.describe(self.rank)}: {what}: the rendezvous store failed: "

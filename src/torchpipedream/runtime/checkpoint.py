@@ -528,7 +528,8 @@ def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
     _set_rng_state(own["rng"], pipe.device)
     pipe.epochs_done = int(own["data"]["epoch"])
     pipe.minibatches_done = int(own["data"]["minibatches"])
-    pipe.history = list(own.get("history", []))
+    pipe.history.clear()
+    pipe.history.extend(float(x) for x in own.get("history", []))
     if pipe.distributed:
         pipe.agreement.barrier("the end of loading the checkpoint")
     log.info("rank %d: resumed from %s at version %d", pipe.rank, directory, main["version"])

@@ -28,6 +28,7 @@ samples (``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -58,6 +59,10 @@ from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_mea
 __all__ = ["Pipeline", "PipelineError", "PipelineFailure", "forward_only"]
 
 log = logging.getLogger(__name__)
+
+
+#: How many minibatch losses ``Pipeline.history`` keeps (the newest).
+HISTORY_LIMIT = 10_000
 
 
 class PipelineError(ValueError):
@@ -199,7 +204,9 @@ class Pipeline:
         self._message_sizes: dict[tuple[str, int], int] = {}  # negotiated once per channel
         self._events: list[Any] = []
         self.last_schedule: Schedule | None = None
-        self.history: list[float] = []
+        # Losses of the last HISTORY_LIMIT minibatches (bounded: a long run must not grow in
+        # memory, nor its checkpoints in size, with every minibatch).
+        self.history: collections.deque[float] = collections.deque(maxlen=HISTORY_LIMIT)
         self.epochs_done = 0  # data position, saved in checkpoints: epochs finished by fit
         self.minibatches_done = 0  # minibatches trained in total (train_step and fit)
         self._board: FailureBoard | None = None
