@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "cli_startup", "compare_results", "compare_runs",
-           "compare_targets", "main", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "main", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -263,12 +263,30 @@ def soak_train(data: Data) -> str:
     verdict = "passed" if data["passed"] else "FAILED: " + "; ".join(data["problems"])
     head = ["asked for (min)", "ran (min)", "epochs", "exit code", "most checkpoint directories at once",
             "--keep-checkpoints", "--out at the end (MB)", "worker memory growth after the first fifth (MiB)",
-            "final test accuracy"]
+            "allowed (MiB)", "final test accuracy"]
     acc = data.get("final_test_accuracy")
     body = [[f"{data['minutes']:g}", f"{data['wall_s'] / 60:.1f}", data["epochs"], data["exit_code"],
              data["max_checkpoint_dirs"], data["keep_checkpoints"], _num(data.get("final_out_mb"), ".1f"),
-             f"{data['worker_rss_growth_mib']:.2f}", "-" if acc is None else f"{acc:.2%}"]]
+             f"{data['worker_rss_growth_mib']:.2f}", _num(data.get("allowed_growth_mib"), ".1f"),
+             "-" if acc is None else f"{acc:.2%}"]]
     return f"`torchpipedream train` with its defaults, torch {data['torch']}: {verdict}.\n\n" + _table(head, body)
+
+
+def model_zoo(data: Data) -> str:
+    """model_zoo.json (benchmarks/model_zoo.py) → each zoo model's parity with its reference."""
+    head = ["model", "parameters", "plan", "schedule", "shared parameters split", "max abs diff", "result",
+            "check (s)"]
+    body = []
+    for r in data["rows"]:
+        shared = ", ".join(f"{t['name']} ({'+'.join(map(str, t['stages']))})" for t in r["shared"]) or "-"
+        schedule = r["schedule"] if r["microbatches"] == 1 else f"{r['schedule']} (m = {r['microbatches']})"
+        body.append([f"{r['model']} ({r['class']})", f"{r['parameters']:,}", r["plan"], schedule, shared,
+                     f"{r['max_abs_diff']:.2g}", "equal" if r["ok"] else "MISMATCH: " + str(r["mismatch"]),
+                     f"{r['check_s']:.1f}"])
+    caption = (f"{data['minibatches']} minibatches of {data['batch_size']}, {data['optimizer']}; torch "
+               f"{data['torch']}, transformers {data['transformers']}; the check time is per model (all its "
+               f"plans in one launch of 2 processes): {'all equal' if data['passed'] else 'FAILED'}.")
+    return caption + "\n\n" + _table(head, body)
 
 
 # ----------------------------------------------------------------------------- statistical_efficiency*.json
@@ -394,6 +412,7 @@ TABLES: dict[str, Table] = {
     "planner_speed": Table(("planner_speed.json",), planner_speed),
     "soak": Table(("soak.json",), soak),
     "soak_train": Table(("soak_train.json",), soak_train),
+    "model_zoo": Table(("model_zoo.json",), model_zoo),
     "statistical_efficiency": Table(("statistical_efficiency.json",), statistical_efficiency),
     "statistical_efficiency_agreement": Table(("statistical_efficiency.json",), statistical_efficiency_agreement),
     "statistical_efficiency_by_epoch": Table(("statistical_efficiency.json",), statistical_efficiency_by_epoch),

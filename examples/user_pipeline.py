@@ -4,7 +4,7 @@ Run it on 2 processes of this computer with torchrun (or across machines with --
 
     torchrun --nproc-per-node 2 examples/user_pipeline.py
 
-Every rank runs this same script. Rank 0 profiles and plans, the plan is broadcast, and each
+Every rank runs this same script. Rank 0 profiles and plans, the plan is shared, and each
 rank keeps only its own stage of the model.
 """
 
@@ -37,20 +37,20 @@ def main() -> None:
 
     model = build_model()
     loss_fn = nn.CrossEntropyLoss()
-    plan = [None]
+    plan = None
     if dist.get_rank() == 0:  # profile and plan once, then share the plan
         graph = tpd.profile(model, x[:64], loss_fn=loss_fn, target=y[:64])
-        plan[0] = tpd.plan(graph, tpd.Topology.local(dist.get_world_size()), straight=True)
-    dist.broadcast_object_list(plan, src=0)
+        plan = tpd.plan(graph, tpd.Topology.local(dist.get_world_size()), straight=True)
+    plan = tpd.share_plan(plan, src=0)  # as JSON in a tensor: nothing is unpickled
 
-    pipe = tpd.Pipeline(model, plan[0], optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+    pipe = tpd.Pipeline(model, plan, optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
                         loss_fn=loss_fn, schedule="pipedream")
     for epoch in range(3):
         loss = pipe.fit(loader, epochs=1)[0]
         metrics = pipe.evaluate(loader)
         if dist.get_rank() == 0:
             print(f"epoch {epoch + 1}: train loss {loss:.4f}, accuracy {metrics['accuracy']:.3f} "
-                  f"[{plan[0].summary}]", flush=True)
+                  f"[{plan.summary}]", flush=True)
     trace = pipe.trace(dst=0)  # the measured timeline of the last run (collective)
     if dist.get_rank() == 0:
         trace.save("user_pipeline_trace.json")  # torchpipedream timeline user_pipeline_trace.json --out t.png

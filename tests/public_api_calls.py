@@ -24,6 +24,15 @@ def call(name: str, *args, **kwargs):
     return obj(*args, **kwargs)
 
 
+def small_model():
+    """A picklable model factory for verify (its workers import this file as a module)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
 def main() -> None:
     # First every submodule: importing a module named like an export used to replace the export.
     for info in pkgutil.walk_packages(tpd.__path__, "torchpipedream."):
@@ -79,6 +88,27 @@ def main() -> None:
     assert isinstance(pipe.train_step((x, y)), float)
     assert call("launch", operator.add, 1, 5) == 5
     call("keep_freed_memory")
+
+    import functools
+
+    import torch.distributed as dist
+
+    tied = call("TiedParameter", "w", [0, 1], 16)
+    assert call("SharedParameter", "w", ["a", "b"], 16).layers == ["a", "b"]
+    two = tpd.Plan.straight([["a"], ["b"]], tied=[tied])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert call("share_plan", two).tied == [tied]
+    finally:
+        dist.destroy_process_group()
+    mlp_graph = tpd.profile(small_model(), x, loss_fn=nn.CrossEntropyLoss(), target=y, iters=1, warmup=0)
+    single = tpd.Plan.straight([mlp_graph.names], schedule="flush", microbatches=2)
+    report = call("verify", small_model, [(x, y)] * 2, single, functools.partial(torch.optim.SGD, lr=0.1),
+                  loss_fn=nn.CrossEntropyLoss())
+    assert report.ok, str(report)
+    assert call("verify_plans", small_model, [(x, y)], [single], functools.partial(torch.optim.SGD, lr=0.1),
+                loss_fn=nn.CrossEntropyLoss())[0].ok
+    assert call("VerifyReport", "flush", 2, "x", 1, 0.0).ok
 
     missing = sorted(set(tpd.__all__) - {"__version__"} - called)
     assert not missing, f"exports not called: {missing}"

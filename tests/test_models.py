@@ -24,6 +24,7 @@ from torchpipedream.models import (
     transformer,
 )
 from torchpipedream.models.data import DataError, decode_text, encode_text
+from torchpipedream.tracing import trace
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +41,12 @@ def test_each_model_runs_and_traces_to_the_same_function(name):
     model = get_model(name).eval()
     x, y = sample_input(name, 4)
     out = model(x)
-    expected = (4, 64, 96) if name == "transformer" else (4, 10)
+    expected = (4, 64, 96) if name in ("transformer", "gpt2") else (4, 10)
     assert tuple(out.shape) == expected
-    traced = torch.fx.symbolic_trace(model)
-    assert torch.allclose(traced(x), out, atol=1e-6)
+    traced = trace(model, (x,), {}, train=False)  # torch.fx, or torch.export for gpt2
+    assert traced.method == ("export" if name == "gpt2" else "fx")
+    again = traced.unflatten(traced.module(*traced.flatten((x,), {})))
+    assert torch.allclose(again, out, atol=1e-6)
     loss = loss_fn(name)(out, y)
     assert loss.dim() == 0 and torch.isfinite(loss)
 

@@ -307,7 +307,7 @@ def test_untraceable_module_raises_a_clear_error():
         profile(Net(), torch.randn(2, 4))
     msg = str(info.value)
     assert isinstance(info.value, ValueError)
-    assert "torch.fx could not trace Net" in msg and "nn.Sequential" in msg
+    assert "neither torch.fx" in msg and "nor torch.export" in msg and "can trace Net" in msg and "nn.Sequential" in msg
     assert "\n" not in msg
 
 

@@ -45,7 +45,7 @@ def test_split_skip_model_relays_the_skip_tensor():
     torch.manual_seed(0)
     model = Skip()
     plan = Plan.straight([["x", "a", "relu"], ["b", "relu_1"], ["c", "add", "d"]])
-    stages = split_stages(model, plan)
+    stages = split_stages(model, plan).modules
     x = torch.randn(5, 4)
     mid = stages[0](x)
     assert isinstance(mid, tuple) and len(mid) == 1
@@ -61,14 +61,14 @@ def test_split_sequential_by_fx_names_or_child_names():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     x = torch.randn(3, 4)
     for groups in ([["input_1", "_0", "_1"], ["_2"]], [["0", "1"], ["2"]]):
-        stages = split_stages(model, Plan.straight(groups))
+        stages = split_stages(model, Plan.straight(groups)).modules
         torch.testing.assert_close(run_stages(stages, x), model(x))
 
 
 def test_untraceable_sequential_is_split_by_children():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Untraceable(), nn.Linear(4, 2))
-    stages = split_stages(model, Plan.straight([["0"], ["1", "2"]]))
+    stages = split_stages(model, Plan.straight([["0"], ["1", "2"]])).modules
     x = torch.randn(3, 4)
     torch.testing.assert_close(run_stages(stages, x), model(x))
     assert sorted(k for st in stages for k in st.state_dict()) == sorted(model.state_dict())
@@ -79,7 +79,7 @@ def test_untraceable_sequential_is_split_by_children():
 def test_user_given_stages():
     torch.manual_seed(0)
     s0, s1 = nn.Linear(4, 6), nn.Sequential(nn.ReLU(), nn.Linear(6, 2))
-    stages = split_stages([s0, s1], Plan.straight([["first"], ["second"]]))
+    stages = split_stages([s0, s1], Plan.straight([["first"], ["second"]])).modules
     x = torch.randn(2, 4)
     torch.testing.assert_close(run_stages(stages, x), s1(s0(x)))
     assert sorted(stages[1].state_dict()) == ["1.1.bias", "1.1.weight"]
@@ -283,7 +283,7 @@ def test_profiled_and_planned_models_split_exactly(name):
     graph = profile(model, x, loss_fn(name), y, warmup=0, iters=1)
     for n in (2, 4):
         plan = make_plan(graph, Topology.local(n), straight=True, num_stages=n)
-        stages = split_stages(model, plan)
+        stages = split_stages(model, plan).modules
         with torch.no_grad():
             torch.testing.assert_close(run_stages(stages, x), model(x))
         assert sorted(k for st in stages for k in st.state_dict()) == sorted(model.state_dict())

@@ -46,6 +46,12 @@ _EXPORTS = {
     "Pipeline": "runtime",
     "PipelineFailure": "runtime",
     "launch": "runtime",
+    "share_plan": "runtime",
+    "verify": "verification",
+    "verify_plans": "verification",
+    "VerifyReport": "verification",
+    "TiedParameter": "plans",
+    "SharedParameter": "graph",
     "keep_freed_memory": "freed_memory",
     "merge_split_state_dict": "layer_split",
 }

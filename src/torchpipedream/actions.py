@@ -15,11 +15,17 @@ Text form of an action (rank is implied by the list it is in)::
     s0RG7@1    stage 0 receives it
     s0r1AR3    replica 1 of stage 0 all-reduces gradients of update 3 with its replicas
     s0U3v4     stage 0's optimizer step number 3, producing weight version 4
+    s3TP3t0    stage 3 posts its gradient of update 3 of the shared parameter plan.tied[0] (a
+               non-blocking all-reduce with every stage holding a copy)
+    s3TR3v4t0  stage 3 waits for that all-reduce (every holder's TP3) and steps the parameter,
+               producing its version 4
 
 ``id`` is a global microbatch index for F, B and the transfers (minibatch t with m
 microbatches per minibatch has ids t*m .. t*m+m-1; m = 1 for pipedream), and an update index
-for AR and U. ``version`` for F/B is the number of optimizer steps the weights used have seen
-(w^(v)); for U it is the version the step produces.
+for AR, U, TP and TR. ``version`` for F/B is the number of optimizer steps the weights used have
+seen (w^(v)); for U and TR it is the version the step produces. ``tie`` (TP and TR only) indexes
+``plan.tied``; a shared parameter's version at an F is the number of its TR steps before the F
+on that rank, and its B uses the F's (docs/architecture.md, "Shared parameters").
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class Kind(str, enum.Enum):
     RECV_GRAD = "RG"
     ALLREDUCE = "AR"
     OPTIMIZER_STEP = "U"
+    TIED_POST = "TP"
+    TIED_REDUCE = "TR"
 
     @property
     def is_compute(self) -> bool:
@@ -68,8 +76,8 @@ class Kind(str, enum.Enum):
 
 
 _ACTION_RE = re.compile(
-    r"^s(?P<stage>\d+)(?:r(?P<replica>\d+))?(?P<kind>SA|RA|SG|RG|AR|F|B|U)(?P<id>\d+)"
-    r"(?:v(?P<version>\d+))?(?:@(?P<peer>\d+))?$"
+    r"^s(?P<stage>\d+)(?:r(?P<replica>\d+))?(?P<kind>SA|RA|SG|RG|AR|TP|TR|F|B|U)(?P<id>\d+)"
+    r"(?:v(?P<version>\d+))?(?:t(?P<tie>\d+))?(?:@(?P<peer>\d+))?$"
 )
 
 
@@ -83,6 +91,7 @@ class Action:
     replica: int = 0
     version: int | None = None
     peer: int | None = None
+    tie: int | None = None
 
     def __str__(self) -> str:
         text = f"s{self.stage}"
@@ -91,6 +100,8 @@ class Action:
         text += f"{self.kind.value}{self.id}"
         if self.version is not None:
             text += f"v{self.version}"
+        if self.tie is not None:
+            text += f"t{self.tie}"
         if self.peer is not None:
             text += f"@{self.peer}"
         return text
@@ -104,7 +115,8 @@ def parse_action(text: str) -> Action:
     m = _ACTION_RE.match(text.strip())
     if not m:
         raise ScheduleFormatError(
-            f"cannot parse action {text!r}: expected s<stage>[r<replica>]<F|B|SA|RA|SG|RG|AR|U><id>[v<version>][@<peer>]"
+            f"cannot parse action {text!r}: expected s<stage>[r<replica>]<F|B|SA|RA|SG|RG|AR|TP|TR|U><id>[v<version>]"
+            "[t<tie>][@<peer>]"
         )
     g = m.groupdict()
     return Action(
@@ -114,6 +126,7 @@ def parse_action(text: str) -> Action:
         replica=int(g["replica"] or 0),
         version=None if g["version"] is None else int(g["version"]),
         peer=None if g["peer"] is None else int(g["peer"]),
+        tie=None if g["tie"] is None else int(g["tie"]),
     )
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from .jsonio import read_json, write_json
 
-__all__ = ["Layer", "LayerGraph", "GraphError", "Block", "FORMAT_VERSION"]
+__all__ = ["SharedParameter", "Layer", "LayerGraph", "GraphError", "Block", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 
@@ -85,6 +85,17 @@ class Block:
         return self.forward_ms + self.backward_ms + self.optimizer_ms
 
 
+@dataclass
+class SharedParameter:
+    """A parameter that several layers use (a tied input embedding and output layer): counted
+    once, in the first of ``layers``; a plan that puts those layers in different stages gives
+    each stage a copy (``plans.TiedParameter``)."""
+
+    name: str
+    layers: list[str]
+    bytes: int = 0
+
+
 def _check_number(value: Any, where: str, integer: bool = False) -> float:
     """Return ``value`` as a number, or raise a GraphError naming ``where``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -106,6 +117,7 @@ class LayerGraph:
         edges: ``(producer, consumer)`` name pairs.
         batch_size: the minibatch size the numbers were measured with (None if unknown).
         meta: free-form provenance (model name, device, source file).
+        tied: parameters that several layers use (:class:`SharedParameter`).
         validate: check the graph at once (default); raises :class:`GraphError`.
     """
 
@@ -116,10 +128,12 @@ class LayerGraph:
         *,
         batch_size: int | None = None,
         meta: dict[str, Any] | None = None,
+        tied: Sequence[SharedParameter] = (),
         validate: bool = True,
         source: str = "graph",
     ) -> None:
         self.layers: list[Layer] = list(layers)
+        self.tied: list[SharedParameter] = list(tied)
         self.edges: list[tuple[str, str]] = [(str(a), str(b)) for a, b in edges]
         self.batch_size = batch_size
         self.meta: dict[str, Any] = dict(meta or {})
@@ -197,6 +211,11 @@ class LayerGraph:
                 raise GraphError(f"{source}: edge {j} ({a!r} -> {b!r}) is a self-loop (a cycle)")
             seen_edges.add((a, b))
         self.edges = list(dict.fromkeys(self.edges))  # drop exact duplicates, keep order
+        for i, t in enumerate(self.tied):
+            if (not isinstance(t, SharedParameter) or not isinstance(t.layers, list) or len(t.layers) < 2
+                    or any(name not in by_name for name in t.layers)):
+                raise GraphError(f"{source}: tied[{i}] must name a parameter and two or more of the graph's layers")
+            _check_number(t.bytes, f"{source}: tied[{i}] ({t.name!r}): field 'bytes'", integer=True)
         self._by_name = by_name
         self._topo = None
         self.topological_order(source)  # raises on a cycle
@@ -217,8 +236,10 @@ class LayerGraph:
         for a, b in self.edges:
             indeg[b] += 1
             succ[a].append(b)
-        # heap of (-time_became_ready, given index, name): latest-ready first.
-        heap = [(0, index[n], n) for n in index if indeg[n] == 0]
+        # heap of (-time_became_ready, given index, name): latest-ready first; the model's
+        # inputs before anything (the first stage reads them all, targets included).
+        inputs = {layer.name for layer in self.layers if layer.is_input}
+        heap = [(-math.inf if n in inputs else 0, index[n], n) for n in index if indeg[n] == 0]
         heapq.heapify(heap)
         clock = 0
         order: list[str] = []
@@ -308,6 +329,7 @@ class LayerGraph:
             "meta": self.meta,
             "layers": layers,
             "edges": [list(e) for e in self.edges],
+            **({"tied": [asdict(t) for t in self.tied]} if self.tied else {}),
         }
 
     @classmethod
@@ -350,7 +372,15 @@ class LayerGraph:
         meta = data.get("meta") or {}
         if not isinstance(meta, dict):
             raise GraphError(f"{source}: field 'meta' must be an object")
-        return cls(layers, edges, batch_size=batch_size, meta=meta, source=source)
+        raw_tied = data.get("tied", [])
+        if not isinstance(raw_tied, list):
+            raise GraphError(f"{source}: field 'tied' must be a list")
+        tied = []
+        for i, t in enumerate(raw_tied):
+            if not isinstance(t, dict) or set(t) != {"name", "layers", "bytes"}:
+                raise GraphError(f"{source}: tied[{i}] must be an object with name, layers and bytes")
+            tied.append(SharedParameter(**t))
+        return cls(layers, edges, batch_size=batch_size, meta=meta, tied=tied, source=source)
 
     def save(self, path: str | Path) -> None:
         """Write the graph as JSON (lossless: :meth:`load` gives an equal graph)."""

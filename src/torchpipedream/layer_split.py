@@ -60,8 +60,10 @@ def split_wide_layers(model: nn.Module, parts: int, min_out_features: int = 1024
         with gm.graph.inserting_before(node):
             for i in range(parts):
                 lo, hi = bounds[i], bounds[i + 1]
-                piece = nn.Linear(layer.in_features, hi - lo, bias=layer.bias is not None,
-                                  device=layer.weight.device, dtype=layer.weight.dtype)
+                # skip_init: no random initialisation (the weights are copied), so the caller's
+                # global random state is left as it was
+                piece = nn.utils.skip_init(nn.Linear, layer.in_features, hi - lo, bias=layer.bias is not None,
+                                           device=layer.weight.device, dtype=layer.weight.dtype)
                 with torch.no_grad():
                     piece.weight.copy_(layer.weight[lo:hi])
                     if layer.bias is not None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
-from .kinds import ScheduleKind, schedule_kind
+from .kinds import ScheduleKind, VersionRule, schedule_kind
 from .plans import Plan
 
-__all__ = ["replica_of", "update_of", "num_updates", "warmup_depth"]
+__all__ = ["replica_of", "update_of", "num_updates", "warmup_depth", "tied_support_problem"]
 
 
 def replica_of(plan: Plan, stage: int, microbatch: int) -> int:
@@ -50,3 +50,23 @@ def warmup_depth(plan: Plan, stage: int) -> int:
     """
     downstream = sum(st.replicas for st in plan.stages[stage:])
     return math.ceil(downstream / plan.stages[stage].replicas)
+
+
+def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bool = False) -> str | None:
+    """Why this kind cannot keep the copies of a shared parameter (``plan.tied``) equal, naming
+    the parameter, or None: under round-robin kinds (pipedream, naive) every stage holding one
+    must have a single replica (their updates cover other minibatches than the other stages'
+    otherwise); naive and vertical sync define no version rule for them."""
+    info = schedule_kind(kind)
+    for t in plan.tied:
+        if info.version_rule is VersionRule.NEWEST:
+            return (f"parameter {t.name!r} is shared by stages {t.stages}: {info.name} keeps no version rule for "
+                    "it; use pipedream, 2bw, flush or gpipe")
+        if vertical_sync:
+            return f"parameter {t.name!r} is shared by stages {t.stages}: vertical sync is not supported with it"
+        replicated = [s for s in t.stages if plan.stages[s].replicas > 1]
+        if info.round_robin and replicated:
+            return (f"parameter {t.name!r} is shared by stages {t.stages}, and stage {replicated[0]} is replicated: "
+                    f"under {info.name} its replicas update on other minibatches than the other stages; plan those "
+                    "stages without replicas, or use 2bw, flush or gpipe")
+    return None

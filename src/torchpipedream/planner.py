@@ -54,9 +54,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .graph import Block, LayerGraph
-from .kinds import ScheduleKind, UnknownKindError, schedule_kind
-from .plans import Plan, PlanError, Stage
+from .graph import Block, LayerGraph, SharedParameter
+from .kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from .plans import Plan, PlanError, Stage, TiedParameter
 from .topology import Topology, format_bytes
 
 __all__ = [
@@ -174,10 +174,29 @@ class Evaluation:
     minibatch_ms: float = 0.0
 
 
+def tied_holders(blocks: Sequence[Block], stages: Sequence[tuple[int, int, int]],
+                 tied: Sequence[SharedParameter]) -> list[tuple[SharedParameter, list[int]]]:
+    """Each shared parameter whose layers the stages split, with the stages holding a copy."""
+    stage_of = {name: s for s, (i, j, _) in enumerate(stages) for b in blocks[i:j + 1] for name in b.layers}
+    out = []
+    for t in tied:
+        holders = sorted({stage_of[name] for name in t.layers if name in stage_of})
+        if len(holders) > 1:
+            out.append((t, holders))
+    return out
+
+
 def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple[int, int, int]],
              schedule: str = "pipedream", microbatches: int = 1,
-             optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR) -> Evaluation:
-    """Apply the cost model to stages given as (first block, last block, replicas), ranks in order."""
+             optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
+             tied: Sequence[SharedParameter] = ()) -> Evaluation:
+    """Apply the cost model to stages given as (first block, last block, replicas), ranks in order.
+
+    A shared parameter (``tied``) that the stages split costs every holding stage a copy (its
+    weights, versions and optimizer state: the profile counts it once, in its first layer) and
+    the exchange of its gradient: a ring all-reduce among the holders' ranks once per update,
+    charged to each holder as its replicas' all-reduce is (``schedules._add_tied`` overlaps it
+    with compute where the kind allows; the charge is the upper bound)."""
     workers = sum(m for _, _, m in stages)
     if workers > topology.num_workers:
         raise PlanError(f"the stages use {workers} workers but the topology has {topology.num_workers}")
@@ -186,12 +205,21 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
     for i, j, m in stages:
         ranks.append(list(range(r, r + m)))
         r += m
+    copies = [0.0] * len(stages)  # bytes of shared parameters a stage holds beyond the profile's count
+    exchange = [0.0] * len(stages)  # ms of shared-parameter all-reduce per update
+    for t, holders in tied_holders(blocks, stages, tied):
+        group = [r for s in holders for r in ranks[s]]
+        cost = allreduce_ms(t.bytes, len(group), topology.allreduce_bandwidth(group))
+        for s in holders:
+            exchange[s] += cost
+        for s in holders[1:]:
+            copies[s] += t.bytes
     for s, (i, j, m) in enumerate(stages):
         compute = sum(b.compute_ms for b in blocks[i:j + 1])
-        params = sum(b.parameter_bytes for b in blocks[i:j + 1])
+        params = sum(b.parameter_bytes for b in blocks[i:j + 1]) + copies[s]
         bw = topology.allreduce_bandwidth(ranks[s])
-        ar_ms.append(allreduce_ms(params, m, bw))
-        stage_ms.append(stage_time_ms(compute, params, m, bw, schedule, microbatches))
+        ar_ms.append(allreduce_ms(params - copies[s], m, bw) + exchange[s])
+        stage_ms.append(stage_time_ms(compute, params - copies[s], m, bw, schedule, microbatches) + exchange[s])
         input_bytes = blocks[i - 1].cut_bytes if i > 0 else 0
         depth = in_flight(workers - ranks[s][0], m)
         mem.append(stage_memory_bytes(schedule, params, input_bytes, depth, microbatches, optimizer_state_factor))
@@ -709,17 +737,25 @@ def plan(
     memory = memory_bytes if memory_bytes is not None else topo.memory_bytes
     if memory is not None and (not isinstance(memory, (int, float)) or memory <= 0):
         raise PlanError(f"memory budget must be a positive number of bytes, got {memory!r}")
-    if method == "hierarchical":
-        if straight or num_stages is not None:
-            raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
-                            "use method='fast'")
-        stages, checks = _hierarchical(blocks, topo, allow_fewer_workers), 0
-    else:
-        def problem(depth: int | None) -> _Problem:
-            return _Problem(blocks, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight)
+    if method == "hierarchical" and (straight or num_stages is not None):
+        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
+                        "use method='fast'")
 
-        stages, checks = _search_depths(problem, blocks, topo.num_workers, num_stages, straight,
-                                        allow_fewer_workers, memory is not None, rtol)
+    def search(chain: list[Block], straight_only: bool) -> tuple[list[tuple[int, int, int]], int]:
+        if method == "hierarchical":
+            return _hierarchical(chain, topo, allow_fewer_workers), 0
+
+        def problem(depth: int | None) -> _Problem:
+            return _Problem(chain, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight_only)
+
+        return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer_workers,
+                              memory is not None, rtol)
+
+    if graph.tied:
+        blocks, stages, checks = _place_shared(graph, blocks, search, straight, topo, schedule, microbatches,
+                                               optimizer_state_factor)
+    else:
+        stages, checks = search(blocks, straight)
     elapsed = time.perf_counter() - t0
     return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
                        elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
@@ -847,10 +883,77 @@ def _any_fit(prob: _Problem, W: int, allow_fewer: bool) -> bool:
     return prob.feasible(math.inf, W, True, False)[0]
 
 
+def _merge_shared(blocks: Sequence[Block], tied: Sequence[SharedParameter]) -> list[Block]:
+    """The chain with every run of blocks from a shared parameter's first use to its last
+    merged into one block: the plans in which no stage splits a tie."""
+    where = {name: k for k, b in enumerate(blocks) for name in b.layers}
+    spans = sorted((min(where[n] for n in t.layers), max(where[n] for n in t.layers)) for t in tied)
+    merged: list[Block] = []
+    k = 0
+    while k < len(blocks):
+        end = k
+        for a, b in spans:
+            if a <= end and b > end and a >= k:
+                end = b
+        run = blocks[k:end + 1]
+        merged.append(Block([n for b in run for n in b.layers], sum(b.forward_ms for b in run),
+                            sum(b.backward_ms for b in run), sum(b.parameter_bytes for b in run), run[-1].cut_bytes,
+                            list(run[-1].cut_tensors), sum(b.optimizer_ms for b in run)))
+        k = end + 1
+    return merged
+
+
+def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight: bool, topo: Topology,
+                  schedule: str, microbatches: int, f: float) -> tuple[list[Block], list[tuple[int, int, int]], int]:
+    """The best placement of a model with shared parameters (``graph.tied``): the search's own
+    plan, priced with the exchange and copies of every tie it splits, against the best plan that
+    keeps each tie's layers in one stage; the latter wins ties (no copy to keep equal). Where the
+    kind cannot keep copies of a replicated holder equal (pipedream), a straight plan stands in."""
+    kind = schedule_kind(schedule)
+    candidates: list[tuple[list[Block], list[tuple[int, int, int]]]] = []
+    checks = 0
+    merged = _merge_shared(blocks, graph.tied)
+    errors = []
+    for chain, only_straight in ((merged, straight), (blocks, straight)):
+        try:
+            stages, n = search(chain, only_straight)
+        except PlanError as exc:
+            errors.append(exc)
+            continue
+        checks += n
+        split = tied_holders(chain, stages, graph.tied)
+        if split and kind.version_rule is VersionRule.NEWEST:
+            continue  # naive keeps no version rule for a copy
+        if split and kind.round_robin and any(stages[s][2] > 1 for _, holders in split for s in holders):
+            if only_straight:
+                continue
+            try:
+                stages, n = search(chain, True)
+            except PlanError:
+                continue
+            checks += n
+        candidates.append((chain, stages))
+    if not candidates:
+        if errors:
+            raise errors[-1]
+        raise PlanError(f"under {schedule} the shared parameters {[t.name for t in graph.tied]} must stay in one "
+                        "stage, and no plan keeps them there with these options; use pipedream, 2bw, flush or gpipe")
+
+    def cost(candidate: tuple[list[Block], list[tuple[int, int, int]]]) -> float:
+        chain, stages = candidate
+        return evaluate(chain, topo, stages, schedule, microbatches, f, graph.tied).minibatch_ms
+
+    best = candidates[0]
+    for other in candidates[1:]:
+        if cost(other) < cost(best) * (1 - 1e-9):
+            best = other
+    return best[0], best[1], checks
+
+
 def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stages: list[tuple[int, int, int]],
                 schedule: str, microbatches: int, f: float, memory: float | None, elapsed: float, checks: int,
                 options: dict[str, Any]) -> Plan:
-    ev = evaluate(blocks, topo, stages, schedule, microbatches, f)
+    ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied)
     out: list[Stage] = []
     for s, (i, j, m) in enumerate(stages):
         bl = blocks[i:j + 1]
@@ -888,8 +991,10 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
         "cut_time_ms": ev.cut_ms,
         "workers_available": topo.num_workers,
     }
+    tied = [TiedParameter(t.name, holders, int(t.bytes), list(t.layers))
+            for t, holders in tied_holders(blocks, stages, graph.tied)]
     p = Plan(stages=out, schedule=schedule, batch_size=graph.batch_size, microbatches=microbatches,
-             topology=topo.to_spec(), predicted=predicted, meta=meta)
+             topology=topo.to_spec(), predicted=predicted, meta=meta, tied=tied)
     p.validate(layer_names=graph.names, world_size=workers)
     log.debug("planned %s in %.3f s: %s, %.3f ms per minibatch", graph.meta.get("source", "graph"), elapsed,
              p.summary, ev.minibatch_ms)

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from .jsonio import read_json, write_json
 from .kinds import UnknownKindError, schedule_kind
 
-__all__ = ["Stage", "Plan", "PlanError", "PLAN_FORMAT_VERSION"]
+__all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION"]
 
 PLAN_FORMAT_VERSION = 1
 #: Fields that older plan files carry and this version derives or no longer keeps: read and dropped.
@@ -64,6 +64,26 @@ class Stage:
 
 
 @dataclass
+class TiedParameter:
+    """One parameter that layers of several stages share (an input embedding and the output
+    layer that reuses its matrix): each of ``stages`` holds a copy, and the schedule's ``TR``
+    actions keep the copies equal (their gradients summed, one update).
+
+    Attributes:
+        name: the parameter's name in the model's state dict (one of its names, if it has several).
+        stages: the stages holding a copy, ascending (two or more).
+        bytes: its size (what every ``TR`` all-reduces).
+        layers: the layers that use it (from the profile; empty when the plan was not planned
+            from one).
+    """
+
+    name: str
+    stages: list[int]
+    bytes: int = 0
+    layers: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Plan:
     """A partition of a model into stages over a set of workers.
 
@@ -76,6 +96,7 @@ class Plan:
         topology: the topology spec the plan was made for (see topology.py).
         predicted: at least ``time_per_minibatch_s`` and ``samples_per_s``.
         meta: provenance (graph source, model name, planner options, planning time).
+        tied: parameters shared by layers of several stages (:class:`TiedParameter`).
     """
 
     stages: list[Stage]
@@ -85,6 +106,7 @@ class Plan:
     topology: str = ""
     predicted: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    tied: list[TiedParameter] = field(default_factory=list)
 
     # ------------------------------------------------------------- derived
     @property
@@ -116,6 +138,10 @@ class Plan:
         NUM_OPT_ACTIVE_MINIBATCHES): ⌈workers / input-stage replicas⌉, the warm-up depth of
         stage 0 (``placement.warmup_depth``)."""
         return -(-self.num_workers // self.stages[0].replicas)
+
+    def tied_at(self, stage: int) -> list[int]:
+        """Indices into ``tied`` of the shared parameters ``stage`` holds a copy of."""
+        return [k for k, t in enumerate(self.tied) if stage in t.stages]
 
     def stage_of_rank(self, rank: int) -> tuple[int, int]:
         """(stage index, replica index) of a global rank."""
@@ -168,6 +194,7 @@ class Plan:
                     raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
         if seen_ranks != set(range(self.num_workers)):
             raise PlanError(f"ranks must be 0..{self.num_workers - 1}, got {sorted(seen_ranks)}")
+        self._validate_tied()
         if layer_names is not None:
             missing = [n for n in layer_names if n not in seen_layers]
             extra = [n for n in seen_layers if n not in set(layer_names)]
@@ -194,6 +221,26 @@ class Plan:
                 f"the plan is for {self.num_workers} workers ({self.summary}) but {world_size} were launched"
             )
 
+    def _validate_tied(self) -> None:
+        if not isinstance(self.tied, list):
+            raise PlanError(f"tied must be a list, got {type(self.tied).__name__}")
+        names = set()
+        for i, t in enumerate(self.tied):
+            if not isinstance(t, TiedParameter) or not isinstance(t.name, str) or not t.name:
+                raise PlanError(f"tied[{i}] must name a parameter and its stages")
+            if t.name in names:
+                raise PlanError(f"tied[{i}]: parameter {t.name!r} is listed twice")
+            names.add(t.name)
+            if (not isinstance(t.stages, list) or len(t.stages) < 2 or t.stages != sorted(set(t.stages))
+                    or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < self.num_stages
+                               for s in t.stages)):
+                raise PlanError(f"tied[{i}] ({t.name}): stages must be two or more distinct stages of the plan, "
+                                f"ascending, got {t.stages!r}")
+            if isinstance(t.bytes, bool) or not isinstance(t.bytes, int) or t.bytes < 0:
+                raise PlanError(f"tied[{i}] ({t.name}): bytes must be an integer >= 0, got {t.bytes!r}")
+            if not isinstance(t.layers, list) or not all(isinstance(n, str) for n in t.layers):
+                raise PlanError(f"tied[{i}] ({t.name}): layers must be a list of layer names, got {t.layers!r}")
+
     # ------------------------------------------------------------- JSON I/O
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -208,6 +255,7 @@ class Plan:
             "topology": self.topology,
             "predicted": dict(self.predicted),
             "stages": [asdict(s) for s in self.stages],
+            "tied": [asdict(t) for t in self.tied],
             "meta": self.meta,
         }
 
@@ -233,9 +281,15 @@ class Plan:
                 raise PlanError(f"{source}: stages[{i}]: unknown field(s) {sorted(unknown)}")
             stages.append(Stage(**{k: v for k, v in raw.items() if k in known}))
         for key, types in (("schedule", str), ("batch_size", (int, type(None))), ("microbatches", int),
-                           ("topology", str), ("predicted", (dict, type(None))), ("meta", (dict, type(None)))):
+                           ("topology", str), ("predicted", (dict, type(None))), ("meta", (dict, type(None))),
+                           ("tied", list)):
             if key in data and (isinstance(data[key], bool) or not isinstance(data[key], types)):
                 raise PlanError(f"{source}: field {key!r} has the wrong type ({type(data[key]).__name__})")
+        tied = []
+        for i, raw in enumerate(data.get("tied") or []):
+            if not isinstance(raw, dict) or set(raw) - set(TiedParameter.__dataclass_fields__) or "name" not in raw:
+                raise PlanError(f"{source}: tied[{i}] must be an object with name, stages and bytes")
+            tied.append(TiedParameter(**raw))
         plan = cls(
             stages=stages,
             schedule=data.get("schedule", "pipedream"),
@@ -244,6 +298,7 @@ class Plan:
             topology=data.get("topology", ""),
             predicted=dict(data.get("predicted") or {}),
             meta=dict(data.get("meta") or {}),
+            tied=tied,
         )
         try:
             plan.validate()
@@ -293,7 +348,10 @@ class Plan:
             summary += f", {p['speedup_over_data_parallel']:.2f}x over data parallel"
         if p.get("bottleneck"):
             summary += f"; bottleneck: {p['bottleneck']}"
-        return "\n".join(lines + [summary])
+        shared = [f"shared parameter {t.name} ({mem(t.bytes)}): a copy in stages {', '.join(map(str, t.stages))}"
+                  f"{' (used by ' + ', '.join(t.layers) + ')' if t.layers else ''}, gradients summed once per update"
+                  for t in self.tied]
+        return "\n".join(lines + [summary] + shared)
 
     @classmethod
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":

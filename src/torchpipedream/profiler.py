@@ -51,17 +51,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.fx import GraphModule, Node, symbolic_trace
+from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate, map_arg
 
-from .graph import Layer, LayerGraph
+from .graph import Layer, LayerGraph, SharedParameter
+from .tracing import TraceError, as_call, canonical_names, mutates_first_input, trace
 
 __all__ = ["profile", "ProfilerError"]
 
 log = logging.getLogger(__name__)
-
-_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
-
 
 class ProfilerError(ValueError):
     """The model cannot be profiled as given; the message says why and what to do."""
@@ -161,6 +159,9 @@ class _Program:
     output_producers: list[str]
     split: str
     input_layers: bool = True  # emit placeholders as is_input layers
+    # (args, kwargs) of a model call -> the values of ``inputs``, in order
+    flatten: Callable[[tuple, dict], tuple] = lambda args, kwargs: args
+    finish: Callable[[Any], Any] = lambda out: out  # the graph's output -> the model's output
 
 
 _NO_DEFAULT = object()
@@ -213,27 +214,23 @@ def _fx_step(
         return map_arg(args, lambda n: env[n.name]), map_arg(kwargs, lambda n: env[n.name])
 
     params: list[nn.Parameter] = []
-    mutates = bool(kwargs.get("inplace", False))
+    mutates = mutates_first_input(node, modules)
     if node.op == "call_module":
         mod = modules[target]
         kind = _module_kind(mod)
         params = list(mod.parameters())
-        mutates = mutates or bool(getattr(mod, "inplace", False))
 
         def invoke(a: tuple, k: dict) -> Any:
             return mod(*a, **k)
 
     elif node.op == "call_function":
         kind = _function_kind(target)
-        name = getattr(target, "__name__", "")
-        mutates = mutates or name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
 
         def invoke(a: tuple, k: dict) -> Any:
             return target(*a, **k)
 
     elif node.op == "call_method":
         kind = f"Tensor.{target}"
-        mutates = mutates or (target.endswith("_") and not target.endswith("__"))
 
         def invoke(a: tuple, k: dict) -> Any:
             return getattr(a[0], target)(*a[1:], **k)
@@ -277,7 +274,9 @@ def _sequential_program(seq: nn.Sequential) -> _Program:
                     input_layers=False)
 
 
-def _build_program(module: nn.Module | Sequence[nn.Module]) -> tuple[_Program, nn.Module]:
+def _build_program(module: nn.Module | Sequence[nn.Module], args: tuple, kwargs: dict) -> tuple[_Program, nn.Module]:
+    """The steps to time: the traced graph's nodes (``tracing.trace``: torch.fx, else
+    torch.export with the sample), or the children of a list / an untraceable nn.Sequential."""
     if isinstance(module, (list, tuple)):
         if not module or not all(isinstance(m, nn.Module) for m in module):
             raise ProfilerError("profile: a list of stage modules must be a non-empty list of nn.Module")
@@ -286,18 +285,16 @@ def _build_program(module: nn.Module | Sequence[nn.Module]) -> tuple[_Program, n
     if not isinstance(module, nn.Module):
         raise ProfilerError(f"profile: expected an nn.Module, got {type(module).__name__}")
     try:
-        gm = symbolic_trace(module)
-    except Exception as exc:  # fx raises many kinds (TraceError, TypeError, ...)
+        traced = trace(module, args, kwargs, train=True)
+    except TraceError as exc:
         if isinstance(module, nn.Sequential):
-            log.info("torch.fx could not trace %s (%s); profiling its children instead",
-                     type(module).__name__, _first_line(exc))
+            log.info("%s; profiling the nn.Sequential's children instead", exc)
             return _sequential_program(module), module
-        raise ProfilerError(
-            f"profile: torch.fx could not trace {type(module).__name__} ({_first_line(exc)}). "
-            "Make its forward traceable (no Python control flow on tensor values), wrap its parts "
-            "in an nn.Sequential, or pass a list of stage modules."
-        ) from None
-    return _fx_program(gm), gm
+        raise ProfilerError(f"profile: {exc}") from None
+    program = _fx_program(traced.module)
+    program.flatten, program.finish = traced.flatten, traced.unflatten
+    program.split = traced.method
+    return program, traced.module
 
 
 # --------------------------------------------------------------------------- running
@@ -418,12 +415,15 @@ def profile(
     """Profile ``module`` on ``sample_input`` and return its layer graph.
 
     Args:
-        module: the model (traced with torch.fx), or an nn.Sequential / list of modules that
-            fx cannot trace (profiled child by child).
-        sample_input: one minibatch: a tensor, or a tuple with one value per forward argument.
-            Its first dimension is recorded as the graph's ``batch_size``.
+        module: the model (traced with torch.fx, else torch.export: ``tracing.py``), or an
+            nn.Sequential / list of modules that neither can trace (profiled child by child).
+        sample_input: one minibatch of the model's inputs: a tensor, a tuple with one value per
+            positional argument, or a dict of keyword arguments (``{"input_ids": ...,
+            "attention_mask": ...}``), as ``Pipeline`` takes them. Dimension 0 of its first
+            tensor is recorded as the graph's ``batch_size``.
         loss_fn: optional ``loss_fn(output, target)`` (or ``loss_fn(output)`` without target);
-            its time is added to the layer producing the output.
+            its time is added to the layer producing the output. A model that computes its own
+            loss (``labels=`` among the inputs) needs none: the loss is part of its graph.
         target: the loss's target for this minibatch.
         device: where to time; the module is moved there and back. Default: where its
             parameters are (CPU for a parameterless module).
@@ -461,7 +461,7 @@ def profile(
     dev = torch.device(device) if device is not None else home
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfilerError(f"profile: device {dev} requested but CUDA is not available")
-    args, target, batch_size = _timed_inputs(sample_input, target, dev, microbatches)
+    args, kwargs, target, batch_size = _timed_inputs(sample_input, target, dev, microbatches)
     moved = root is not None and dev != home
     if moved:
         root.to(dev)
@@ -469,14 +469,19 @@ def profile(
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
     try:
-        program, traced = _build_program(module)
+        program, traced = _build_program(module, args, kwargs)
+        try:
+            flat = program.flatten(args, kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ProfilerError(f"profile: the sample does not fit the model's arguments: {_first_line(exc)}") from None
         if dev.type == "cpu" and num_threads is not None:
             torch.set_num_threads(num_threads)
         with _model_state_kept(traced):
             with torch.enable_grad():
-                graph = _measure(program, args, loss_fn, target, _Timer(dev), warmup, iters, batch_size)
+                graph = _measure(program, flat, loss_fn, target, _Timer(dev), warmup, iters, batch_size)
             if optimizer is not None:
                 _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
+        graph.tied = _shared(program, root if root is not None else traced)
         if microbatches > 1:  # one microbatch was timed: the graph describes the whole minibatch
             for layer in graph.layers:
                 layer.forward_ms *= microbatches
@@ -504,14 +509,14 @@ def profile(
             root.to(home)
 
 
-def _timed_inputs(sample_input: Any, target: Any, dev: torch.device, microbatches: int) -> tuple[tuple, Any, int | None]:
-    """The forward's arguments and the loss's target on ``dev``, cut to one microbatch when
-    ``microbatches`` > 1, and the minibatch's size (dim 0 of its first tensor)."""
-    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    args = tuple(map_aggregate(a, lambda v: v.to(dev) if isinstance(v, Tensor) else v) for a in args)
-    if target is not None:
-        target = map_aggregate(target, lambda v: v.to(dev) if isinstance(v, Tensor) else v)
-    first_tensor = next(iter(_tensors(args)), None)
+def _timed_inputs(sample_input: Any, target: Any, dev: torch.device, microbatches: int
+                  ) -> tuple[tuple, dict, Any, int | None]:
+    """The forward's positional and keyword arguments and the loss's target on ``dev``, cut to one
+    microbatch when ``microbatches`` > 1, and the minibatch's size (dim 0 of its first tensor)."""
+    args, kwargs = as_call(sample_input)
+    args, kwargs, target = map_aggregate((args, kwargs, target),
+                                         lambda v: v.to(dev) if isinstance(v, Tensor) else v)
+    first_tensor = next(iter(_tensors((args, kwargs))), None)
     batch_size = int(first_tensor.shape[0]) if first_tensor is not None and first_tensor.dim() > 0 else None
     if microbatches > 1:
         if batch_size is None or batch_size < microbatches:
@@ -519,8 +524,8 @@ def _timed_inputs(sample_input: Any, target: Any, dev: torch.device, microbatche
                 f"profile: a minibatch of {batch_size} samples cannot be split into {microbatches} "
                 "microbatches; give a sample input whose first dimension is the minibatch")
         # The largest microbatch of the split (sizes differ by at most one sample).
-        args, target = _first_samples((args, target), batch_size, -(-batch_size // microbatches))
-    return args, target, batch_size
+        args, kwargs, target = _first_samples((args, kwargs, target), batch_size, -(-batch_size // microbatches))
+    return tuple(args), dict(kwargs), target, batch_size
 
 
 @contextlib.contextmanager
@@ -538,6 +543,20 @@ def _model_state_kept(module: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for b, saved in saved_buffers:
                 b.copy_(saved)
+
+
+def _shared(program: _Program, model: nn.Module) -> list[SharedParameter]:
+    """Parameters that more than one layer uses (a tied embedding and output layer), by their
+    canonical names (``tracing.canonical_names``)."""
+    names = canonical_names(model)
+    users: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    for step in program.steps:
+        for p in {id(p): p for p in step.params}.values():
+            users.setdefault(id(p), []).append(step.name)
+            sizes[id(p)] = p.numel() * p.element_size()
+    return [SharedParameter(names.get(pid, f"parameter_{pid}"), layers, sizes[pid])
+            for pid, layers in users.items() if len(layers) > 1]
 
 
 def _first_samples(values: Any, batch: int, keep: int) -> Any:
@@ -566,7 +585,8 @@ def _measure(
         run_args = _detached(args, clone=True) if any_mutation else args
         env, pending = _forward_pass(program, run_args, timer, first=(i == 0))
         pending_bwd = {s.name: _backward_once(s, env, timer) for s in program.steps}
-        pending_loss = _loss_once(loss_fn, program.output(env), target, timer) if loss_fn else (None, None)
+        pending_loss = _loss_once(loss_fn, program.finish(program.output(env)), target, timer) if loss_fn \
+            else (None, None)
         timer.sync()
         if i < warmup:
             continue

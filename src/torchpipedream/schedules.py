@@ -30,7 +30,7 @@ from typing import Callable
 
 from .actions import Action, Kind, Schedule
 from .kinds import KIND_NAMES, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .placement import num_updates, replica_of, update_of, warmup_depth
+from .placement import num_updates, replica_of, tied_support_problem, update_of, warmup_depth
 from .plans import Plan, PlanError
 
 __all__ = ["build_schedule", "GENERATORS", "ScheduleBuildError"]
@@ -222,6 +222,57 @@ def _add_updates(ctx: _Ctx, stage: int, items: list[_C]) -> list[_C | tuple[str,
     return out
 
 
+def _add_tied(ctx: _Ctx, stage: int, items: list) -> list:
+    """Insert the exchange of every shared parameter ``k`` this stage holds (``plan.tied``):
+    ("TP", u, k) posts the stage's gradient of update u (a non-blocking all-reduce with every
+    stage holding a copy) once the stage's backwards of update u are done; ("TR", u, k) waits for
+    it and steps the parameter, before the first forward that uses the new version:
+
+    * flush, gpipe (``BATCH``): both right before ``U u``: every use of batch t sees version t.
+    * 2bw (``PREVIOUS_BATCH``): TP with ``U u``; TR right before the first forward of batch
+      u + 2, the first that uses version u + 1.
+    * pipedream (``STASHED``): TP right after ``U u``; TR after ``U u+d+1`` with d = stage −
+      (first holding stage): the backward of minibatch u reaches the first holding stage about
+      d steps after this one, and the extra step hides the all-reduce itself, so no stage waits.
+      A use's version is the number of its stage's TR steps before the forward.
+    """
+    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    held = plan.tied_at(stage)
+    if not held:
+        return items
+    n_upd = num_updates(plan, kind, stage, ctx.minibatches)
+    update_at = {it[1]: pos for pos, it in enumerate(items) if isinstance(it, tuple) and it[0] == "U"}
+    before: dict[int, list] = {}  # position -> items to insert before it
+    end: list = []
+
+    def put(pos: int | None, item: tuple) -> None:
+        (before.setdefault(pos, []) if pos is not None else end).append(item)
+
+    for k in held:
+        for u in range(n_upd):
+            if kind.version_rule is VersionRule.BATCH:
+                put(update_at[u], ("TP", u, k))
+                put(update_at[u], ("TR", u, k))
+            elif kind.version_rule is VersionRule.PREVIOUS_BATCH:
+                put(update_at[u], ("TP", u, k))
+                first_f = next((pos for pos, it in enumerate(items) if isinstance(it, _C)
+                                and it.kind is Kind.FORWARD and it.microbatch // m == u + 2), None)
+                put(first_f, ("TR", u, k))
+            else:  # STASHED
+                lag = stage - plan.tied[k].stages[0] + 1
+                put(update_at[u] + 1, ("TP", u, k))
+                later = update_at.get(u + lag)
+                put(later + 1 if later is not None else None, ("TR", u, k))
+    rank_of = {"TP": 0, "TR": 1}
+    order = lambda t: (t[1], rank_of[t[0]], t[2])  # noqa: E731 - update, post before wait, parameter
+    out: list = []
+    for pos, it in enumerate(items):
+        out += sorted(before.get(pos, []), key=order)
+        out.append(it)
+    out += sorted(before.get(len(items), []) + end, key=order)
+    return out
+
+
 def _versions(ctx: _Ctx, order: dict[tuple[int, int], list[_C | tuple[str, int]]]) -> dict[tuple[int, int], dict[tuple[Kind, int], int]]:
     """Weight version of every F and B, per the kind's semantics (docs/architecture.md)."""
     kind, m = ctx.kind, ctx.microbatches
@@ -290,6 +341,12 @@ def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
         out: list[Action] = []
         for it in items:
             if isinstance(it, tuple):
+                if it[0] == "TP":
+                    out.append(Action(s, Kind.TIED_POST, it[1], replica=q, tie=it[2]))
+                    continue
+                if it[0] == "TR":
+                    out.append(Action(s, Kind.TIED_REDUCE, it[1], replica=q, version=it[1] + 1, tie=it[2]))
+                    continue
                 k = Kind.ALLREDUCE if it[0] == "AR" else Kind.OPTIMIZER_STEP
                 out.append(Action(s, k, it[1], replica=q, version=it[1] + 1 if k is Kind.OPTIMIZER_STEP else None))
                 continue
@@ -373,9 +430,12 @@ def build_schedule(
         _check_shares(plan, info.name, m)
     if vertical_sync and not info.stashes_weights:
         raise ScheduleBuildError(f"vertical_sync applies to schedules with weight stashing (pipedream) only, not {info.name!r}")
+    problem = tied_support_problem(plan, info, vertical_sync)
+    if problem:
+        raise ScheduleBuildError(problem)
     ctx = _Ctx(plan, info, minibatches, m, vertical_sync)
     compute = GENERATORS[info.name](ctx)
-    order = {key: _add_updates(ctx, key[0], items) for key, items in compute.items()}
+    order = {key: _add_tied(ctx, key[0], _add_updates(ctx, key[0], items)) for key, items in compute.items()}
     vers = _versions(ctx, order)
     actions = _lower(ctx, order, vers)
     options = {"vertical_sync": True} if vertical_sync else {}

@@ -232,6 +232,8 @@ def _text(a: Any) -> str:
     t = f"s{a.stage}r{a.replica}{_KV[a.kind]}{a.id}" if a.replica else f"s{a.stage}{_KV[a.kind]}{a.id}"
     if a.version is not None:
         t += f"v{a.version}"
+    if a.tie is not None:
+        t += f"t{a.tie}"
     if a.peer is not None:
         t += f"@{a.peer}"
     return t
@@ -323,6 +325,8 @@ class _Charges:
     output_bytes: list[float]
     allreduce: dict[int, float]  # stage -> seconds of one all-reduce among its replicas
     allreduce_bytes: dict[int, int]  # stage -> bytes each replica moves in it
+    tied: dict[int, float] = field(default_factory=dict)  # shared parameter -> seconds of one TR
+    tied_bytes: dict[int, int] = field(default_factory=dict)  # shared parameter -> bytes each rank moves
 
     @classmethod
     def of(cls, plan: Plan, costs: Costs) -> "_Charges":
@@ -341,13 +345,25 @@ class _Charges:
             if measured is not None:
                 allreduce[s] = float(measured)
                 continue
-            bw = min(costs.bandwidth(a, b) for a in st.ranks for b in st.ranks if a != b) * costs.allreduce_efficiency
-            allreduce[s] = 2 * (r - 1) * costs.latency_s + (2 * (r - 1) / r * params[s] / bw
-                                                              if bw != float("inf") else 0.0)
+            allreduce[s] = _ring_allreduce_s(costs, list(st.ranks), params[s])
+        tied: dict[int, float] = {}
+        tied_moved: dict[int, int] = {}
+        for k, t in enumerate(plan.tied):
+            members = [r for s in t.stages for r in plan.stages[s].ranks]
+            tied[k] = _ring_allreduce_s(costs, members, t.bytes)
+            tied_moved[k] = int(2 * (len(members) - 1) / len(members) * t.bytes)
         return cls(forward=[f * slow for f in costs.forward_s], backward=[b * slow for b in costs.backward_s],
                    step=[u * slow for u in steps], copy=[b / costs.copy_Bps for b in params],
                    add=[b / costs.accumulate_Bps for b in params], output_bytes=costs.output_bytes or [0.0] * n,
-                   allreduce=allreduce, allreduce_bytes=moved)
+                   allreduce=allreduce, allreduce_bytes=moved, tied=tied, tied_bytes=tied_moved)
+
+
+def _ring_allreduce_s(costs: Costs, ranks: list[int], nbytes: float) -> float:
+    """A ring all-reduce of ``nbytes`` among ``ranks`` at the slowest link between them, at the
+    topology's all-reduce efficiency: 2(m−1) latencies + 2(m−1)/m · bytes / bandwidth."""
+    m = len(ranks)
+    bw = min(costs.bandwidth(a, b) for a in ranks for b in ranks if a != b) * costs.allreduce_efficiency
+    return 2 * (m - 1) * costs.latency_s + (2 * (m - 1) / m * nbytes / bw if bw != float("inf") else 0.0)
 
 
 def _run(schedule: Schedule, costs: Costs) -> list[Event]:
@@ -362,8 +378,11 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     fwd, bwd, step_s, copy_s, add_s, outb = (charge.forward, charge.backward, charge.step, charge.copy, charge.add,
                                              charge.output_bytes)
     lat, ovh = costs.latency_s, costs.message_overhead_s
-    F, B, SA, RA, SG, RG, AR = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT,
-                                Kind.SEND_GRAD, Kind.RECV_GRAD, Kind.ALLREDUCE)
+    F, B, SA, RA, SG, RG, AR, TP, TR = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD,
+                                        Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.TIED_POST, Kind.TIED_REDUCE)
+    tied_size = {k: sum(plan.stages[s].replicas for s in t.stages) for k, t in enumerate(plan.tied)}
+    tied_posts: dict[tuple[int, int], dict[int, float]] = {}  # (parameter, update) -> rank -> post time
+    tied_waiting: dict[tuple[int, int], set[int]] = {}  # ranks blocked at a TR until every post is in
     stage_of = {r: plan.stage_of_rank(r) for r in schedule.actions}
     acts = schedule.actions
     copy_at = {r: stash_copies(lst) for r, lst in acts.items()}
@@ -450,6 +469,23 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                         pc[o] += 1
                         wake(o)
                 t = end
+            elif k is TP:  # a non-blocking all-reduce of a shared parameter's gradient: posted
+                key = (a.tie, a.id)
+                posts = tied_posts.setdefault(key, {})
+                posts[r] = t
+                emit(Ev(r, s, "TP", a.id, t, t, 0, text(a), q, None))
+                if len(posts) == tied_size[a.tie]:
+                    for o in tied_waiting.pop(key, ()):
+                        wake(o)
+            elif k is TR:  # wait for every holder's post, then the all-reduce's time, then step
+                key = (a.tie, a.id)
+                posts = tied_posts.get(key, {})
+                if len(posts) < tied_size[a.tie]:
+                    tied_waiting.setdefault(key, set()).add(r)
+                    break
+                start = t
+                t = max(t, max(posts.values()) + charge.tied[a.tie])
+                emit(Ev(r, s, "TR", a.id, start, t, charge.tied_bytes[a.tie], text(a), q, a.version))
             else:  # U
                 d = step_s[s] + (copy_s[s] if p in copy_at[r] else 0.0)
                 emit(Ev(r, s, "U", a.id, t, t + d, 0, text(a), q, a.version))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .actions import Action, Kind, Schedule
 from .kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .placement import num_updates, replica_of, update_of, warmup_depth
+from .placement import num_updates, replica_of, tied_support_problem, update_of, warmup_depth
 from .plans import Plan
 
 __all__ = ["ScheduleError", "validate_schedule", "schedule_stats", "ScheduleStats", "format_grid", "bounds"]
@@ -144,6 +144,9 @@ class _RankWalk:
         self.batch_fwds: dict[int, int] = {}
         self.steps = 0
         self.reduced = -1
+        self.tied = plan.tied_at(self.s)
+        self.tied_steps = {k: 0 for k in self.tied}  # TR steps done, per shared parameter
+        self.tied_posts = {k: 0 for k in self.tied}  # TP steps done
 
     def err(self, step: int, what: str) -> ScheduleError:
         return _fail(self.schedule, f"rank {self.rank} step {step} ({self.acts[step]}): {what}", [(self.rank, step)])
@@ -153,7 +156,8 @@ class _RankWalk:
 
     def run(self) -> None:
         handlers = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward, Kind.ALLREDUCE: self.allreduce,
-                    Kind.OPTIMIZER_STEP: self.step}
+                    Kind.OPTIMIZER_STEP: self.step, Kind.TIED_POST: self.tied_post,
+                    Kind.TIED_REDUCE: self.tied_reduce}
         for k, a in enumerate(self.acts):
             self.fields(k, a)
             handlers.get(a.kind, self.transfer)(k, a)
@@ -176,6 +180,8 @@ class _RankWalk:
             raise self.err(k, "a transfer needs a peer (@rank)")
         if a.kind.is_compute and a.version is None:
             raise self.err(k, "a forward/backward needs a weight version (v<n>)")
+        if (a.kind in (Kind.TIED_POST, Kind.TIED_REDUCE)) != (a.tie is not None):
+            raise self.err(k, "a TP or TR names its shared parameter (t<k>), and only those do")
         if a.kind.is_transfer or a.kind.is_compute:
             if not 0 <= a.id < self.total:
                 raise self.err(k, f"microbatch {a.id} is out of range 0..{self.total - 1}")
@@ -193,6 +199,7 @@ class _RankWalk:
             raise self.err(k, f"forward before its activations arrived (no RA{i} earlier on this rank)")
         _check_version(self.schedule, a, self.steps, self.v0, self.replicas, self.err, k, forward=True,
                        fwd_version=None)
+        self._check_tied_versions(k, i)
         self.fwd_ver[i] = a.version  # type: ignore[assignment]
         self.inflight[i] = a.version  # type: ignore[assignment]
         self.held[a.version] = self.held.get(a.version, 0) + 1  # type: ignore[index]
@@ -222,6 +229,48 @@ class _RankWalk:
                         self.sent_grad, self.got_act, self.got_grad, self.err)
         {Kind.SEND_ACT: self.sent_act, Kind.SEND_GRAD: self.sent_grad, Kind.RECV_ACT: self.got_act,
          Kind.RECV_GRAD: self.got_grad}[a.kind].add(a.id)
+
+    def _check_tied_versions(self, k: int, microbatch: int) -> None:
+        """A shared parameter's version at a forward is the number of its TR steps so far on this
+        rank; for the kinds that fix versions per batch it must be the batch's (t, or t − 1)."""
+        rule, t = self.kind.version_rule, microbatch // self.m
+        want = t if rule is VersionRule.BATCH else max(0, t - 1) if rule is VersionRule.PREVIOUS_BATCH else None
+        for tie in self.tied:
+            if want is not None and self.tied_steps[tie] != want:
+                name = self.plan.tied[tie].name
+                raise self.err(k, f"{self.kind.name}: shared parameter {name!r} is at version {self.tied_steps[tie]} "
+                                  f"here, but every use in batch {t} must see version {want}: its TR{want - 1} is "
+                                  "missing before this forward" if self.tied_steps[tie] < want else
+                                  f"{self.kind.name}: shared parameter {name!r} is already at version "
+                                  f"{self.tied_steps[tie]}, batch {t} must see {want}")
+
+    def _tie_index(self, k: int, a: Action) -> int:
+        if a.tie not in self.tied:
+            raise self.err(k, f"stage {self.s} holds no copy of shared parameter {a.tie} "
+                              f"(plan.tied: {[(t.name, t.stages) for t in self.plan.tied]})")
+        return a.tie  # type: ignore[return-value]
+
+    def tied_post(self, k: int, a: Action) -> None:
+        tie = self._tie_index(k, a)
+        if a.id != self.tied_posts[tie]:
+            raise self.err(k, f"the posts of shared parameter {self.plan.tied[tie].name!r} come in order: "
+                              f"expected TP{self.tied_posts[tie]}")
+        missing = self._missing_backward(a.id)
+        if missing is not None:
+            raise self.err(k, f"TP{a.id} posts the gradient before the backward of microbatch {missing} adds to it")
+        self.tied_posts[tie] += 1
+
+    def tied_reduce(self, k: int, a: Action) -> None:
+        tie = self._tie_index(k, a)
+        done = self.tied_steps[tie]
+        if a.id != done:
+            raise self.err(k, f"the steps of shared parameter {self.plan.tied[tie].name!r} come in order: "
+                              f"expected TR{done}")
+        if a.version != a.id + 1:
+            raise self.err(k, f"TR{a.id} produces version {a.id + 1}, not {a.version}")
+        if self.tied_posts[tie] <= a.id:
+            raise self.err(k, f"TR{a.id} waits for an all-reduce this rank has not posted (no TP{a.id} before it)")
+        self.tied_steps[tie] = done + 1
 
     def _missing_backward(self, update: int) -> int | None:
         return next((j for j in self.by_update.get(update, ()) if j not in self.done_b), None)
@@ -266,6 +315,10 @@ class _RankWalk:
                           f"{self.s - 1}")
         if self.steps != self.n_updates:
             raise end_err(f"stage {self.s} takes {self.steps} optimizer steps; the schedule needs {self.n_updates}")
+        for tie, done in self.tied_steps.items():
+            if done != self.n_updates:
+                raise end_err(f"shared parameter {self.plan.tied[tie].name!r} takes {done} TR steps on stage {self.s}; "
+                              f"the schedule needs {self.n_updates}")
 
 
 def _check_transfer(a: Action, k: int, s: int, n: int, i: int, peer_rank, fwd_ver, done_b, sent_act, sent_grad,
@@ -397,14 +450,27 @@ def _check_deadlock(schedule: Schedule) -> None:
                     waiting[ch] = r
                     break
                 got[ch] = got.get(ch, 0) + 1
+            elif kd is Kind.TIED_POST:
+                key, members = _collective(plan, a)
+                posted = arrived.setdefault(key, set())
+                posted.add(r)
+                if len(posted) == len(members):  # the all-reduce can complete: wake its waiters
+                    for o in members:
+                        if o != r and o not in queued:
+                            ready.append(o)
+                            queued.add(o)
+            elif kd is Kind.TIED_REDUCE:
+                key, members = _collective(plan, a)
+                if len(arrived.get(key, ())) < len(members):
+                    break
             elif kd is Kind.ALLREDUCE:
-                key = (a.stage, a.id)
+                key, members = _collective(plan, a)
                 group = arrived.setdefault(key, set())
                 group.add(r)
-                if len(group) < plan.stages[a.stage].replicas:
+                if len(group) < len(members):
                     break
-                # everyone is here: release the others (they are parked at this AR)
-                for o in plan.stages[a.stage].ranks:
+                # everyone is here: release the others (they are parked at this collective)
+                for o in members:
                     if o != r:
                         pc[o] += 1
                         if o not in queued:
@@ -421,8 +487,9 @@ def _check_deadlock(schedule: Schedule) -> None:
         a = acts[r][p]
         if a.kind.is_recv:
             waits_for[r] = [a.peer]  # type: ignore[list-item]
-        elif a.kind is Kind.ALLREDUCE:
-            waits_for[r] = [o for o in plan.stages[a.stage].ranks if o not in arrived.get((a.stage, a.id), set())]
+        elif a.kind is Kind.ALLREDUCE or a.kind is Kind.TIED_REDUCE:
+            key, members = _collective(plan, a)
+            waits_for[r] = [o for o in members if o not in arrived.get(key, set())]
         else:
             waits_for[r] = []
     cycle = _find_cycle(waits_for)
@@ -434,6 +501,15 @@ def _check_deadlock(schedule: Schedule) -> None:
         parts.append(f"rank {r} waits at {a} for {who or 'nothing'}")
     head = "deadlock: " + ("cycle " + " -> ".join(str(r) for r in cycle + cycle[:1]) + ": " if cycle else "")
     raise _fail(schedule, head + "; ".join(parts), [(r, stuck[r]) for r in shown])
+
+
+def _collective(plan: Plan, a: Action) -> tuple[tuple, list[int]]:
+    """The key and the member ranks of a collective action: an AR among its stage's replicas,
+    a TP/TR among every rank of every stage holding the shared parameter."""
+    if a.kind in (Kind.TIED_POST, Kind.TIED_REDUCE):
+        members = [r for s in plan.tied[a.tie].stages for r in plan.stages[s].ranks]  # type: ignore[index]
+        return ("TR", a.tie, a.id), members
+    return ("AR", a.stage, a.id), list(plan.stages[a.stage].ranks)
 
 
 def _find_cycle(graph: dict[int, list[int]]) -> list[int]:
@@ -482,6 +558,9 @@ def validate_schedule(schedule: Schedule) -> None:
     vsync = bool((schedule.options or {}).get("vertical_sync"))
     if vsync and not kind.stashes_weights:
         raise ScheduleError("vertical_sync applies to schedules with weight stashing (pipedream) only")
+    problem = tied_support_problem(plan, kind, vsync)
+    if problem:
+        raise ScheduleError(problem)
     order = sorted(schedule.actions, key=lambda r: plan.stage_of_rank(r))
     for r in order:
         _RankWalk(schedule, r, v0).run()

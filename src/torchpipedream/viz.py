@@ -30,6 +30,7 @@ COLOURS = {
     "SA": "#9A9A9A",  # activation transfer
     "SG": "#C9A25E",  # gradient transfer
     "AR": "#D1495B",  # all-reduce
+    "TR": "#7B4FB5",  # shared parameter's gradients summed across stages
     "U": "#222222",  # optimizer step
 }
 _SUFFIXES = (".png", ".svg", ".pdf")
@@ -60,8 +61,8 @@ def _plot(ax, trace: Trace, title: str | None, t_scale: float, unit: str) -> Non
     labels: list[tuple[float, float, str]] = []
     for e in trace.events:
         k = "SA" if e.kind in ("SA", "RA") else "SG" if e.kind in ("SG", "RG") else e.kind
-        if e.kind in ("RA", "RG"):
-            continue  # a receive is the other end of a send; its wait shows as the gap
+        if e.kind in ("RA", "RG", "TP"):
+            continue  # a receive is the other end of a send (its wait shows as the gap); TP only posts
         bars.setdefault((e.rank, k), []).append(((e.start_s - t0) * t_scale, max(e.duration_s * t_scale, 0.0)))
         if e.kind in ("F", "B"):
             labels.append(((e.start_s - t0 + e.duration_s / 2) * t_scale, row[e.rank], str(e.id)))
@@ -70,8 +71,9 @@ def _plot(ax, trace: Trace, title: str | None, t_scale: float, unit: str) -> Non
         y = row[rank]
         if k in ("F", "B"):
             ax.broken_barh(spans, (y - 0.38, 0.62), facecolors=COLOURS[k], edgecolors="white", linewidth=0.4)
-        elif k == "AR":
-            ax.broken_barh(spans, (y - 0.38, 0.62), facecolors="none", edgecolors=COLOURS[k], hatch="////", linewidth=0.6)
+        elif k in ("AR", "TR"):
+            ax.broken_barh(spans, (y - 0.38, 0.62), facecolors="none", edgecolors=COLOURS[k],
+                           hatch="////" if k == "AR" else "\\\\\\\\", linewidth=0.6)
         elif k == "U":
             w = span / 400
             ax.broken_barh([(s + d - w, w) for s, d in spans], (y - 0.42, 0.7), facecolors=COLOURS[k])
@@ -146,6 +148,9 @@ def draw_timelines(traces: Sequence[tuple[str, Trace]], out: str | Path, width: 
         legend.append(Patch(color=COLOURS["SG"], label="send gradients"))
     if "AR" in kinds:
         legend.append(Patch(facecolor="none", edgecolor=COLOURS["AR"], hatch="////", label="all-reduce"))
+    if "TR" in kinds:
+        legend.append(Patch(facecolor="none", edgecolor=COLOURS["TR"], hatch="\\\\\\\\",
+                            label="shared parameter: gradients summed"))
     if "U" in kinds:
         legend.append(Patch(color=COLOURS["U"], label="optimizer step"))
     fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=8, frameon=False)

@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     d = TrainConfig()
     p.add_argument("--model", default=d.model,
-                   help="mlp, cnn, resnet, transformer (a character LM on Python's own sources), or a "
+                   help="mlp, cnn, resnet, transformer (a character LM on Python's own sources), gpt2 (a small "
+                        "Hugging Face GPT-2 on the same text; needs transformers), or a "
                         "user's module:function returning an nn.Module for (N,1,8,8) digits (default: %(default)s)")
     p.add_argument("--schedule", default=d.schedule, choices=KIND_NAMES,
                    help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe or naive (default: %(default)s)")

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from torch import nn
 
 from .data import cross_entropy, digits_data, loss_fn, sample_input, text_data
+from .hf import gpt2
 from .language import VOCAB_SIZE, transformer
 from .vision import cnn, mlp, resnet
 
@@ -25,6 +26,7 @@ __all__ = [
     "cnn",
     "resnet",
     "transformer",
+    "gpt2",
     "digits_data",
     "text_data",
     "sample_input",
@@ -38,6 +40,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "cnn": cnn,
     "resnet": resnet,
     "transformer": transformer,
+    "gpt2": gpt2,
 }
 
 DEFAULT_MODEL = "cnn"

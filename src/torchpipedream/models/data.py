@@ -142,10 +142,11 @@ def sample_input(name: str, batch_size: int, seed: int = 0, context: int = 64) -
     if name in ("mlp", "cnn", "resnet"):
         x = torch.rand(batch_size, 1, 8, 8, generator=gen)
         return x, torch.randint(0, 10, (batch_size,), generator=gen)
-    if name == "transformer":
+    if name in ("transformer", "gpt2"):
         x = torch.randint(0, VOCAB_SIZE, (batch_size, context), generator=gen)
         return x, torch.randint(0, VOCAB_SIZE, (batch_size, context), generator=gen)
-    raise DataError(f"sample_input: no sample input known for model {name!r} (known: mlp, cnn, resnet, transformer)")
+    raise DataError(f"sample_input: no sample input known for model {name!r} "
+                    "(known: mlp, cnn, resnet, transformer, gpt2)")
 
 
 def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
@@ -154,7 +155,7 @@ def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
 
 
 def loss_fn(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    """The training loss of registry model ``name`` (cross-entropy for all four)."""
-    if name in ("mlp", "cnn", "resnet", "transformer"):
+    """The training loss of registry model ``name`` (cross-entropy for all of them)."""
+    if name in ("mlp", "cnn", "resnet", "transformer", "gpt2"):
         return cross_entropy
     raise DataError(f"loss_fn: no loss known for model {name!r}")

@@ -403,9 +403,11 @@ def _stage_file(pipe: "Pipeline", save_id: str) -> tuple[str, dict[str, Any]]:
                                "version": state["version"], "rng": _rng_state(pipe.device),
                                "data": {"epoch": pipe.epochs_done, "minibatches": pipe.minibatches_done},
                                "history": [float(x) for x in pipe.history]}
+    # A shared parameter's copy has an optimizer of its own (runtime/engine.py, TiedCopy).
+    tied = {pipe.plan.tied[k].name: copy.weights.boundary_state()["optimizer"] for k, copy in pipe.tied.items()}
     if pipe.replica == 0:
         payload.update(layers=list(pipe.plan.stages[pipe.stage].layers), module=pipe.stage_state_dict(),
-                       optimizer=state["optimizer"])
+                       optimizer=state["optimizer"], tied_optimizers=tied)
         return f"stage{pipe.stage}.pt", payload
     return f"stage{pipe.stage}_replica{pipe.replica}.pt", payload
 
@@ -504,6 +506,13 @@ def _read_own_files(pipe: "Pipeline", directory: Path) -> tuple[dict[str, Any], 
                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} but the model's is "
                 f"{tuple(mine[key].shape)}: resume with the same model"
             )
+    tied = main.get("tied_optimizers", {})
+    wanted = sorted(pipe.plan.tied[k].name for k in pipe.tied)
+    if not isinstance(tied, dict) or sorted(tied) != wanted:
+        raise CheckpointError(
+            f"checkpoint file {directory / main_name} holds optimizer states for the shared parameters "
+            f"{sorted(tied) if isinstance(tied, dict) else tied!r}, stage {pipe.stage} needs {wanted}: resume with "
+            "the same model and plan")
     return main, payloads[own_name], read_extra(directory, manifest)
 
 
@@ -524,7 +533,12 @@ def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
 
     with torch.no_grad():
         pipe.module.load_state_dict(main["module"])
+    if pipe.engine.buffers is not None:
+        pipe.engine.buffers.snapshot()
     pipe.weights.restore_boundary_state({"version": main["version"], "optimizer": main["optimizer"]})
+    for k, copy in pipe.tied.items():
+        copy.weights.restore_boundary_state({"version": main["version"],
+                                             "optimizer": main["tied_optimizers"][pipe.plan.tied[k].name]})
     _set_rng_state(own["rng"], pipe.device)
     pipe.epochs_done = int(own["data"]["epoch"])
     pipe.minibatches_done = int(own["data"]["minibatches"])

@@ -17,10 +17,11 @@ relative to a common start (ranks start after a barrier).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from torch.func import functional_call
 from ..actions import Action, Kind
 from ..trace import Event
 from . import liveness
+from .buffers import ReplicaBuffers
 from .comm import P2P
 from .weights import WeightVersions
 
@@ -71,6 +73,16 @@ class MicrobatchResult:
 
 
 @dataclass
+class TiedCopy:
+    """This stage's copy of a shared parameter (``plan.tied[k]``): its own weight versions and
+    the process group of every rank holding a copy (``holders`` stages)."""
+
+    weights: WeightVersions
+    group: Any
+    holders: int
+
+
+@dataclass
 class _Context:
     version: int
     inputs: tuple[Any, ...]
@@ -79,6 +91,7 @@ class _Context:
     loss: torch.Tensor | None = None
     targets: tuple[Any, ...] = ()
     samples: int = 0
+    tied_versions: dict[int, int] = field(default_factory=dict)  # shared parameter k -> version F used
 
 
 class Engine:
@@ -93,6 +106,9 @@ class Engine:
         loss_fn: ``loss_fn(output, *targets) -> scalar tensor``.
         ar_group: the replicas' process group (None when the stage is not replicated).
         timeout_s: deadline for collectives.
+        tied: the stage's copies of shared parameters, by index into ``plan.tied`` (their
+            weights are not in ``weights``).
+        buffers: a replicated stage's buffers, combined with its replicas' at every ``AR``.
     """
 
     def __init__(
@@ -108,6 +124,9 @@ class Engine:
         ar_group: Any = None,
         timeout_s: float = 300.0,
         loss_reduction: str = "mean",
+        tied: dict[int, TiedCopy] | None = None,
+        buffers: ReplicaBuffers | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.rank, self.stage, self.replica = rank, stage, replica
         self.module = module
@@ -117,7 +136,18 @@ class Engine:
         self.ar_group = ar_group
         self.timeout_s = timeout_s
         self.loss_reduction = loss_reduction
-        self._slots = _parameter_slots(module, set(weights.names))
+        self.device = torch.device(device)
+        self.tied = dict(tied or {})
+        self.buffers = buffers
+        names = set(weights.names).union(*(set(c.weights.names) for c in self.tied.values()))
+        self._slots = _parameter_slots(module, names)
+        self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
+        # Random numbers (dropout) in training: each forward draws from a generator seeded by
+        # (rng_seed, stage, microbatch number since the start): replicas draw different masks, a
+        # recomputed forward the same, and a run with the same seed the same (see ``_seeded``).
+        self.draws_random = False
+        self.rng_seed = 0
+        self.microbatch_base = 0  # microbatches trained before the running schedule
 
     # ------------------------------------------------------------------ run
     def run(
@@ -166,9 +196,17 @@ class Engine:
                 self._out_grads[action.id] = grads
             elif kind == Kind.ALLREDUCE:
                 nbytes = self.weights.allreduce(self.ar_group, self.timeout_s)
+                if self.buffers is not None:
+                    nbytes += self.buffers.sync(self.timeout_s)
             elif kind == Kind.OPTIMIZER_STEP:
                 self.weights.step()
                 version = self.weights.version
+            elif kind == Kind.TIED_POST:
+                copy = self.tied[action.tie]
+                nbytes = copy.weights.post_allreduce(copy.group, copy.holders)
+            elif kind == Kind.TIED_REDUCE:
+                self.tied[action.tie].weights.step_posted(self.timeout_s)
+                version = self.tied[action.tie].weights.version
             else:  # pragma: no cover - Kind is closed
                 raise RuntimeError(f"unknown action {action}")
             end = time.perf_counter()
@@ -201,8 +239,21 @@ class Engine:
         leaves = [t for t in acts if isinstance(t, torch.Tensor) and t.requires_grad]
         return acts, passengers, samples, leaves
 
-    def _run_module(self, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...]) -> tuple[Any, torch.Tensor | None]:
+    def _params(self, version: int, tied_versions: dict[int, int]) -> dict[str, torch.Tensor]:
+        """The stage's parameter tensors of ``version`` (its shared parameters' of theirs)."""
         params = self.weights.tensors(version)
+        if self.tied:
+            params = dict(params)
+            for k, copy in self.tied.items():
+                params.update(copy.weights.tensors(tied_versions[k]))
+        return params
+
+    def _run_module(self, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...],
+                    tied_versions: dict[int, int]) -> tuple[Any, torch.Tensor | None]:
+        if self.eval_graph:  # evaluation with the current weights, which that graph reads itself
+            out = self.module(*inputs)
+            return out, (self.loss_fn(out, *targets) if self.is_last else None)
+        params = self._params(version, tied_versions)
         if self._slots is None:
             out = functional_call(self.module, params, inputs)
         else:
@@ -224,16 +275,33 @@ class Engine:
         loss = self.loss_fn(out, *targets) if self.is_last and not empty else None
         return out, loss
 
+    @contextlib.contextmanager
+    def _seeded(self, microbatch: int, train: bool) -> Iterator[None]:
+        """Run a training forward with the random state of its microbatch (the caller's global
+        random state is restored afterwards); nothing changes for a stage that draws none."""
+        if not (train and self.draws_random):
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(hash((self.rng_seed, self.stage, self.microbatch_base + microbatch)) & ((1 << 63) - 1))
+            yield
+
     def _forward(self, microbatch: int, version: int, comm: P2P | None, get_microbatch: Any, train: bool,
                  results: dict[int, MicrobatchResult]) -> None:
         inputs, targets, samples, leaves = self._inputs(microbatch, get_microbatch)
-        with torch.set_grad_enabled(train):
-            out, loss = self._run_module(version, inputs, targets)
+        # A shared parameter's version is the number of its steps (TR) so far (actions.py).
+        tied = {k: copy.weights.version for k, copy in self.tied.items()}
+        with torch.set_grad_enabled(train), self._seeded(microbatch, train):
+            out, loss = self._run_module(version, inputs, targets, tied)
         if train:
             self.weights.release(version)
+            for k, copy in self.tied.items():
+                copy.weights.release(tied[k])
         if self.is_last and samples == 0:
             if train:  # no loss: B has nothing to differentiate, the stage's inputs get zeros
-                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=None, targets=targets, samples=0)
+                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=None, targets=targets, samples=0,
+                                                   tied_versions=tied)
         elif self.is_last:
             assert loss is not None
             if loss.dim() != 0:
@@ -247,13 +315,15 @@ class Engine:
                     correct = int((out.detach().argmax(dim=1) == y).sum().item())
             results[microbatch] = MicrobatchResult(samples, float(loss.detach().item()), correct)
             if train:
-                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=loss, targets=targets, samples=samples)
+                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=loss, targets=targets, samples=samples,
+                                                   tied_versions=tied)
         else:
             outs = list(as_tuple(out))
             self._to_send[microbatch] = (samples, outs, list(targets))
             if train:
                 diff = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-                self._ctx[microbatch] = _Context(version, inputs, leaves, outputs=diff, targets=targets, samples=samples)
+                self._ctx[microbatch] = _Context(version, inputs, leaves, outputs=diff, targets=targets, samples=samples,
+                                                   tied_versions=tied)
 
     def _backward(self, microbatch: int, version: int | None) -> None:
         ctx = self._ctx.pop(microbatch, None)
@@ -265,13 +335,13 @@ class Engine:
             inputs = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                            for t in ctx.inputs)
             leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-            with torch.enable_grad():
-                out, loss = self._run_module(version, inputs, ctx.targets)
+            with torch.enable_grad(), self._seeded(microbatch, True):
+                out, loss = self._run_module(version, inputs, ctx.targets, ctx.tied_versions)
             ctx.leaves = leaves
             ctx.loss = loss
             ctx.outputs = [t for t in as_tuple(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         use_version = ctx.version if version is None else version
-        params = list(self.weights.tensors(use_version).values()) if self.weights.params else []
+        params = list(self._params(use_version, ctx.tied_versions).values())
         if self.is_last:
             if ctx.loss is None:  # empty microbatch
                 roots, grad_outputs = [], None
@@ -294,6 +364,9 @@ class Engine:
             # place) and into the received activations' .grad (sent back by SG).
             torch.autograd.backward(roots, grad_tensors=grad_outputs, inputs=wrt)
         self.weights.add_samples(ctx.samples)
+        for k, copy in self.tied.items():
+            copy.weights.add_samples(ctx.samples)
+            copy.weights.release(ctx.tied_versions[k])
         if not self.is_first:
             self._in_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ctx.leaves]
         if version is not None:

@@ -18,12 +18,15 @@ Why ``optimizer`` is a factory (``lambda params: torch.optim.SGD(params, lr=0.1)
 rank owns only its stage's parameters, which exist only after the split, so the optimizer
 must be built per rank on those.
 
-Restrictions: dim 0 of every input and target tensor is the batch dimension (minibatches
-are split along it into microbatches); tensors, Python numbers and tuples of ints (shape
-arithmetic) may cross stage boundaries, nothing else; ``loss_fn`` is
-called as ``loss_fn(output, *targets)`` and returns a scalar, the mean over the microbatch's
-samples (``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
+A batch is ``(inputs, targets)`` with a ``loss_fn``, or the model's inputs alone when the model
+computes its own loss; inputs are a tensor, a tuple of positional arguments or a dict of
+keyword arguments. Restrictions: dim 0 of every input and target tensor is the batch dimension
+(minibatches are split along it into microbatches); tensors, Python numbers and tuples of ints
+(shape arithmetic) may cross stage boundaries, nothing else; ``loss_fn`` is called as
+``loss_fn(output, *targets)`` and returns a scalar, the mean over the microbatch's samples
+(``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
 (``loss_reduction="sum"``). Reported losses are per minibatch, in the same reduction.
+Parameters shared by stages, BatchNorm and dropout: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -42,16 +45,20 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..actions import Action, Kind, Schedule
 from ..huge_pages import HUGE_PAGES_ENV
-from ..plans import Plan
+from ..placement import tied_support_problem
+from ..plans import Plan, TiedParameter
 from ..schedules import build_schedule
 from ..trace import Event, Trace
+from ..tracing import as_call, draws_random_numbers, model_loss, parameter_aliases
 from ..validate import validate_schedule
-from .comm import P2P
-from .engine import Engine, MicrobatchResult, as_tuple
 from .agreement import Agreement
+from .buffers import ReplicaBuffers
+from .comm import P2P
+from .engine import Engine, MicrobatchResult, TiedCopy, as_tuple
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
 from .stage_split import split_stages
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means
@@ -91,7 +98,9 @@ class Pipeline:
             a list of stage modules.
         plan: stages, replicas and ranks (``Plan.straight([[...], ...])`` for a quick one).
         optimizer: factory ``params -> torch.optim.Optimizer`` (see the module docstring).
-        loss_fn: ``loss_fn(output, *targets) -> scalar``.
+        loss_fn: ``loss_fn(output, *targets) -> scalar``; None when the model computes its own
+            loss (``output.loss`` / ``output["loss"]``, e.g. a Hugging Face model given
+            ``labels``): a batch is then the model's inputs alone.
         schedule: pipedream, 2bw, flush, gpipe or naive (default ``plan.schedule``).
         microbatches: per minibatch for 2bw/flush/gpipe (default ``plan.microbatches``).
         loss_reduction: "mean" or "sum" (what loss_fn returns; the update applies the same).
@@ -102,7 +111,13 @@ class Pipeline:
             peer dies, every rank raises within a few of these per pipeline hop, typically
             milliseconds (see ``runtime/failures.py``).
         device: this rank's device (default: cuda:LOCAL_RANK with NCCL, else cpu).
-        seed: seeds torch on this rank (seed + rank) for dropout and the like.
+        seed: the seed of the random numbers the stages draw in training (dropout): each
+            microbatch's forward draws from a generator seeded by (seed, stage, microbatch), so
+            replicas draw different masks, a run is reproducible, and the caller's global random
+            state is left alone. Default: ``torch.initial_seed()`` (what ``torch.manual_seed`` set).
+        sample: one batch of the model's inputs (a tensor, a tuple of positional arguments or a
+            dict of keyword arguments), needed when torch.fx cannot trace the model:
+            torch.export runs it on the sample (``tracing.py``).
         tune_allocator: make this process's malloc keep freed memory for reuse
             (``torchpipedream.keep_freed_memory``; process-wide and for the process's
             lifetime, so off by default; the workers of ``launch`` and of the command line
@@ -133,7 +148,7 @@ class Pipeline:
         module_or_stages: nn.Module | Sequence[nn.Module],
         plan: Plan,
         optimizer: OptimizerFactory,
-        loss_fn: Callable[..., torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor] | None = None,
         schedule: str | None = None,
         microbatches: int | None = None,
         loss_reduction: str = "mean",
@@ -143,6 +158,7 @@ class Pipeline:
         seed: int | None = None,
         failure_timeout_s: float = 10.0,
         tune_allocator: bool = False,
+        sample: Any = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -179,11 +195,18 @@ class Pipeline:
             log.info("%s is not set: CPU workers allocate weight gradients on 4 KiB pages; "
                      "`export %s=1` before torchrun makes weight-heavy models train faster "
                      "(torchpipedream.launch sets it; see torchpipedream/huge_pages.py)", HUGE_PAGES_ENV, HUGE_PAGES_ENV)
-        if seed is not None:
-            torch.manual_seed(seed + self.rank)
-        modules = split_stages(module_or_stages, plan)
-        self.module = modules[self.stage].to(self.device)
-        del modules
+        self.loss_fn = loss_fn
+        call = as_call(sample) if sample is not None else None
+        split = split_stages(module_or_stages, plan, sample=call, train=True)
+        self.plan = plan = self._with_shared_parameters(plan, split)
+        self._aliases = parameter_aliases(module_or_stages) if isinstance(module_or_stages, nn.Module) else {}
+        local_tied = {k: split.tied[t.name][self.stage] for k, t in enumerate(plan.tied) if self.stage in t.stages}
+        self.module = split.modules[self.stage].to(self.device)
+        self._stage_inputs, self._finish = split.inputs, split.finish
+        # torch.export fixes dropout's mode in the graph: evaluation runs a graph traced for it.
+        self._eval_module = self._evaluation_stage(module_or_stages, plan, call, split) \
+            if split.method == "export" else None
+        del split
         # One process group per replicated stage, created in the same order on every rank.
         self._ar_group = None
         for s, st in enumerate(plan.stages):
@@ -191,15 +214,33 @@ class Pipeline:
                 group = dist.new_group(st.ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
                 if s == self.stage:
                     self._ar_group = group
-        self.weights = WeightVersions(self.module, self._guard_optimizer(optimizer), loss_reduction,
-                                      replicated=self._ar_group is not None)
+        factory = self._guard_optimizer(optimizer)
+        self.weights = WeightVersions(self.module, factory, loss_reduction, replicated=self._ar_group is not None,
+                                      exclude=set(local_tied.values()))
+        # Each shared parameter's copy: weights of its own, stepped by the TR actions, and a
+        # process group of every rank holding a copy (created in the same order everywhere).
+        self.tied: dict[int, TiedCopy] = {}
+        for k, t in enumerate(plan.tied):
+            ranks = sorted(r for s in t.stages for r in plan.stages[s].ranks)
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+            if k in local_tied:
+                weights = WeightVersions(self.module, factory, loss_reduction, replicated=True, only={local_tied[k]})
+                self.tied[k] = TiedCopy(weights, group, holders=len(t.stages))
         n = plan.num_stages
         self.engine = Engine(
             self.rank, self.stage, self.replica, self.module,
             is_first=self.stage == 0, is_last=self.stage == n - 1, weights=self.weights,
-            loss_fn=loss_fn, ar_group=self._ar_group, timeout_s=self.timeout_s,
-            loss_reduction=loss_reduction,
+            loss_fn=self._loss_of_output, ar_group=self._ar_group, timeout_s=self.timeout_s,
+            loss_reduction=loss_reduction, tied=self.tied,
+            # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
+            buffers=ReplicaBuffers(self.module, self._ar_group, plan.stages[self.stage].replicas)
+            if self._ar_group is not None else None,
+            device=self.device,
         )
+        self.engine.draws_random = draws_random_numbers(self.module)
+        # Dropout masks come from (this seed, stage, microbatch): distinct on every replica and
+        # reproducible; without a seed, the process's (what torch.manual_seed set, if anything).
+        self.engine.rng_seed = seed if seed is not None else torch.initial_seed()
         self._schedules: dict[int, Schedule] = {}
         self._message_sizes: dict[tuple[str, int], int] = {}  # negotiated once per channel
         self._events: list[Any] = []
@@ -218,6 +259,50 @@ class Pipeline:
                                        self._describe)
 
     # ------------------------------------------------------------------ setup
+    def _with_shared_parameters(self, plan: Plan, split: Any) -> Plan:
+        """``plan`` with the parameters its stages share (``plan.tied``), as the split found them,
+        checked against what the plan says and against the schedule kind."""
+        found = []
+        for name, holders in sorted(split.tied.items(), key=lambda kv: min(kv[1])):
+            stage, local = min(holders.items())
+            p = dict(split.modules[stage].named_parameters())[local]
+            found.append(TiedParameter(name, sorted(holders), p.numel() * p.element_size()))
+        if plan.tied and [(t.name, t.stages) for t in plan.tied] != [(t.name, t.stages) for t in found]:
+            raise PipelineError(
+                f"the plan lists the shared parameters {[(t.name, t.stages) for t in plan.tied]} but this model, split "
+                f"by it, shares {[(t.name, t.stages) for t in found]}: plan this model again")
+        for t in found:  # the layers that use it, as the profile named them
+            t.layers = next((list(p.layers) for p in plan.tied if p.name == t.name), [])
+        plan = dataclasses.replace(plan, tied=found)
+        problem = tied_support_problem(plan, self.kind, self.vertical_sync)
+        if problem:
+            raise PipelineError(problem)
+        if found:
+            log.info("parameters shared between stages (kept equal by the TR actions): %s",
+                     ", ".join(f"{t.name} in stages {t.stages}" for t in found))
+        return plan
+
+    def _loss_of_output(self, output: Any, *targets: Any) -> torch.Tensor:
+        """The last stage's loss: ``loss_fn(model output, *targets)``, or the model's own."""
+        output = self._finish(output)
+        if self.loss_fn is None:
+            return model_loss(output)
+        return self.loss_fn(output, *targets)
+
+    def _evaluation_stage(self, model: nn.Module, plan: Plan, call: Any, split: Any) -> nn.Module:
+        """This rank's stage of the graph torch.export traces in evaluation mode: it must read no
+        parameter or buffer that the training stage does not hold (those are updated elsewhere)."""
+        stage = split_stages(model, plan, sample=call, train=False, follow=split).modules[self.stage].to(self.device)
+        held = {id(t) for t in list(self.module.parameters()) + list(self.module.buffers())}
+        state = {id(t) for t in list(model.parameters()) + list(model.buffers())}  # not export's own constants
+        foreign = [name for name, t in list(stage.named_parameters()) + list(stage.named_buffers())
+                   if id(t) in state and id(t) not in held]
+        if foreign:
+            raise PipelineError(
+                f"the graph torch.export traces for evaluation puts {foreign[:3]} in stage {self.stage}, whose training "
+                "graph does not hold them; evaluate this model in one process (its state_dict), or re-plan it")
+        return stage
+
     def _ensure_process_group(self, workers: int) -> bool:
         if dist.is_available() and dist.is_initialized():
             return True
@@ -331,30 +416,46 @@ class Pipeline:
         return get
 
     def _split(self, batch: Any, m: int, t: int) -> list[tuple[tuple[Any, ...], tuple[Any, ...], int]]:
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise PipelineError(
-                f"minibatch {t}: expected (inputs, targets), got {type(batch).__name__}"
-                f"{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}"
-            )
-        inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in as_tuple(batch[0]))
-        targets = tuple(y.to(self.device) if isinstance(y, torch.Tensor) else y for y in as_tuple(batch[1]))
-        if not inputs or not isinstance(inputs[0], torch.Tensor):
-            raise PipelineError(f"minibatch {t}: the first input must be a tensor (dim 0 = samples)")
-        size = inputs[0].shape[0]
+        """Minibatch ``t`` cut into ``m`` microbatches: (stage 0's inputs, targets, samples) each.
+
+        A batch is ``(inputs, targets)`` with a ``loss_fn``, else the model's inputs alone (the
+        model computes its loss); inputs are a tensor, a tuple of positional arguments or a dict
+        of keyword arguments. Every tensor whose dimension 0 is the batch's (the first input
+        tensor's) is cut along it; other values go to every microbatch as they are.
+        """
+        if self.loss_fn is not None:
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise PipelineError(
+                    f"minibatch {t}: expected (inputs, targets), got {type(batch).__name__}"
+                    f"{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}"
+                    " (without a loss_fn the model computes its loss and a batch is its inputs alone)"
+                )
+            inputs, targets = batch[0], as_tuple(batch[1])
+        else:
+            inputs, targets = batch, ()
+        args, kwargs = as_call(inputs)
+        moved = pytree.tree_map(lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v,
+                                (args, kwargs, tuple(targets)))
+        first = next((v for v in pytree.tree_leaves(moved[:2]) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        if first is None:
+            raise PipelineError(f"minibatch {t}: the inputs hold no tensor with a batch dimension (dim 0 = samples)")
+        size = first.shape[0]
         if size < 1:
             raise PipelineError(f"minibatch {t} is empty (0 samples along dim 0 of its first input)")
+        leaves, spec = pytree.tree_flatten(moved)
         # A minibatch smaller than m leaves some microbatches empty: they run (shapes of 0 rows)
         # but add no loss, no gradient and no samples.
-        def cut(x: Any) -> list[Any]:
-            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size:
-                return list(torch.tensor_split(x, m, dim=0))
-            return [x] * m
-        in_parts = [cut(x) for x in inputs]
-        tg_parts = [cut(y) for y in targets]
+        parts = [list(torch.tensor_split(v, m, dim=0)) if isinstance(v, torch.Tensor) and v.dim() > 0
+                 and v.shape[0] == size else [v] * m for v in leaves]
         out = []
         for j in range(m):
-            ins = tuple(p[j] for p in in_parts)
-            out.append((ins, tuple(p[j] for p in tg_parts), int(ins[0].shape[0])))
+            args_j, kwargs_j, targets_j = pytree.tree_unflatten([p[j] for p in parts], spec)
+            samples = int(next(p[j] for p, v in zip(parts, leaves) if v is first).shape[0])
+            try:
+                stage_inputs = self._stage_inputs(args_j, kwargs_j)
+            except (TypeError, ValueError) as exc:
+                raise PipelineError(f"minibatch {t}: its inputs do not fit the model's arguments: {exc}") from None
+            out.append((tuple(stage_inputs), tuple(targets_j), samples))
         return out
 
     # ------------------------------------------------------------------ running
@@ -367,14 +468,13 @@ class Pipeline:
         n_minibatches, m = sched.minibatches, sched.microbatches
         actions = sched.actions[self.rank] if train else forward_only(sched)[self.rank]
         base = self.weights.version
-        self.weights.grads_are_means = train and updates_are_minibatch_means(
-            sched, any(st.replicas > 1 for st in self.plan.stages), self.loss_reduction)
+        means = train and updates_are_minibatch_means(sched, any(st.replicas > 1 for st in self.plan.stages),
+                                                      self.loss_reduction)
+        for weights in self._all_weights():
+            weights.grads_are_means = means
         if train:
-            uses: dict[int, int] = {}
-            for a in actions:
-                if a.kind in (Kind.FORWARD, Kind.BACKWARD) and a.version is not None:
-                    uses[base + a.version] = uses.get(base + a.version, 0) + 1
-            self.weights.expect(uses)
+            self._expect_uses(actions, base)
+            self.engine.microbatch_base = self.minibatches_done * m
         comm = None
         if self.world_size > 1:
             act_order: dict[int, list[int]] = {}
@@ -389,11 +489,56 @@ class Pipeline:
             self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(iter(batches), m) if (self.stage == 0 and batches is not None) else None
         t0 = time.perf_counter()
-        results, events = self.engine.run(actions, comm, source, train=train, version_base=base, t0=t0)
-        self.weights.reset_versions()
+        with self._mode(train):
+            results, events = self.engine.run(actions, comm, source, train=train, version_base=base, t0=t0)
+        for weights in self._all_weights():
+            weights.reset_versions()
         self._events = events
         self.last_schedule = sched
         return self._reduce_results(results, n_minibatches, m)
+
+    def _all_weights(self) -> list[WeightVersions]:
+        return [self.weights] + [copy.weights for copy in self.tied.values()]
+
+    def _expect_uses(self, actions: list[Action], base: int) -> None:
+        """Tell every weight-version holder how many F/B actions will use each version, so a
+        stash lives exactly as long as needed. A shared parameter's version at an F is the
+        number of its steps (TR) before it; the F's B uses the same."""
+        uses: dict[int, int] = {}
+        tied_uses: dict[int, dict[int, int]] = {k: {} for k in self.tied}
+        tied_version = {k: copy.weights.version for k, copy in self.tied.items()}
+        at_forward: dict[tuple[int, int], int] = {}
+        for a in actions:
+            if a.kind in (Kind.FORWARD, Kind.BACKWARD) and a.version is not None:
+                uses[base + a.version] = uses.get(base + a.version, 0) + 1
+            for k in self.tied:
+                if a.kind is Kind.FORWARD:
+                    at_forward[(k, a.id)] = tied_version[k]
+                if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+                    v = at_forward[(k, a.id)]
+                    tied_uses[k][v] = tied_uses[k].get(v, 0) + 1
+                elif a.kind is Kind.TIED_REDUCE and a.tie == k:
+                    tied_version[k] += 1
+        self.weights.expect(uses)
+        for k, copy in self.tied.items():
+            copy.weights.expect(tied_uses[k])
+
+    @contextlib.contextmanager
+    def _mode(self, train: bool) -> Iterator[None]:
+        """Evaluation runs the stage in eval mode (dropout off, BatchNorm's running statistics
+        used and left alone): ``module.eval()``, or the graph torch.export traced for it."""
+        if train:
+            yield
+            return
+        if self._eval_module is not None:
+            self.engine.module, self.engine.eval_graph = self._eval_module, True
+        else:
+            self.module.eval()
+        try:
+            yield
+        finally:
+            self.engine.module, self.engine.eval_graph = self.module, False
+            self.module.train()
 
     def _reduce_results(self, results: dict[int, MicrobatchResult], n_minibatches: int, m: int) -> list[tuple[float, int, int]]:
         table = torch.zeros(n_minibatches, 4, dtype=torch.float64)
@@ -487,7 +632,7 @@ class Pipeline:
         """
         mine = self.stage_state_dict() if self.replica == 0 else {}
         if not self.distributed:
-            return mine
+            return self._with_aliases(mine)
         buf = io.BytesIO()
         torch.save(mine, buf)
         with self._failure_guard("gathering the state"):
@@ -497,7 +642,17 @@ class Pipeline:
         full: dict[str, torch.Tensor] = {}
         for part in parts:
             full.update(torch.load(io.BytesIO(part), map_location="cpu", weights_only=True))
-        return full
+        return self._with_aliases(full)
+
+    def _with_aliases(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every name of a parameter the model knows by several (a tied embedding and output
+        layer), as in the model's own ``state_dict``: a stage holds it under one of them."""
+        for names in self._aliases.values():
+            present = next((n for n in names if n in state), None)
+            if present is not None:
+                for n in names:
+                    state.setdefault(n, state[present])
+        return state
 
     def _gather_bytes(self, data: bytes, dst: int | None, what: str) -> list[bytes] | None:
         """Every rank's ``data`` on rank ``dst`` (every rank when None; None elsewhere): raw

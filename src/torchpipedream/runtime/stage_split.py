@@ -1,18 +1,29 @@
 """Cut a model into pipeline stages: one ``nn.Module`` per stage of a :class:`~torchpipedream.plans.Plan`.
 
-Three ways in, one contract out. Every stage module is called with the tensors that cross
-into it as positional arguments (stage 0: the model's own inputs) and returns
+Three ways in, one contract out. Every stage module is called with the values that cross
+into it as positional arguments (stage 0: the model's own inputs, as :meth:`StageSplit.inputs`
+orders them) and returns
 
-* a tuple of tensors for every stage but the last (what the next stage receives), and
-* the model's output for the last stage.
+* a tuple of values for every stage but the last (what the next stage receives), and
+* the model's output for the last stage (a tensor, tuple, dict, dataclass or ``ModelOutput``).
 
-1. A traceable module (``torch.fx.symbolic_trace``): the plan's layer names are fx node names
-   (what :mod:`torchpipedream.profiler` records). Each stage becomes a ``GraphModule`` that
-   keeps the original module's qualified parameter names, so stage state dicts merge into
-   the original model's ``state_dict`` keys. Any number of tensors may cross a cut (skip
-   connections); a tensor produced in stage 0 and needed in stage 2 is relayed through
-   stage 1 (stage 1 receives it and returns it unchanged).
-2. An ``nn.Sequential`` that fx cannot trace: split by child names ("0", "1", ...).
+1. A traced module (``tracing.trace``: torch.fx, else torch.export with a sample of the inputs):
+   the plan's layer names are the graph's node names (what :mod:`torchpipedream.profiler`
+   records). Each stage becomes a ``GraphModule`` that keeps the original module's qualified
+   parameter names, so stage state dicts merge into the original model's ``state_dict`` keys.
+   Any number of values may cross a cut (skip connections); a value produced in stage 0 and
+   needed in stage 2 is relayed through stage 1 (stage 1 receives it and returns it
+   unchanged).
+
+   * **Shared parameters.** A parameter that layers of two stages use (GPT-2's input embedding
+     and output layer share one tensor) is read by each of those stages from a copy of its
+     own: :attr:`StageSplit.tied` names it with the stages, and the runtime keeps the copies
+     equal (the ``TR`` action: their gradients summed, one update; docs/architecture.md,
+     "Shared parameters").
+   * **In-place operations after a cut.** A stage receives its inputs as leaves that need a
+     gradient; an in-place operation on one (``ReLU(inplace=True)`` right after the cut)
+     would be an error, so such an input is cloned first (only there).
+2. An ``nn.Sequential`` that neither tracer can trace: split by child names ("0", "1", ...).
 3. An explicit list of stage modules (the user's own split): stage i is called with stage
    i-1's outputs; a single tensor output is wrapped in a 1-tuple.
 """
@@ -20,13 +31,15 @@ into it as positional arguments (stage 0: the model's own inputs) and returns
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 from torch import fx, nn
 
 from ..plans import Plan, PlanError
+from ..tracing import TraceError, Traced, canonical_names, mutates_first_input, trace
 
-__all__ = ["split_stages", "StageSplitError"]
+__all__ = ["split_stages", "StageSplit", "StageSplitError"]
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +48,47 @@ class StageSplitError(PlanError):
     """The plan cannot be applied to this module; the message names the layer and what to do."""
 
 
-def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan) -> list[nn.Module]:
-    """Return one module per stage of ``plan`` (see the module docstring for the contract).
+@dataclass
+class StageSplit:
+    """The stages of a model and what the runtime needs to call them.
+
+    Attributes:
+        modules: one module per stage (see the module docstring for their contract).
+        inputs: ``(args, kwargs) -> stage 0's positional inputs`` for a call
+            ``model(*args, **kwargs)``.
+        finish: the last stage's output -> the model's output (its own type).
+        tied: trainable parameters that several stages hold (one object in this process):
+            its name in the model (``tracing.canonical_names``) -> {stage: its name in that
+            stage's module}. Whatever the way in (a user's stage modules may share one too).
+        method: how the model was split: "fx", "export", "sequential" or "stages".
+    """
+
+    modules: list[nn.Module]
+    inputs: Callable[[tuple, dict], tuple]
+    finish: Callable[[Any], Any] = lambda out: out
+    tied: dict[str, dict[int, str]] = field(default_factory=dict)
+    method: str = "fx"
+    layout: dict[str, Any] = field(default_factory=dict, repr=False)  # where each operation went (follow=)
+
+
+def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan, sample: tuple[tuple, dict] | None = None,
+                 train: bool = True, follow: StageSplit | None = None) -> StageSplit:
+    """Split the model as ``plan`` says (see the module docstring for the contract).
 
     Args:
         module_or_stages: the whole model, or a list/tuple of stage modules.
-        plan: the stages' layer names (fx node names, or child names of an ``nn.Sequential``).
+        plan: the stages' layer names (graph node names, or child names of an ``nn.Sequential``).
+        sample: ``(args, kwargs)`` of one call of the model: needed when torch.fx cannot trace
+            it (torch.export runs the model on it).
+        train: trace in training mode (dropout on); torch.export fixes the mode in the graph.
+        follow: the split of the same model's training graph, when this is its evaluation graph
+            (``train=False``): its operations go where their counterparts in that graph went
+            (the plan's layer names are the training graph's; :func:`_assign_stages`).
 
     Raises:
         StageSplitError: the plan names layers the model lacks, orders them against the data
-            flow, or the number of stage modules differs from the plan's stages.
+            flow, the number of stage modules differs from the plan's stages, or the model
+            cannot be traced.
     """
     if isinstance(module_or_stages, (list, tuple)):
         stages = list(module_or_stages)
@@ -55,39 +99,93 @@ def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan) 
         for i, m in enumerate(stages):
             if not isinstance(m, nn.Module):
                 raise StageSplitError(f"stage {i} is a {type(m).__name__}, not an nn.Module")
-        return [_UserStage(m, i, last=(i == len(stages) - 1)) for i, m in enumerate(stages)]
+        wrapped = [_UserStage(m, i, last=(i == len(stages) - 1)) for i, m in enumerate(stages)]
+        return StageSplit(wrapped, _positional, tied=_shared_between(wrapped, None), method="stages")
     if not isinstance(module_or_stages, nn.Module):
         raise StageSplitError(f"expected an nn.Module or a list of stage modules, got {type(module_or_stages).__name__}")
     module = module_or_stages
     try:
-        gm = fx.symbolic_trace(module)
-    except Exception as exc:  # fx raises many kinds of errors for untraceable code
+        traced = trace(module, *(sample if sample is not None else (None, None)), train=train)
+    except TraceError as exc:
         if isinstance(module, nn.Sequential):
-            log.info("fx cannot trace %s (%s); splitting the nn.Sequential by child names",
-                     type(module).__name__, exc)
-            return _split_sequential(module, plan)
-        raise StageSplitError(
-            f"torch.fx cannot trace {type(module).__name__} ({type(exc).__name__}: {exc}); "
-            "pass an explicit list of stage modules instead"
-        ) from None
-    return _split_graph(module, gm, plan)
+            log.info("%s; splitting the nn.Sequential by child names", exc)
+            modules = _split_sequential(module, plan)
+            return StageSplit(modules, _positional, tied=_shared_between(modules, module), method="sequential")
+        raise StageSplitError(str(exc)) from None
+    return _split_graph(traced, plan, module, follow=None if follow is None else follow.layout)
+
+
+def _shared_between(stages: list[nn.Module], original: nn.Module | None) -> dict[str, dict[int, str]]:
+    """Trainable parameters that more than one stage module holds: the model's name for each
+    (the first stage's, without ``original``) -> {stage: its name in that stage}."""
+    first_name = canonical_names(original) if original is not None else {}
+    holders: dict[int, dict[int, str]] = {}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            if p.requires_grad:
+                holders.setdefault(id(p), {})[s] = name
+    return {first_name.get(pid, names[min(names)]): names for pid, names in holders.items() if len(names) > 1}
+
+
+def _positional(args: tuple, kwargs: dict) -> tuple:
+    if kwargs:
+        raise StageSplitError(f"this model's stages take positional inputs only, got keywords {sorted(kwargs)}")
+    return tuple(args)
 
 
 # --------------------------------------------------------------------------- fx split
-def _assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
-    """Stage of every node: the plan's for named layers, inferred for the rest."""
+def _operation_keys(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str, int]]:
+    """A name for every operation that survives a change of mode: (the module it runs in, the
+    operation, how many of the same ran before in that module). torch.export names nodes by
+    operation and counter, so the training and evaluation graphs of one model (which differ by
+    dropout and BatchNorm's counters) give one operation different names; these keys agree."""
+    seen: dict[tuple[str, str], int] = {}
+    keys = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        where = next(reversed(stack.values()))[0] if stack else ""
+        base = (str(where), str(node.target))
+        keys[node] = (*base, seen.get(base, 0))
+        seen[base] = seen.get(base, 0) + 1
+    return keys
+
+
+def _planned_by_layout(gm: fx.GraphModule, layout: dict[str, Any]) -> dict[fx.Node, int]:
+    """Stages of an evaluation graph's operations from the training graph's ``layout``: each
+    operation where its counterpart went; one without a counterpart after its inputs and in a
+    stage that holds the parameters and buffers it reads."""
+    planned: dict[fx.Node, int] = {}
+    for node, key in _operation_keys(gm).items():
+        if key in layout["operations"]:
+            planned[node] = layout["operations"][key]
+            continue
+        after = max((planned.get(i, 0) for i in node.all_input_nodes if i.op != "get_attr"), default=0)
+        for attr in (i for i in node.all_input_nodes if i.op == "get_attr"):
+            holders = layout["attributes"].get(str(attr.target), [])
+            after = max(after, min((h for h in holders if h >= after), default=max(holders, default=after)))
+        planned[node] = after
+    return planned
+
+
+def _assign_stages(gm: fx.GraphModule, plan: Plan, layout: dict[str, Any] | None = None) -> dict[fx.Node, int]:
+    """Stage of every node: the plan's for named layers (or, for an evaluation graph, where the
+    training graph's ``layout`` put each operation), inferred for the rest."""
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
     by_target = {str(n.target): n for n in nodes if n.op == "call_module"}
     planned: dict[fx.Node, int] = {}
     unknown = []
-    for s, stage in enumerate(plan.stages):
+    for s, stage in enumerate(plan.stages if layout is None else ()):
         for name in stage.layers:
             node = by_name.get(name) or by_target.get(name)
             if node is None:
                 unknown.append(name)
                 continue
             planned[node] = s
+    if layout is not None:
+        planned = _planned_by_layout(gm, layout)
     if unknown:
         raise StageSplitError(
             f"the plan names layers this model does not have: {unknown[:6]}{' ...' if len(unknown) > 6 else ''} "
@@ -97,10 +195,10 @@ def _assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
     last = plan.num_stages - 1
     stage_of: dict[fx.Node, int] = {}
     for node in nodes:  # topological order
-        if node in planned:
-            stage_of[node] = planned[node]
-        elif node.op == "placeholder":
+        if node.op == "placeholder":  # the first stage reads every input; later ones get them relayed
             stage_of[node] = 0
+        elif node in planned:
+            stage_of[node] = planned[node]
         elif node.op == "output":
             stage_of[node] = last
         elif node.op == "get_attr":
@@ -123,17 +221,23 @@ def _assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[fx.Node, int]:
     return stage_of
 
 
-def _split_graph(module: nn.Module, gm: fx.GraphModule, plan: Plan) -> list[nn.Module]:
-    stage_of = _assign_stages(gm, plan)
+def _split_graph(traced: Traced, plan: Plan, original: nn.Module, follow: dict[str, Any] | None = None) -> StageSplit:
+    gm = traced.module
+    stage_of = _assign_stages(gm, plan, follow)
     nodes = list(gm.graph.nodes)
     n = plan.num_stages
+    # A parameter (get_attr) goes to every stage that uses it: each holds a copy (tied).
+    holders: dict[fx.Node, list[int]] = {}
+    for node in nodes:
+        if node.op == "get_attr":
+            holders[node] = sorted({stage_of[u] for u in node.users} or {stage_of[node]})
+
+    def crosses(v: fx.Node, s: int) -> bool:
+        return v.op not in ("output", "get_attr") and stage_of[v] <= s and any(stage_of[u] > s for u in v.users)
+
     # boundary[s]: values produced in stages <= s and consumed in stages > s (topological order).
-    boundary: list[list[fx.Node]] = []
-    for s in range(n - 1):
-        boundary.append([
-            v for v in nodes
-            if v.op != "output" and stage_of[v] <= s and any(stage_of[u] > s for u in v.users)
-        ])
+    boundary = [[v for v in nodes if crosses(v, s)] for s in range(n - 1)]
+    modules_by_name = dict(gm.named_modules())
     stages: list[nn.Module] = []
     for s in range(n):
         g = fx.Graph()
@@ -141,8 +245,15 @@ def _split_graph(module: nn.Module, gm: fx.GraphModule, plan: Plan) -> list[nn.M
         if s > 0:
             for v in boundary[s - 1]:
                 env[v] = g.placeholder(v.name)
+            _clone_before_inplace(g, env, boundary[s - 1], stage_of, s, modules_by_name)
         for node in nodes:
-            if stage_of[node] != s or node.op == "output":
+            if node.op == "output":
+                continue
+            if node.op == "get_attr":
+                if s in holders[node]:
+                    env[node] = g.node_copy(node, lambda x: env[x])
+                continue
+            if stage_of[node] != s:
                 continue
             env[node] = g.node_copy(node, lambda x: env[x])
         if s == n - 1:
@@ -151,12 +262,26 @@ def _split_graph(module: nn.Module, gm: fx.GraphModule, plan: Plan) -> list[nn.M
         else:
             g.output(tuple(env[v] for v in boundary[s]))
         g.lint()
-        stage = fx.GraphModule(module, g, class_name=f"Stage{s}")
-        _keep_non_persistent(module, stage)
+        stage = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+        _keep_non_persistent(original, stage)
         stages.append(stage)
         if s < n - 1:
             log.debug("stage %d -> %d carries %s", s, s + 1, [v.name for v in boundary[s]])
-    return stages
+    layout = {"operations": {key: stage_of[node] for node, key in _operation_keys(gm).items()},
+              "attributes": {str(node.target): stages for node, stages in holders.items()}}
+    return StageSplit(stages, traced.flatten, traced.unflatten, _shared_between(stages, original),
+                      method=traced.method, layout=layout)
+
+
+def _clone_before_inplace(g: fx.Graph, env: dict[fx.Node, fx.Node], received: list[fx.Node], stage_of: dict,
+                          s: int, modules: dict[str, nn.Module]) -> None:
+    """Where this stage changes a received value in place (``ReLU(inplace=True)`` right after
+    the cut), it works on a clone: the received value is a leaf that autograd must keep intact
+    for its gradient."""
+    for v in received:
+        if any(stage_of[u] == s and u.all_input_nodes and u.all_input_nodes[0] is v and
+               mutates_first_input(u, modules) for u in v.users):
+            env[v] = g.call_method("clone", (env[v],))
 
 
 def _keep_non_persistent(original: nn.Module, stage: nn.Module) -> None:

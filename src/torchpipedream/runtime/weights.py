@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -100,10 +100,12 @@ class WeightVersions:
     """
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_reduction: str = "mean",
-                 replicated: bool = False) -> None:
+                 replicated: bool = False, only: set[str] | None = None, exclude: set[str] = frozenset()) -> None:
         self.module = module
-        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in exclude
+                 and (only is None or n in only)]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.optimizer = optimizer(self.params) if self.params else None
         self.loss_reduction = loss_reduction
         # True while a schedule runs whose backwards start from minibatch means (see the
@@ -121,6 +123,7 @@ class WeightVersions:
         self._spare: list[list[torch.Tensor]] = []
         self.copies = 0  # number of copy-on-update events (for tests and reports)
         self.max_versions_alive = 1
+        self._posted: list[tuple[Any, torch.Tensor, int]] = []  # all-reduces posted, not yet waited for
 
     # ------------------------------------------------------------------ versions
     def expect(self, uses: dict[int, int]) -> None:
@@ -186,11 +189,7 @@ class WeightVersions:
             return None, [torch.zeros_like(p) for p in self.params]
         total = sum(p.numel() for p in self.params)
         flat = torch.zeros(total + 1, dtype=dtypes.pop(), device=self.params[0].device)
-        views, pos = [], 0
-        for p in self.params:
-            views.append(flat[pos: pos + p.numel()].view_as(p))
-            pos += p.numel()
-        return flat, views
+        return flat, self._views_of(flat)
 
     def add_samples(self, samples: int) -> None:
         """Count the samples of one microbatch whose backward accumulated into the buffers."""
@@ -232,16 +231,69 @@ class WeightVersions:
         self._samples = float(tensors[-1][-1].item())
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def post_allreduce(self, group: dist.ProcessGroup, holders: int) -> int:
+        """Start summing this update's gradient (and sample count) over ``group`` without waiting:
+        a shared parameter's copies on ``holders`` stages (each counts the update's samples, so
+        the sum of counts is divided by ``holders`` when it lands). The gradient moves to a
+        buffer of its own, so later backwards accumulate the next update meanwhile. Returns the
+        bytes it moves."""
+        if self._flat is None:
+            raise RuntimeError("a shared parameter's weights need one flat gradient buffer (replicated=True)")
+        self._flat[-1] = self._samples
+        posted = self._flat.clone()
+        self._flat.zero_()
+        self._samples = 0.0
+        work = dist.all_reduce(posted, group=group, async_op=True)
+        self._posted.append((work, posted, holders))
+        return posted.numel() * posted.element_size()
+
+    def step_posted(self, timeout_s: float) -> bool:
+        """Wait for the oldest posted all-reduce and apply its sum as one update (the step every
+        copy of a shared parameter takes); returns whether it copied a stashed version."""
+        if not self._posted:
+            raise RuntimeError("a shared parameter's step (TR) without its posted gradient (TP) before it")
+        work, posted, holders = self._posted.pop(0)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"shared parameter all-reduce did not complete within {timeout_s:g} s: {str(exc).splitlines()[0][:200]}"
+            ) from None
+        return self._apply(self._views_of(posted), float(posted[-1].item()) / holders)
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, pos = [], 0
+        for p in self.params:
+            out.append(flat[pos: pos + p.numel()].view_as(p))
+            pos += p.numel()
+        return out
+
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
     def step(self) -> bool:
         """Apply the accumulated gradient to the latest weights; returns whether it copied."""
-        copied = False
         if self.params and self.optimizer is not None:
             for views in self._views.values():
                 self._take_grads(views)
-            grads = self._grads if self._grads is not None else self._pending
+        grads = self._grads if self._grads is not None else self._pending
+        copied = self._apply(grads, self._samples)
+        if self.params and self.optimizer is not None:
+            with torch.no_grad():
+                if self._flat is not None:
+                    self._flat.zero_()
+                elif self._grads is not None:
+                    for g in self._grads:
+                        g.zero_()
+            self._pending = [None] * len(self.params)
+        self._samples = 0.0
+        return copied
+
+    def _apply(self, grads: list[torch.Tensor | None], samples: float) -> bool:
+        """One optimizer step with ``grads``, the sum over ``samples`` samples (copying the
+        current version first when a stash still needs it); the version counter advances."""
+        copied = False
+        if self.params and self.optimizer is not None:
             still_needed = self._uses.get(self.version, 0) > 0
             if still_needed:
                 # Copy on update: the stash keeps the old storage, the parameters move.
@@ -261,10 +313,10 @@ class WeightVersions:
                 self._views.pop(self.version, None)
             scale = 1.0
             if self.loss_reduction == "mean":
-                if self._samples <= 0:
+                if samples <= 0:
                     raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
                 if not self.grads_are_means:
-                    scale = 1.0 / self._samples
+                    scale = 1.0 / samples
             present = [g for g in grads if g is not None]
             with torch.no_grad():
                 if present and scale != 1.0:
@@ -274,14 +326,6 @@ class WeightVersions:
             self.optimizer.step()
             for p in self.params:
                 p.grad = None
-            with torch.no_grad():
-                if self._flat is not None:
-                    self._flat.zero_()
-                elif self._grads is not None:
-                    for g in self._grads:
-                        g.zero_()
-            self._pending = [None] * len(self.params)
-        self._samples = 0.0
         self.version += 1
         self.max_versions_alive = max(self.max_versions_alive, len(self._views) + 1)
         return copied
@@ -294,7 +338,7 @@ class WeightVersions:
         checkpoint taken mid-schedule would silently drop the stashes.
         """
         live = [v for v in self._views if v != self.version]
-        if live or self._samples or any(g is not None for g in self._pending):
+        if live or self._samples or self._posted or any(g is not None for g in self._pending):
             raise RuntimeError(
                 f"checkpoint requested mid-schedule (stashed versions {live}, {self._samples:g} samples of "
                 "unapplied gradient): save only after train_step/fit returned"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -9,11 +10,11 @@ from torch import nn
 
 from .config import TrainConfig
 
-__all__ = ["load_data", "build_model", "loss_for", "optimizer_factory", "minibatches"]
+__all__ = ["load_data", "build_model", "seeded_model", "loss_for", "optimizer_factory", "minibatches"]
 
 
 def _is_text_model(name: str) -> bool:
-    return name == "transformer"
+    return name in ("transformer", "gpt2")
 
 
 def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,10 +29,7 @@ def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The configuration's model, initialised from ``cfg.seed`` (the same on every rank)."""
-    from ..models import get_model
-
-    torch.manual_seed(cfg.seed)
-    return get_model(cfg.model)
+    return seeded_model(cfg.model, cfg.seed)
 
 
 def loss_for(cfg: TrainConfig) -> Callable[..., torch.Tensor]:
@@ -42,13 +40,22 @@ def loss_for(cfg: TrainConfig) -> Callable[..., torch.Tensor]:
 
 
 def optimizer_factory(cfg: TrainConfig) -> Callable[[Any], torch.optim.Optimizer]:
-    """``params -> optimizer`` for ``--optimizer`` and ``--lr`` (see ``Pipeline``'s ``optimizer``)."""
+    """``params -> optimizer`` for ``--optimizer`` and ``--lr`` (see ``Pipeline``'s ``optimizer``);
+    picklable, so that ``verify`` can send it to its worker processes."""
     lr, kind = cfg.lr, cfg.optimizer
     if kind == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=lr)
+        return functools.partial(torch.optim.SGD, lr=lr)
     if kind == "momentum":
-        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return lambda params: torch.optim.Adam(params, lr=lr)
+        return functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
+    return functools.partial(torch.optim.Adam, lr=lr)
+
+
+def seeded_model(name: str, seed: int) -> nn.Module:
+    """Model ``name`` initialised from ``seed``: a picklable factory with ``functools.partial``."""
+    from ..models import get_model
+
+    torch.manual_seed(seed)
+    return get_model(name)
 
 
 def minibatches(x: torch.Tensor, y: torch.Tensor, batch_size: int, limit: int | None,

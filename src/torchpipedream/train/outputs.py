@@ -96,6 +96,9 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         "plan": plan.summary,
         "plan_config": plan.config,
         "why": prep.why,
+        # parameters several stages hold a copy of (a tied embedding and output layer)
+        "shared_parameters": [{"name": t.name, "stages": t.stages, "bytes": t.bytes, "layers": t.layers}
+                              for t in plan.tied],
         "measured": {"time_per_minibatch_s": measured_t, "samples_per_s": last["samples_per_s"]},
         "predicted": prep.predicted,
         "final_test_accuracy": last["test_accuracy"],
@@ -120,6 +123,9 @@ def format_report(report: dict[str, Any]) -> str:
     rows = [
         ("plan", f"{report['plan']} ({report['plan_config']}), schedule {report['config']['schedule']}"),
         ("why", report["why"]),
+        *[("shared", f"{t['name']} (layers {', '.join(t['layers']) or '-'}): a copy in stages "
+                     f"{', '.join(map(str, t['stages']))}, gradients summed once per update")
+          for t in report.get("shared_parameters", [])],
         ("time/minibatch", f"measured {_number(measured_t, 1e3)} ms, predicted {_number(predicted_t, 1e3)} ms "
                            f"(measured reaches {_number(ratio, 1, '.0%')} of the predicted throughput; last epoch, "
                            "warm-up and drain included)"),

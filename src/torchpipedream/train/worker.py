@@ -40,7 +40,8 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     x, y, xt, yt = load_data(cfg)
     pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
                     schedule=cfg.schedule, microbatches=microbatches_of(cfg), vertical_sync=cfg.vertical_sync,
-                    timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s)
+                    timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s,
+                    sample=x[: cfg.batch_size])  # for models that torch.export traces (--model gpt2)
     test = minibatches(xt, yt, 256, None, None)
     per_epoch = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
     bar = _progress_bar(rank, prep, per_epoch)
