@@ -23,12 +23,13 @@ buffers on plans without replicated stages.
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import torch
-from torch import nn
 import torch.distributed as dist
+from torch import nn
+
+from .weights import wait_for
 
 __all__ = ["ReplicaBuffers"]
 
@@ -53,12 +54,7 @@ class ReplicaBuffers:
             return 0
         with torch.no_grad():
             deltas = torch.cat([(b - base).to(torch.float64).flatten() for b, base in zip(self.buffers, self._base)])
-            work = dist.all_reduce(deltas, group=self.group, async_op=True)
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-            except RuntimeError as exc:
-                raise RuntimeError(f"buffer all-reduce did not complete within {timeout_s:g} s: "
-                                   f"{str(exc).splitlines()[0][:200]}") from None
+            wait_for(dist.all_reduce(deltas, group=self.group, async_op=True), timeout_s, "buffer all-reduce")
             pos = 0
             for b, base in zip(self.buffers, self._base):
                 d = deltas[pos: pos + b.numel()].view_as(b)

@@ -61,11 +61,19 @@ from torch import nn
 
 from ..actions import Kind, Schedule
 
-__all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means"]
+__all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means", "wait_for"]
 
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def wait_for(work: Any, timeout_s: float, what: str) -> None:
+    """Wait for an asynchronous collective; a missed deadline raises naming ``what``."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise RuntimeError(f"{what} did not complete within {timeout_s:g} s: {str(exc).splitlines()[0][:200]}") from None
 
 
 def updates_are_minibatch_means(schedule: Schedule, replicated: bool, loss_reduction: str) -> bool:
@@ -221,13 +229,7 @@ class WeightVersions:
             count = torch.tensor([self._samples], dtype=torch.float64, device=self._device())
             tensors = list(self._grads) + [count]
         for t in tensors:
-            work = dist.all_reduce(t, group=group, async_op=True)
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"gradient all-reduce did not complete within {timeout_s:g} s: {str(exc).splitlines()[0][:200]}"
-                ) from None
+            wait_for(dist.all_reduce(t, group=group, async_op=True), timeout_s, "gradient all-reduce")
         self._samples = float(tensors[-1][-1].item())
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -253,12 +255,7 @@ class WeightVersions:
         if not self._posted:
             raise RuntimeError("a shared parameter's step (TR) without its posted gradient (TP) before it")
         work, posted, holders = self._posted.pop(0)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"shared parameter all-reduce did not complete within {timeout_s:g} s: {str(exc).splitlines()[0][:200]}"
-            ) from None
+        wait_for(work, timeout_s, "shared parameter all-reduce")
         return self._apply(self._views_of(posted), float(posted[-1].item()) / holders)
 
     def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
