@@ -269,7 +269,21 @@ def soak_train(data: Data) -> str:
              data["max_checkpoint_dirs"], data["keep_checkpoints"], _num(data.get("final_out_mb"), ".1f"),
              f"{data['worker_rss_growth_mib']:.2f}", _num(data.get("allowed_growth_mib"), ".1f"),
              "-" if acc is None else f"{acc:.2%}"]]
-    return f"`torchpipedream train` with its defaults, torch {data['torch']}: {verdict}.\n\n" + _table(head, body)
+    text = f"`torchpipedream train` with its defaults, torch {data['torch']}: {verdict}.\n\n" + _table(head, body)
+    # Per worker: its memory at the end of the first fifth, at the end, and the largest growth.
+    wall = data["wall_s"]
+    steady = [s for s in data["samples"] if s["seconds"] >= wall / 5 and len(s["worker_rss_mib"]) >= 2]
+    if steady:
+        first = steady[0]["worker_rss_mib"]
+        rows = []
+        for n, pid in enumerate(first):
+            series = [(s["seconds"], s["worker_rss_mib"][pid]) for s in steady if pid in s["worker_rss_mib"]]
+            jump = max(((b[1] - a[1]), b[0]) for a, b in zip(series, series[1:]))
+            rows.append([f"worker {n}", f"{first[pid]:.1f}", f"{series[-1][1]:.1f}",
+                         f"{max(v for _, v in series) - first[pid]:.1f}", f"{jump[0]:.1f} at {jump[1] / 60:.0f} min"])
+        text += "\n\n" + _table(["worker", "RSS after the first fifth (MiB)", "at the end", "largest growth",
+                                  "largest rise between two samples (10 s)"], rows)
+    return text
 
 
 def model_zoo(data: Data) -> str:
