@@ -18,6 +18,7 @@ from torch import nn
 
 from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import CheckpointError, Pipeline, latest_checkpoint, launch, verify_checkpoint
+from torchpipedream.runtime.checkpoint import read_stage_states
 
 N_PROCS = 3
 LAYERS = [["input_1", "_0", "_1"], ["_2", "_3", "_4"], ["_5"]]
@@ -151,7 +152,14 @@ def test_checkpoint_layout_and_manifest(runs):
     stage0 = torch.load(d / "stage0.pt", weights_only=True)  # plain tensors and containers only
     assert stage0["version"] == 5 and stage0["data"] == {"epoch": 0, "minibatches": 10}
     assert stage0["save_id"] == manifest.save_id
-    assert "momentum_buffer" in next(iter(stage0["optimizer"]["state"].values()))
+    # Keyed by the model's own names, each tensor once, the index says where.
+    assert sorted(stage0["tensors"]) == ["0.bias", "0.weight", "3.bias", "3.weight"]
+    assert manifest.index == {"0.bias": "stage0.pt", "0.weight": "stage0.pt", "3.bias": "stage0.pt",
+                              "3.weight": "stage0.pt", "5.bias": "stage1.pt", "5.weight": "stage1.pt"}
+    assert sorted(stage0["optimizer"]) == sorted(stage0["tensors"])
+    assert "momentum_buffer" in stage0["optimizer"]["0.weight"]["state"]
+    assert stage0["optimizer"]["0.weight"]["hyper"]["momentum"] == 0.9
+    assert len(manifest.history) == 10
 
 
 def test_broken_checkpoints_are_refused_on_every_rank(runs):
@@ -193,18 +201,32 @@ def _single(layers: int) -> Pipeline:
                     loss_fn=nn.CrossEntropyLoss())
 
 
-def test_checkpoint_of_another_plan_or_world_size_is_refused(tmp_path, runs):
+def test_a_checkpoint_of_another_model_is_refused_one_of_another_plan_loads(tmp_path, runs):
     root, _, _ = runs
     pipe = _single(2)
     pipe.train_minibatches(data(2))
     pipe.save_checkpoint(tmp_path / "two")
     other = _single(3)
     before = other.stage_state_dict()
-    with pytest.raises(CheckpointError, match=r"another model or plan: stage 0 layers differ"):
+    with pytest.raises(CheckpointError, match=r"holds no \['2.bias', '2.weight'\] that stage 0 needs"):
         other.load_checkpoint(tmp_path / "two")
     assert all(torch.equal(before[k], v) for k, v in other.stage_state_dict().items())
-    with pytest.raises(CheckpointError, match=r"saved by 3 workers \(plan 1-1-1\) but this pipeline runs 1"):
-        other.load_checkpoint(root / "flush")
+    with pytest.raises(CheckpointError, match=r"0.weight is \(4, 4\), the model's is \(3, 4\)"):
+        _single(1).load_checkpoint(tmp_path / "two")
+    torch.manual_seed(0)
+    fewer = Pipeline(nn.Sequential(nn.Linear(4, 4)), Plan.straight([["input_1", "_0"]], schedule="flush"),
+                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss())
+    with pytest.raises(CheckpointError, match=r"holds \['1.bias', '1.weight'\], which this model does not have"):
+        fewer.load_checkpoint(tmp_path / "two")
+    # The 3-worker flush checkpoint onto one process: every tensor where the files have it.
+    one = Pipeline(model(), Plan.straight([sum(LAYERS, [])], schedule="flush", microbatches=2),
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss_fn=nn.CrossEntropyLoss())
+    assert one.load_checkpoint(root / "flush") == {"scenario": "flush", "next_minibatch": 10}
+    saved = read_stage_states(root / "flush")
+    assert sorted(saved) == sorted(one.stage_state_dict())
+    assert all(torch.equal(one.stage_state_dict()[k], v) for k, v in saved.items())
+    assert one.minibatches_done == 10 and one.weights.version == 10
+    assert all("momentum_buffer" in s for s in one.weights.optimizer.state.values())
     # Same model and plan: loads, and a single-process checkpoint round-trips exactly.
     again = _single(2)
     assert again.load_checkpoint(tmp_path / "two") == {}

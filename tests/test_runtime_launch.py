@@ -162,3 +162,46 @@ def test_prefer_huge_pages_sets_only_what_the_user_left_unset():
     assert prefer_huge_pages(env) and env == {"THP_MEM_ALLOC_ENABLE": "1"}
     env = {"THP_MEM_ALLOC_ENABLE": "0"}
     assert not prefer_huge_pages(env) and env == {"THP_MEM_ALLOC_ENABLE": "0"}
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """Local addresses of the TCP sockets in LISTEN state that ``pids`` hold (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(fields[1].split(":")[0].rjust(width, "0"))
+    return found
+
+
+def _loopback(hex_address: str) -> bool:
+    if len(hex_address) == 8:  # IPv4, little-endian: 0100007F is 127.0.0.1
+        return hex_address[6:8] == "7F"
+    return hex_address in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+def _listening_worker(rank: int) -> list[str]:
+    time.sleep(0.5)  # every rank's process group is up
+    parent = os.getppid()
+    siblings = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
+    return _listening_addresses([parent] + siblings) if rank == 0 else []
+
+
+def test_a_local_run_listens_on_loopback_only():
+    """The launcher's store and gloo's sockets accept no connection from another address."""
+    addresses = launch(_listening_worker, 2, timeout_s=60)
+    assert addresses, "found no listening socket: the check would prove nothing"
+    assert all(_loopback(a) for a in addresses), addresses

@@ -78,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "every checkpoint (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true",
                    help="--out holds another run: delete its checkpoints and outputs and start afresh")
+    p.add_argument("--init", default=None, metavar="FILE",
+                   help="start from these weights: a state_dict file (.pt or .safetensors), such as "
+                        "`torchpipedream export` writes (a checkpoint of --resume takes precedence)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(handler=_handle)
 

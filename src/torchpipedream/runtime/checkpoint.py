@@ -1,14 +1,29 @@
-"""Exact checkpoints of a pipeline: per-stage files written atomically, a manifest written last.
+"""Exact checkpoints of a pipeline, keyed by the model's own names, loadable onto any plan.
 
-Layout of a checkpoint directory (format 2)::
+Layout of a checkpoint directory (format 3)::
 
-    stage0.pt             replica 0 of each stage: weights and buffers, optimizer state,
-    stage1.pt             weight version, data position, this rank's RNG state
+    stage0.pt             replica 0 of each stage: the tensors (parameters and buffers) it is
+    stage1.pt             the first stage to hold, by the model's names, and their optimizer
+                          state by name (``optimizer_state.py``); its version and RNG state
     stage1_replica1.pt    other replicas: their own RNG state only (their weights and optimizer
                           state equal replica 0's by construction: same all-reduced update)
     extra.json            the caller's ``**extra`` (JSON), written by rank 0
     manifest.json         written LAST by rank 0: the save's identifier, every file with its
-                          sha256 and size, the plan, the world size, the data position
+                          sha256 and size, the index (model name -> the file that holds it),
+                          the names of tied parameters, the plan, the world size, the data
+                          position and the loss history
+
+**Layout-free.** A tensor is stored once under the model's name (a tied parameter once, under
+its first name; the index lists its other names), by the first stage that holds it. Loading
+asks nothing of the plan that wrote the checkpoint: each rank reads, from the files the index
+names, the tensors and optimizer states of its own stage, so a checkpoint loads onto another
+number of stages, replicas or workers, or another schedule (``train --resume`` re-plans). The
+model must be the same (every name, every shape; the error names the first that differs) and
+so must the optimizer's class. Random states are restored only when the ranks are laid out as
+they were (the runtime's own random numbers, dropout's, are seeded by the microbatch anyway).
+A checkpoint is taken at a schedule boundary, where every schedule kind holds one weight
+version per stage, so continuing on another plan or kind is the new schedule from those
+weights: the version rule of the new kind counts from the checkpoint (docs/architecture.md).
 
 **Loading runs no code.** Stage files hold only tensors and plain containers and are read with
 ``torch.load(weights_only=True)``; the manifest and ``extra.json`` are JSON, checked field by
@@ -59,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import liveness
+from .optimizer_state import OptimizerStateError, load_state_by_name, state_by_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pipeline import Pipeline
@@ -72,7 +88,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 EXTRA = "extra.json"
 FORMAT = "torchpipedream.Checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _TMP_MARK = ".tmp-"
 
 
@@ -193,6 +209,9 @@ class Manifest:
     minibatches: int
     files: list[dict[str, Any]]
     raw: dict[str, Any]
+    index: dict[str, str]
+    aliases: dict[str, list[str]]
+    history: list[float]
 
 
 def _need(data: dict[str, Any], key: str, types: type | tuple[type, ...], path: Path) -> Any:
@@ -236,20 +255,35 @@ def read_manifest(directory: str | Path) -> Manifest:
             raise CheckpointError(f"checkpoint manifest {path}: files[{i}] names {entry['file']!r}, not a file "
                                   "of this directory")
     data_pos = _need(data, "data", dict, path)
+    listed = {entry["file"] for entry in files}
+    index = _need(data, "index", dict, path)
+    for name, file in index.items():
+        if not isinstance(file, str) or file not in listed:
+            raise CheckpointError(f"checkpoint manifest {path}: index[{name!r}] names {file!r:.80}, not a file it lists")
+    aliases = _need(data, "aliases", dict, path)
+    if not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in aliases.values()):
+        raise CheckpointError(f"checkpoint manifest {path}: field 'aliases' must map names to lists of names")
+    history = _need(data, "history", list, path)
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in history):
+        raise CheckpointError(f"checkpoint manifest {path}: field 'history' must be a list of numbers")
     return Manifest(path=path, save_id=_need(data, "save_id", str, path), created_unix=created,
                     world_size=_need(data, "world_size", int, path), plan=_need(data, "plan", dict, path),
                     schedule=_need(data, "schedule", str, path), version=_need(data, "version", int, path),
                     epoch=_need(data_pos, "epoch", int, Path(f"{path} data")),
                     minibatches=_need(data_pos, "minibatches", int, Path(f"{path} data")),
-                    files=files, raw=data)
+                    files=files, raw=data, index=index, aliases=aliases, history=[float(x) for x in history])
 
 
-def verify_checkpoint(directory: str | Path) -> Manifest:
-    """Check the manifest and the size and sha256 of every file it lists; returns the manifest."""
+def verify_checkpoint(directory: str | Path, load: bool = False) -> Manifest:
+    """Check the manifest and the size and sha256 of every file it lists; returns the manifest.
+    With ``load``, also read every stage file as plain tensors (no code runs): a file an
+    attacker rewrote together with its checksum is refused here, naming it."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     for entry in manifest.files:
-        _read_verified(directory, entry)
+        data = _read_verified(directory, entry)
+        if load and entry["file"].endswith(".pt"):
+            _load_tensors(data, directory / entry["file"], manifest.save_id)
     return manifest
 
 
@@ -270,18 +304,27 @@ def read_extra(directory: str | Path, manifest: Manifest | None = None) -> dict[
 
 
 def read_stage_states(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model's state (parameters and buffers by name) from a checkpoint's stage files,
-    without a pipeline: what :meth:`Pipeline.state_dict` would give at that point."""
+    """The whole model's state from a checkpoint, without a pipeline: what the model's own
+    ``state_dict()`` holds (every name of a tied parameter), loadable with ``load_state_dict``."""
     directory = Path(directory)
     manifest = verify_checkpoint(directory)
+    by_file = {e["file"]: e for e in manifest.files}
     state: dict[str, torch.Tensor] = {}
-    for entry in manifest.files:
-        if entry["file"].startswith("stage") and "_replica" not in entry["file"]:
-            payload = _load_tensors(_read_verified(directory, entry), directory / entry["file"], manifest.save_id)
-            module = payload.get("module")
-            if not isinstance(module, dict):
-                raise CheckpointError(f"checkpoint file {directory / entry['file']} holds no module state")
-            state.update(module)
+    for file in sorted(set(manifest.index.values())):
+        payload = _load_tensors(_read_verified(directory, by_file[file]), directory / file, manifest.save_id)
+        tensors = payload.get("tensors")
+        if not isinstance(tensors, dict):
+            raise CheckpointError(f"checkpoint file {directory / file} holds no tensors")
+        for name, holder in manifest.index.items():
+            if holder == file:
+                if not isinstance(tensors.get(name), torch.Tensor):
+                    raise CheckpointError(f"checkpoint file {directory / file} lacks {name}, which the manifest "
+                                          "says it holds")
+                state[name] = tensors[name]
+    for name, names in manifest.aliases.items():
+        for other in names:
+            if name in state:
+                state.setdefault(other, state[name])
     return state
 
 
@@ -317,34 +360,6 @@ def latest_checkpoint(root: str | Path) -> Path | None:
             continue
         return manifest.path.parent
     return None
-
-
-def _plan_layout(pipe: "Pipeline") -> list[dict[str, Any]]:
-    return [{"layers": list(st.layers), "ranks": list(st.ranks)} for st in pipe.plan.stages]
-
-
-def _check_compatible(pipe: "Pipeline", manifest: Manifest, directory: Path) -> None:
-    plan_config = manifest.raw.get("plan_config", "?")
-    if manifest.world_size != pipe.world_size:
-        raise CheckpointError(
-            f"checkpoint {directory} was saved by {manifest.world_size} workers (plan {plan_config}) "
-            f"but this pipeline runs {pipe.world_size}: resume with the same plan and number of workers"
-        )
-    saved, mine = manifest.raw.get("stages"), _plan_layout(pipe)
-    if not isinstance(saved, list) or len(saved) != len(mine):
-        raise CheckpointError(
-            f"checkpoint {directory} has {len(saved) if isinstance(saved, list) else '?'} stages (plan {plan_config}) "
-            f"but this pipeline's plan has {len(mine)} ({pipe.plan.config}): resume with the same model and plan"
-        )
-    for s, (a, b) in enumerate(zip(saved, mine)):
-        if not isinstance(a, dict) or a.get("layers") != b["layers"] or a.get("ranks") != b["ranks"]:
-            what = "layers" if not isinstance(a, dict) or a.get("layers") != b["layers"] else "ranks"
-            theirs = a.get(what, []) if isinstance(a, dict) else []
-            raise CheckpointError(
-                f"checkpoint {directory} is from another model or plan: stage {s} {what} differ "
-                f"(checkpoint {theirs[:6]}{' ...' if len(theirs) > 6 else ''}, "
-                f"this pipeline {b[what][:6]}{' ...' if len(b[what]) > 6 else ''}): resume with the same model and plan"
-            )
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -396,20 +411,53 @@ def _exchange(pipe: "Pipeline", what: str, value: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------- save / load
-def _stage_file(pipe: "Pipeline", save_id: str) -> tuple[str, dict[str, Any]]:
+def _name_of_parameters(pipe: "Pipeline", weights: Any) -> dict[int, str]:
+    """id(parameter) -> the model's name, for one WeightVersions' parameters."""
+    return {id(p): pipe.state_names.get(n, n) for n, p in zip(weights.names, weights.params)}
+
+
+def _holdings(pipe: "Pipeline") -> dict[str, list[str]]:
+    """What this rank's stage holds, by the model's names: tensors and trained parameters."""
+    if pipe.replica != 0:
+        return {"tensors": [], "parameters": []}
+    trained = [pipe.state_names.get(n, n) for w in _all_weights(pipe) for n in w.names]
+    return {"tensors": sorted(set(pipe.state_names.values())), "parameters": sorted(set(trained))}
+
+
+def _all_weights(pipe: "Pipeline") -> list[Any]:
+    return [pipe.weights] + [copy.weights for copy in pipe.tied.values()]
+
+
+def _owners(pipe: "Pipeline", holdings: list[dict[str, list[str]]]) -> dict[str, int]:
+    """Name -> the stage that writes it: the first stage holding it (a shared parameter and a
+    constant buffer used by several stages are written once)."""
+    owner: dict[str, int] = {}
+    for rank in sorted(range(len(holdings)), key=lambda r: pipe.plan.stage_of_rank(r)):
+        for name in holdings[rank]["tensors"]:
+            owner.setdefault(name, pipe.plan.stage_of_rank(rank)[0])
+    return owner
+
+
+def _stage_file(pipe: "Pipeline", save_id: str, owner: dict[str, int]) -> tuple[str, dict[str, Any]]:
     """This rank's file name and content (tensors and plain values only)."""
-    state = pipe.weights.boundary_state()  # asserts nothing is in flight
+    states = [w.boundary_state() for w in _all_weights(pipe)]  # asserts nothing is in flight
     payload: dict[str, Any] = {"save_id": save_id, "stage": pipe.stage, "replica": pipe.replica, "rank": pipe.rank,
-                               "version": state["version"], "rng": _rng_state(pipe.device),
-                               "data": {"epoch": pipe.epochs_done, "minibatches": pipe.minibatches_done},
-                               "history": [float(x) for x in pipe.history]}
-    # A shared parameter's copy has an optimizer of its own (runtime/engine.py, TiedCopy).
-    tied = {pipe.plan.tied[k].name: copy.weights.boundary_state()["optimizer"] for k, copy in pipe.tied.items()}
-    if pipe.replica == 0:
-        payload.update(layers=list(pipe.plan.stages[pipe.stage].layers), module=pipe.stage_state_dict(),
-                       optimizer=state["optimizer"], tied_optimizers=tied)
-        return f"stage{pipe.stage}.pt", payload
-    return f"stage{pipe.stage}_replica{pipe.replica}.pt", payload
+                               "version": states[0]["version"], "rng": _rng_state(pipe.device),
+                               "data": {"epoch": pipe.epochs_done, "minibatches": pipe.minibatches_done}}
+    if pipe.replica != 0:
+        return f"stage{pipe.stage}_replica{pipe.replica}.pt", payload
+    mine = {name for name, s in owner.items() if s == pipe.stage}
+    local = pipe.module.state_dict()
+    tensors = {pipe.state_names[k]: v.detach().cpu().clone() for k, v in local.items()
+               if k in pipe.state_names and pipe.state_names[k] in mine}
+    optimizer: dict[str, Any] = {}
+    for weights in _all_weights(pipe):
+        if weights.optimizer is not None:
+            for name, entry in state_by_name(weights.optimizer, _name_of_parameters(pipe, weights)).items():
+                if name in mine:
+                    optimizer[name] = entry
+    payload.update(tensors=tensors, optimizer=optimizer)
+    return f"stage{pipe.stage}.pt", payload
 
 
 def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Path:
@@ -427,11 +475,13 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
     except OSError as exc:
         error = f"cannot prepare checkpoint directory {directory}: {exc.strerror or exc}"
     _agree(pipe, "the creation of the checkpoint directory", error)
+    holdings = _exchange(pipe, "the checkpoint's names", _holdings(pipe))
+    owner = _owners(pipe, holdings)
 
     entries: list[dict[str, Any]] = []
     error = None
     try:
-        name, payload = _stage_file(pipe, save_id)
+        name, payload = _stage_file(pipe, save_id, owner)
         data = _serialize(payload)
         liveness.mark()
         write_atomic(directory / name, data)
@@ -451,6 +501,7 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
     parts = _exchange(pipe, "the checkpoint file list", entries)
     error = None
     if pipe.rank == 0:
+        trained = {n for h in holdings for n in h["parameters"]}
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -460,10 +511,15 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
             "plan_config": pipe.plan.config,
             "plan": pipe.plan.to_dict(),
             "schedule": pipe.kind,
-            "stages": _plan_layout(pipe),
             "version": pipe.weights.version,
             "data": {"epoch": pipe.epochs_done, "minibatches": pipe.minibatches_done},
             "files": [e for p in parts for e in p],
+            "history": [float(x) for x in pipe.history],
+            # Which file holds each tensor (and the optimizer state of each trained one), by
+            # the model's names: any plan reads what its stages need (module docstring).
+            "index": {name: f"stage{stage}.pt" for name, stage in sorted(owner.items())},
+            "trained": sorted(trained),
+            "aliases": {name: names for name, names in sorted(pipe._aliases.items()) if len(names) > 1},
         }
         try:
             write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -474,77 +530,124 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
     return directory
 
 
-def _read_own_files(pipe: "Pipeline", directory: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(replica 0's stage payload, this rank's own payload, extra), checked against the pipeline."""
+@dataclass
+class _Loaded:
+    """What one rank read for its stage: its state dict (own keys), its optimizers' states by
+    name, its own random state (None when the checkpoint's ranks were laid out otherwise), the
+    data position and extra."""
+
+    state: dict[str, torch.Tensor]
+    optimizer: dict[str, dict[str, Any]]
+    rng: dict[str, Any] | None
+    manifest: Manifest
+    extra: dict[str, Any]
+    version: int
+
+
+def _same_layout(pipe: "Pipeline", manifest: Manifest) -> bool:
+    saved = manifest.plan.get("stages") if isinstance(manifest.plan, dict) else None
+    mine = [{"layers": list(st.layers), "ranks": list(st.ranks)} for st in pipe.plan.stages]
+    return manifest.world_size == pipe.world_size and isinstance(saved, list) and \
+        [{"layers": st.get("layers"), "ranks": st.get("ranks")} for st in saved if isinstance(st, dict)] == mine
+
+
+def _read_for_stage(pipe: "Pipeline", directory: Path) -> _Loaded:
+    """Read and check what this rank needs, from whichever files hold it (any plan)."""
     manifest = verify_checkpoint(directory) if pipe.rank == 0 else read_manifest(directory)
-    _check_compatible(pipe, manifest, directory)
-    by_name = {e["file"]: e for e in manifest.files}
-    main_name = f"stage{pipe.stage}.pt"
-    own_name = f"stage{pipe.stage}_replica{pipe.replica}.pt" if pipe.replica > 0 else main_name
-    payloads = {}
-    for name in {main_name, own_name}:
-        if name not in by_name:
-            raise CheckpointError(f"checkpoint {directory}: the manifest lists no {name}")
-        payloads[name] = _load_tensors(_read_verified(directory, by_name[name]), directory / name, manifest.save_id)
-    main = payloads[main_name]
-    if main.get("layers") != list(pipe.plan.stages[pipe.stage].layers):
-        raise CheckpointError(f"checkpoint file {directory / main_name} holds other layers than stage {pipe.stage}")
-    module = main.get("module")
-    if not isinstance(module, dict):
-        raise CheckpointError(f"checkpoint file {directory / main_name} holds no module state")
-    mine = pipe.module.state_dict()
-    missing, unexpected = sorted(set(mine) - set(module)), sorted(set(module) - set(mine))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint file {directory / main_name} does not fit stage {pipe.stage}'s module "
-            f"(missing keys {missing[:4]}, unexpected keys {unexpected[:4]}): resume with the same model"
-        )
-    for key, t in module.items():
-        if not isinstance(t, torch.Tensor) or t.shape != mine[key].shape:
-            raise CheckpointError(
-                f"checkpoint file {directory / main_name}: {key} has shape "
-                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} but the model's is "
-                f"{tuple(mine[key].shape)}: resume with the same model"
-            )
-    tied = main.get("tied_optimizers", {})
-    wanted = sorted(pipe.plan.tied[k].name for k in pipe.tied)
-    if not isinstance(tied, dict) or sorted(tied) != wanted:
-        raise CheckpointError(
-            f"checkpoint file {directory / main_name} holds optimizer states for the shared parameters "
-            f"{sorted(tied) if isinstance(tied, dict) else tied!r}, stage {pipe.stage} needs {wanted}: resume with "
-            "the same model and plan")
-    return main, payloads[own_name], read_extra(directory, manifest)
+    by_file = {e["file"]: e for e in manifest.files}
+    needed = {pipe.state_names[k]: k for k in pipe.module.state_dict() if k in pipe.state_names}
+    missing = sorted(n for n in needed if n not in manifest.index)
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} holds no {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+                              f"that stage {pipe.stage} needs: it is from another model")
+    files: dict[str, dict[str, Any]] = {}
+
+    def payload(name: str) -> dict[str, Any]:
+        if name not in files:
+            if name not in by_file:
+                raise CheckpointError(f"checkpoint {directory}: the manifest lists no {name}")
+            files[name] = _load_tensors(_read_verified(directory, by_file[name]), directory / name, manifest.save_id)
+        return files[name]
+
+    state: dict[str, torch.Tensor] = {}
+    local = pipe.module.state_dict()
+    for name, key in needed.items():
+        holder = manifest.index[name]
+        tensor = payload(holder).get("tensors", {}).get(name)
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != local[key].shape:
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(f"checkpoint file {directory / holder}: {name} is {got}, the model's is "
+                                  f"{tuple(local[key].shape)}: resume with the same model")
+        state[key] = tensor
+    optimizer: dict[str, dict[str, Any]] = {}
+    for weights in _all_weights(pipe):
+        for name in _name_of_parameters(pipe, weights).values():
+            entry = payload(manifest.index[name]).get("optimizer", {}).get(name)
+            if entry is None:
+                raise CheckpointError(f"checkpoint file {directory / manifest.index[name]} holds no optimizer state "
+                                      f"for {name}")
+            optimizer[name] = entry
+    # Laid out as saved: this rank's own random state and update count. Otherwise the count is
+    # a label (weight versions are counted from a schedule's start): rank 0's.
+    own = f"stage{pipe.stage}.pt" if pipe.replica == 0 else f"stage{pipe.stage}_replica{pipe.replica}.pt"
+    same = _same_layout(pipe, manifest)
+    rng, version = (payload(own)["rng"], int(payload(own)["version"])) if same else (None, manifest.version)
+    return _Loaded(state, optimizer, rng, manifest, read_extra(directory, manifest), version)
+
+
+def _check_names_cover(pipe: "Pipeline", directory: Path) -> str | None:
+    """Every tensor of the checkpoint is used by some stage of this pipeline (else the model
+    lacks some of the checkpoint's layers): checked on rank 0 from every rank's names."""
+    names = _exchange(pipe, "the names the stages load", sorted(set(pipe.state_names.values())))
+    if pipe.rank != 0:
+        return None
+    unused = sorted(set(read_manifest(directory).index) - {n for part in names for n in part})
+    if unused:
+        return (f"checkpoint {directory} holds {unused[:4]}{' ...' if len(unused) > 4 else ''}, which this model "
+                "does not have: resume with the same model")
+    return None
 
 
 def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
     """Restore ``pipe`` from ``directory`` (collective); returns the ``extra`` given at save time.
 
-    Nothing is changed unless every rank verified what it needs.
+    The checkpoint may come from any plan of the same model (other stages, replicas, workers or
+    schedule): each rank reads the tensors its stage needs by name. Nothing is changed unless
+    every rank verified what it needs.
     """
     directory = Path(directory)
     error = None
+    loaded = None
     try:
-        main, own, extra = _read_own_files(pipe, directory)
+        loaded = _read_for_stage(pipe, directory)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # a malformed file: refuse on every rank, never hang
         error = f"checkpoint {directory} cannot be used: {type(exc).__name__}: {exc}"
     _agree(pipe, "the reading of the checkpoint files", error)
+    _agree(pipe, "the checking of the checkpoint's names", _check_names_cover(pipe, directory))
+    assert loaded is not None
 
     with torch.no_grad():
-        pipe.module.load_state_dict(main["module"])
+        pipe.module.load_state_dict(loaded.state, strict=False)
     if pipe.engine.buffers is not None:
         pipe.engine.buffers.snapshot()
-    pipe.weights.restore_boundary_state({"version": main["version"], "optimizer": main["optimizer"]})
-    for k, copy in pipe.tied.items():
-        copy.weights.restore_boundary_state({"version": main["version"],
-                                             "optimizer": main["tied_optimizers"][pipe.plan.tied[k].name]})
-    _set_rng_state(own["rng"], pipe.device)
-    pipe.epochs_done = int(own["data"]["epoch"])
-    pipe.minibatches_done = int(own["data"]["minibatches"])
+    error = None
+    try:
+        for weights in _all_weights(pipe):
+            weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
+            if weights.optimizer is not None:
+                load_state_by_name(weights.optimizer, loaded.optimizer, _name_of_parameters(pipe, weights))
+    except OptimizerStateError as exc:
+        error = f"checkpoint {directory}: {exc}"
+    _agree(pipe, "the loading of the optimizer states", error)
+    if loaded.rng is not None:
+        _set_rng_state(loaded.rng, pipe.device)
+    pipe.epochs_done = loaded.manifest.epoch
+    pipe.minibatches_done = loaded.manifest.minibatches
     pipe.history.clear()
-    pipe.history.extend(float(x) for x in own.get("history", []))
+    pipe.history.extend(loaded.manifest.history)
     if pipe.distributed:
         pipe.agreement.barrier("the end of loading the checkpoint")
-    log.info("rank %d: resumed from %s at version %d", pipe.rank, directory, main["version"])
-    return extra
+    log.info("rank %d: resumed from %s at version %d", pipe.rank, directory, loaded.version)
+    return loaded.extra

@@ -60,7 +60,7 @@ from .buffers import ReplicaBuffers
 from .comm import P2P
 from .engine import Engine, MicrobatchResult, TiedCopy, as_tuple
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
-from .stage_split import split_stages
+from .stage_split import model_state_names, split_stages
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means
 
 __all__ = ["Pipeline", "PipelineError", "PipelineFailure", "forward_only"]
@@ -201,6 +201,9 @@ class Pipeline:
         self.plan = plan = self._with_shared_parameters(plan, split)
         self._aliases = parameter_aliases(module_or_stages) if isinstance(module_or_stages, nn.Module) else {}
         local_tied = {k: split.tied[t.name][self.stage] for k, t in enumerate(plan.tied) if self.stage in t.stages}
+        # The model's name of each entry of this stage's state (checkpoints are keyed by it).
+        self.state_names = model_state_names(split.modules[self.stage],
+                                             module_or_stages if isinstance(module_or_stages, nn.Module) else None)
         self.module = split.modules[self.stage].to(self.device)
         self._stage_inputs, self._finish = split.inputs, split.finish
         # torch.export fixes dropout's mode in the graph: evaluation runs a graph traced for it.
@@ -681,9 +684,10 @@ class Pipeline:
     def save_checkpoint(self, directory: str | os.PathLike[str], **extra: Any) -> Any:
         """Write an exact checkpoint into ``directory`` (collective; between schedules).
 
-        Each stage's file (weights, optimizer state, version, data position, RNG) is written
-        atomically, then rank 0 writes a manifest with every file's sha256 last. ``extra``
-        (JSON-serialisable) comes back from :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
+        Each stage's file (its weights and optimizer state under the model's names, version, RNG)
+        is written atomically, then rank 0 writes a manifest with the index of names, every
+        file's sha256 and the data position last. ``extra`` (JSON-serialisable) comes back from
+        :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
         """
         from .checkpoint import CheckpointError, save_checkpoint
 
@@ -693,8 +697,10 @@ class Pipeline:
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore this pipeline from a verified checkpoint (collective); returns its ``extra``.
 
-        Raises CheckpointError (same message on every rank) for a missing manifest, a
-        corrupted or truncated file, or a checkpoint of another model, plan or world size.
+        The checkpoint may come from another plan of the same model (other stages, replicas,
+        workers or schedule): it is keyed by the model's names. Raises CheckpointError (same
+        message on every rank) for a missing manifest, a corrupted, truncated or non-tensor
+        file, another model, or another optimizer class.
         """
         from .checkpoint import CheckpointError, load_checkpoint
 

@@ -39,7 +39,7 @@ from torch import fx, nn
 from ..plans import Plan, PlanError
 from ..tracing import TraceError, Traced, canonical_names, mutates_first_input, trace
 
-__all__ = ["split_stages", "StageSplit", "StageSplitError"]
+__all__ = ["split_stages", "StageSplit", "StageSplitError", "model_state_names"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,25 @@ def _shared_between(stages: list[nn.Module], original: nn.Module | None) -> dict
             if p.requires_grad:
                 holders.setdefault(id(p), {})[s] = name
     return {first_name.get(pid, names[min(names)]): names for pid, names in holders.items() if len(names) > 1}
+
+
+def model_state_names(stage: nn.Module, original: nn.Module | None) -> dict[str, str]:
+    """Each key of ``stage``'s state dict -> the model's name for that tensor (its first name in
+    ``original``: a tied parameter has one). Keys of tensors the model does not hold (constants
+    torch.export lifted out of the code) are left out; without ``original`` (a user's stage
+    modules) every key is its own name."""
+    first: dict[int, str] = {}
+    if original is not None:
+        for name, t in list(original.named_parameters(remove_duplicate=False)) + \
+                list(original.named_buffers(remove_duplicate=False)):
+            first.setdefault(id(t), name)
+    keys = set(stage.state_dict(keep_vars=True))
+    out = {}
+    for name, t in list(stage.named_parameters(remove_duplicate=False)) + \
+            list(stage.named_buffers(remove_duplicate=False)):
+        if name in keys and (original is None or id(t) in first):
+            out[name] = first.get(id(t), name)
+    return out
 
 
 def _positional(args: tuple, kwargs: dict) -> tuple:

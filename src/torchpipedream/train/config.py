@@ -66,6 +66,7 @@ class TrainConfig:
     failure_timeout_s: float = 10.0  # deadline of each step of the failure path (runtime/failures.py)
     keep_checkpoints: int = 3  # newest checkpoints kept (plus the newest epoch end); 0 keeps all
     overwrite: bool = False  # replace another run's checkpoints and outputs in --out
+    init: str | None = None  # start from these weights (a state_dict file: .pt or .safetensors)
 
     def resolved_workers(self) -> int:
         return self.workers if self.workers > 0 else (os.cpu_count() or 1)

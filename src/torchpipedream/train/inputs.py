@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from .config import TrainConfig, TrainError
 
 __all__ = ["load_data", "build_model", "seeded_model", "loss_for", "optimizer_factory", "minibatches"]
 
@@ -28,8 +28,21 @@ def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
-    """The configuration's model, initialised from ``cfg.seed`` (the same on every rank)."""
-    return seeded_model(cfg.model, cfg.seed)
+    """The configuration's model, initialised from ``cfg.seed`` (the same on every rank), or
+    from the weights of ``--init``."""
+    model = seeded_model(cfg.model, cfg.seed)
+    if cfg.init:
+        from ..state_files import StateFileError, load_state_file
+
+        try:
+            state = load_state_file(cfg.init)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except (StateFileError, RuntimeError) as exc:
+            raise TrainError(f"--init {cfg.init}: {str(exc).splitlines()[0][:300]}") from None
+        if missing or unexpected:
+            raise TrainError(f"--init {cfg.init} does not fit --model {cfg.model}: missing {sorted(missing)[:4]}, "
+                             f"unexpected {sorted(unexpected)[:4]}")
+    return model
 
 
 def loss_for(cfg: TrainConfig) -> Callable[..., torch.Tensor]:

@@ -99,6 +99,8 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         # parameters several stages hold a copy of (a tied embedding and output layer)
         "shared_parameters": [{"name": t.name, "stages": t.stages, "bytes": t.bytes, "layers": t.layers}
                               for t in plan.tied],
+        # every resumption onto another plan: when (epoch, minibatch), from, to and why
+        "plan_changes": list(prep.plan_changes),
         "measured": {"time_per_minibatch_s": measured_t, "samples_per_s": last["samples_per_s"]},
         "predicted": prep.predicted,
         "final_test_accuracy": last["test_accuracy"],
@@ -126,6 +128,9 @@ def format_report(report: dict[str, Any]) -> str:
         *[("shared", f"{t['name']} (layers {', '.join(t['layers']) or '-'}): a copy in stages "
                      f"{', '.join(map(str, t['stages']))}, gradients summed once per update")
           for t in report.get("shared_parameters", [])],
+        *[("plan change", f"at epoch {c['epoch']}{' + ' + str(c['minibatch']) + ' minibatches' if c['minibatch'] else ''}"
+                          f": {c['from']} ({c['from_config']}) -> {c['to']} ({c['to_config']}), because "
+                          f"{'; '.join(c['because'])}") for c in report.get("plan_changes", [])],
         ("time/minibatch", f"measured {_number(measured_t, 1e3)} ms, predicted {_number(predicted_t, 1e3)} ms "
                            f"(measured reaches {_number(ratio, 1, '.0%')} of the predicted throughput; last epoch, "
                            "warm-up and drain included)"),

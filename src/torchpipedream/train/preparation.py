@@ -30,17 +30,19 @@ class Prepared:
     why: str = ""
     resume_from: str | None = None  # checkpoint directory to load before training
     complete: bool = False  # the checkpoint ends the run: only the outputs are written again
+    plan_changes: list[dict[str, Any]] = field(default_factory=list)  # resumptions onto another plan
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON (rank 0 sends it to the other ranks under torchrun: nothing is pickled)."""
         return {"config": asdict(self.config), "plan": self.plan.to_dict(), "graph": self.graph.to_dict(),
                 "predicted": self.predicted, "why": self.why, "resume_from": self.resume_from,
-                "complete": self.complete}
+                "complete": self.complete, "plan_changes": self.plan_changes}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Prepared":
         return cls(TrainConfig(**data["config"]), Plan.from_dict(data["plan"]), LayerGraph.from_dict(data["graph"]),
-                   dict(data["predicted"]), str(data["why"]), data["resume_from"], bool(data["complete"]))
+                   dict(data["predicted"]), str(data["why"]), data["resume_from"], bool(data["complete"]),
+                   list(data.get("plan_changes", [])))
 
 
 def explain_plan(plan: Plan, graph: LayerGraph) -> str:
@@ -71,8 +73,9 @@ def explain_plan(plan: Plan, graph: LayerGraph) -> str:
 
 
 def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: Plan | None) -> Plan:
-    """The checkpoint's plan on resume, ``--plan`` when given (checked against the model and
-    the workers), else a new plan for ``--topology`` or this computer's workers."""
+    """The checkpoint's plan on a resumption with the same plan options, ``--plan`` when given
+    (checked against the model and the workers), else a new plan for ``--topology`` or this
+    computer's workers."""
     if saved_plan is not None:  # resume on the checkpoint's plan (re-planning could pick another)
         try:
             saved_plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
@@ -118,7 +121,17 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
         check_workers_fit(workers, sum(p.numel() * p.element_size() for p in model.parameters()))
     graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
                     name=cfg.model, optimizer=optimizer_factory(cfg), microbatches=m)
-    plan = _choose_plan(cfg, graph, workers, point.plan if point is not None else None)
+    plan = _choose_plan(cfg, graph, workers, point.plan if point is not None and not point.replan else None)
+    changes = list(point.extra.get("plan_changes", [])) if point is not None else []
+    if point is not None and point.replan and not point.complete:
+        change = {"epoch": int(point.extra.get("epoch", 0)), "minibatch": int(point.extra.get("minibatch", 0)),
+                  "from": point.plan.summary, "from_config": point.plan.config, "to": plan.summary,
+                  "to_config": plan.config, "because": point.replan,
+                  "from_stages": [list(st.layers) for st in point.plan.stages],
+                  "to_stages": [list(st.layers) for st in plan.stages]}
+        log.warning("resuming onto another plan: %s (%s) -> %s (%s), because %s", point.plan.summary,
+                    point.plan.config, plan.summary, plan.config, "; ".join(point.replan))
+        changes.append(change)
     n = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
     sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=m,
                            **({"vertical_sync": True} if cfg.vertical_sync else {}))
@@ -137,4 +150,4 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     }
     return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph),
                     resume_from=str(point.directory) if point is not None else None,
-                    complete=point is not None and point.complete)
+                    complete=point is not None and point.complete, plan_changes=changes)

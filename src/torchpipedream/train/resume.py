@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +12,17 @@ from ..plans import Plan, PlanError
 from .config import TrainConfig, TrainError, flag
 
 __all__ = ["checkpoint_dir", "is_epoch_end", "ResumePoint", "resume_point", "resume_after_restart",
-           "RESUMABLE_CHANGES"]
+           "RESUMABLE_CHANGES", "PLAN_OPTIONS"]
 
 log = logging.getLogger(__name__)
 
+#: Options that shape the plan: a resumption with other values plans anew and loads the
+#: checkpoint onto the new plan (checkpoints are keyed by the model's names, runtime/checkpoint.py).
+PLAN_OPTIONS = frozenset({"workers", "schedule", "microbatches", "stages", "straight", "topology", "vertical_sync",
+                          "plan_file"})
 #: Options that may change between a run and its resumption (everything else must match).
 RESUMABLE_CHANGES = frozenset({"epochs", "progress", "timeout_s", "resume", "out", "failure_timeout_s",
-                               "keep_checkpoints", "overwrite", "plan_file"})  # --plan: compared by content
+                               "keep_checkpoints", "overwrite", "init"}) | PLAN_OPTIONS  # a checkpoint wins over --init
 
 
 def checkpoint_dir(out: str | Path, epoch: int, minibatch: int = 0) -> Path:
@@ -43,13 +47,15 @@ class ResumePoint:
     plan: Plan
     extra: dict[str, Any]
     complete: bool
+    replan: list[str] = field(default_factory=list)  # the plan's options that changed, as text
 
 
-def _differences(cfg: TrainConfig, saved: dict[str, Any]) -> list[str]:
-    """The options (besides those that may change) that differ from the saved run's, as text."""
+def _differences(cfg: TrainConfig, saved: dict[str, Any], among: frozenset[str] | None = None) -> list[str]:
+    """The options that differ from the saved run's, as text: those that may not change, or
+    those ``among`` the given ones."""
     mine = asdict(cfg)
-    differ = sorted(k for k in mine if k not in RESUMABLE_CHANGES and saved.get(k) != mine[k])
-    return [f"{flag(k)} {saved.get(k)!r} (now {mine[k]!r})" for k in differ]
+    keys = [k for k in mine if (k in among if among is not None else k not in RESUMABLE_CHANGES)]
+    return [f"{flag(k)} {saved.get(k)!r} (now {mine[k]!r})" for k in sorted(keys) if saved.get(k) != mine[k]]
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
@@ -69,7 +75,7 @@ def resume_point(cfg: TrainConfig) -> ResumePoint:
     for manifest in checkpoints_newest_first(root):
         found = manifest.path.parent
         try:
-            verify_checkpoint(found)
+            verify_checkpoint(found, load=True)  # every file read as plain data: no code runs
             extra = read_extra(found, manifest)
             plan = Plan.from_dict(manifest.plan, source=str(manifest.path))
         except (CheckpointError, PlanError) as exc:
@@ -82,16 +88,16 @@ def resume_point(cfg: TrainConfig) -> ResumePoint:
             log.warning("skipping checkpoint %s: written with other options: %s", found, ", ".join(differ))
             rejected.append(f"{found.name} was written with other options: {', '.join(differ)}")
             continue
+        replan = _differences(cfg, saved, PLAN_OPTIONS - {"plan_file"})
         if cfg.plan_file and not _same_plan(Plan.load(cfg.plan_file), plan):
-            rejected.append(f"{found.name} was made with another plan than --plan {cfg.plan_file}")
-            continue
+            replan.append(f"--plan {cfg.plan_file} (another plan than the checkpoint's)")
         done = int(extra.get("epoch", 0)) >= cfg.epochs and not extra.get("minibatch", 0)
-        return ResumePoint(found, plan, extra, complete=done)
+        return ResumePoint(found, plan, extra, complete=done, replan=replan)
     if rejected:
         raise TrainError(f"--resume: no checkpoint in {root} fits this run; "
                          + "; ".join(rejected[:3]) + ("; ..." if len(rejected) > 3 else "")
-                         + ". Resume with the options of the run that wrote them (only --epochs, --timeout, "
-                         "--failure-timeout and --no-progress may change)")
+                         + ". Resume with the options of the run that wrote them (the plan's options, --epochs, "
+                         "--timeout, --failure-timeout, --keep-checkpoints and --no-progress may change)")
     raise TrainError(
         f"--resume: no complete checkpoint in {root} (incomplete or corrupted ones are skipped); "
         "run without --resume to start from scratch"

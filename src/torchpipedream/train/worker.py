@@ -60,7 +60,8 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
         resumed = epoch == start_epoch
         losses, seconds = _train_epoch(pipe, cfg, epoch, batches, start_minibatch if resumed else 0,
                                        list(partial["losses"]) if resumed else [],
-                                       float(partial["seconds"]) if resumed else 0.0, history, bar)
+                                       float(partial["seconds"]) if resumed else 0.0, history, bar,
+                                       prep.plan_changes)
         pipe.epochs_done += 1
         if epoch == cfg.epochs - 1:
             trace = pipe.trace(dst=0)  # collective: the measured trace of the last schedule
@@ -78,7 +79,8 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
         # last one also keeps the measured trace, so the outputs can be written again from it.
         last = epoch == cfg.epochs - 1
         _checkpoint(pipe, cfg, rank, checkpoint_dir(cfg.out, epoch + 1), epoch=epoch + 1, minibatch=0,
-                    history=history, trace=trace.to_dict() if last and trace is not None else None)
+                    history=history, plan_changes=prep.plan_changes,
+                    trace=trace.to_dict() if last and trace is not None else None)
         if bar is not None:
             acc = row["test_accuracy"]
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc="-" if acc is None else f"{acc:.3f}",
@@ -92,7 +94,7 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
 
 
 def _train_epoch(pipe: Any, cfg: Any, epoch: int, batches: list, first: int, losses: list[float], seconds: float,
-                 history: list[dict[str, Any]], bar: Any) -> tuple[list[float], float]:
+                 history: list[dict[str, Any]], bar: Any, changes: list[dict[str, Any]]) -> tuple[list[float], float]:
     """Train ``batches[first:]``: one schedule per chunk of ``--checkpoint-every`` minibatches
     (the whole epoch by default). The pipeline drains at each chunk's end, so a checkpoint
     there is exact. Returns the epoch's losses and training seconds so far."""
@@ -107,12 +109,13 @@ def _train_epoch(pipe: Any, cfg: Any, epoch: int, batches: list, first: int, los
         done = lo + len(chunk)
         if done < len(batches):
             _checkpoint(pipe, cfg, pipe.rank, checkpoint_dir(cfg.out, epoch, done), epoch=epoch, minibatch=done,
-                        partial={"losses": losses, "seconds": seconds}, history=history)
+                        partial={"losses": losses, "seconds": seconds}, history=history, plan_changes=changes)
     return losses, seconds
 
 
 def _checkpoint(pipe: Any, cfg: TrainConfig, rank: int, directory: Path, **extra: Any) -> None:
-    """Save (collective), then rank 0 keeps the newest ``--keep-checkpoints`` (out_dir.py)."""
+    """Save (collective), then rank 0 keeps the newest ``--keep-checkpoints`` (out_dir.py).
+    ``extra`` carries the data position, the history and the resumptions onto other plans."""
     pipe.save_checkpoint(directory, config=asdict(cfg), **extra)
     if rank == 0:
         for deleted in prune_checkpoints(checkpoints_root(cfg.out), cfg.keep_checkpoints):
