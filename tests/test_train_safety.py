@@ -170,7 +170,7 @@ def test_resume_takes_the_newest_checkpoint_of_the_same_options_and_says_which(t
     assert f"resuming from {out / 'checkpoints' / 'epoch_2'}" in text
 
 
-def test_resume_names_the_plan_option_when_the_plan_differs(two_runs, tmp_path: Path, capsys) -> None:
+def test_resume_onto_another_plan_continues_and_reports_the_change(two_runs, tmp_path: Path, capsys) -> None:
     root, common = two_runs
     out = tmp_path / "a"
     shutil.copytree(root / "a", out)
@@ -179,9 +179,30 @@ def test_resume_names_the_plan_option_when_the_plan_differs(two_runs, tmp_path: 
     other.save(tmp_path / "other.json")
     args = [a if a != str(root / "plan.json") else str(tmp_path / "other.json") for a in common]
     assert main(["train", *args, "--epochs", "3", "--lr", "0.05", "--checkpoint-every", "3",
+                 "--keep-checkpoints", "0", "--resume", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    [change] = report["plan_changes"]
+    assert change["epoch"] == 2 and change["minibatch"] == 0
+    assert change["from_stages"] == [list(st.layers) for st in plan.stages]
+    assert change["to_stages"] == [list(st.layers) for st in other.stages]
+    assert any("--plan" in why and "another plan" in why for why in change["because"])
+    console = capsys.readouterr().out
+    line = next(ln for ln in console.splitlines() if ln.startswith("plan change"))
+    a, b = len(plan.stages[0].layers), len(plan.stages[1].layers)
+    assert "at epoch 2" in line and f"layers per stage {a}|{b}) -> straight ×2 (1-1; layers per stage 1|{a + b - 1})" in line
+    final = json.loads((out / "checkpoints" / "epoch_3" / "manifest.json").read_text())
+    assert [st["layers"] for st in final["plan"]["stages"]] == [list(st.layers) for st in other.stages]
+
+
+def test_resume_refuses_an_option_outside_the_plan_and_names_it(two_runs, tmp_path: Path, capsys) -> None:
+    root, common = two_runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    assert main(["train", *common, "--epochs", "3", "--lr", "0.2", "--checkpoint-every", "3",
                  "--keep-checkpoints", "0", "--resume", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "another plan than --plan" in err and "--plan-file" not in err
+    assert "no checkpoint" in err and "--lr 0.05 (now 0.2)" in err and "Traceback" not in err
+    assert not (out / "checkpoints" / "epoch_3").exists()
 
 
 # ------------------------------------------------------------------------------- bounds

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..trace import Trace
+from .resume import plan_side_text
 from .config import TrainError
 from .preparation import Prepared
 
@@ -129,7 +130,7 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{', '.join(map(str, t['stages']))}, gradients summed once per update")
           for t in report.get("shared_parameters", [])],
         *[("plan change", f"at epoch {c['epoch']}{' + ' + str(c['minibatch']) + ' minibatches' if c['minibatch'] else ''}"
-                          f": {c['from']} ({c['from_config']}) -> {c['to']} ({c['to_config']}), because "
+                          f": {plan_side_text(c, 'from')} -> {plan_side_text(c, 'to')}, because "
                           f"{'; '.join(c['because'])}") for c in report.get("plan_changes", [])],
         ("time/minibatch", f"measured {_number(measured_t, 1e3)} ms, predicted {_number(predicted_t, 1e3)} ms "
                            f"(measured reaches {_number(ratio, 1, '.0%')} of the predicted throughput; last epoch, "

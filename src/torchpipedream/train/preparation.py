@@ -12,7 +12,7 @@ from ..plans import Plan, PlanError
 from ..units import human_bytes
 from .config import TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
-from .resume import ResumePoint, resume_point
+from .resume import ResumePoint, plan_side_text, resume_point
 
 __all__ = ["Prepared", "prepare", "explain_plan"]
 
@@ -129,8 +129,8 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
                   "to_config": plan.config, "because": point.replan,
                   "from_stages": [list(st.layers) for st in point.plan.stages],
                   "to_stages": [list(st.layers) for st in plan.stages]}
-        log.warning("resuming onto another plan: %s (%s) -> %s (%s), because %s", point.plan.summary,
-                    point.plan.config, plan.summary, plan.config, "; ".join(point.replan))
+        log.warning("resuming onto another plan: %s -> %s, because %s", plan_side_text(change, "from"),
+                    plan_side_text(change, "to"), "; ".join(point.replan))
         changes.append(change)
     n = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
     sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=m,

@@ -12,7 +12,7 @@ from ..plans import Plan, PlanError
 from .config import TrainConfig, TrainError, flag
 
 __all__ = ["checkpoint_dir", "is_epoch_end", "ResumePoint", "resume_point", "resume_after_restart",
-           "RESUMABLE_CHANGES", "PLAN_OPTIONS"]
+           "RESUMABLE_CHANGES", "PLAN_OPTIONS", "plan_side_text"]
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,13 @@ PLAN_OPTIONS = frozenset({"workers", "schedule", "microbatches", "stages", "stra
 #: Options that may change between a run and its resumption (everything else must match).
 RESUMABLE_CHANGES = frozenset({"epochs", "progress", "timeout_s", "resume", "out", "failure_timeout_s",
                                "keep_checkpoints", "overwrite", "init"}) | PLAN_OPTIONS  # a checkpoint wins over --init
+
+
+def plan_side_text(change: dict[str, Any], side: str) -> str:
+    """One side of a recorded plan change as text: its name, replica configuration and layers
+    per stage (two plans of one name and configuration differ in where they cut)."""
+    layers = "|".join(str(len(st)) for st in change.get(f"{side}_stages", []))
+    return f"{change[side]} ({change[side + '_config']}{'; layers per stage ' + layers if layers else ''})"
 
 
 def checkpoint_dir(out: str | Path, epoch: int, minibatch: int = 0) -> Path:
