@@ -177,7 +177,10 @@ def predict(work: Workload, plan, sched, split_parts: int = 1):
                  for k in ("forward_ms", "backward_ms", "optimizer_ms")}
     costs = Costs.from_plan(
         plan, microbatches=m,
-        forward_s=[f / m for f in per_stage["forward_ms"]], backward_s=[b / m for b in per_stage["backward_ms"]],
+        forward_s=[f / m for f in per_stage["forward_ms"]],
+        # a recomputing stage runs its forward again in every backward (Stage.recompute)
+        backward_s=[(b + (f if st.recompute else 0.0)) / m
+                    for f, b, st in zip(per_stage["forward_ms"], per_stage["backward_ms"], plan.stages)],
         step_s=per_stage["optimizer_ms"],
         **measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m)))
     sim = simulate(sched, costs)

@@ -163,7 +163,16 @@ SCENARIOS: dict[str, dict] = {
     "naive": dict(model="mlp", kind="naive", n=12),
     "flush_2_1": dict(model="mlp", kind="flush", m=4, n=3, plan="2-1"),
     "pipedream_2_1": dict(model="mlp", kind="pipedream", n=8, plan="2-1"),
+    # Activation recomputation: the same references as without it.
+    "flush_skip_recompute": dict(model="skip", kind="flush", m=2, n=3, recompute=True),
+    "gpipe_mlp_recompute": dict(model="mlp", kind="gpipe", m=4, n=3, recompute=True),
+    "pipedream_recompute": dict(model="mlp", kind="pipedream", n=12, recompute=True),
+    "pipedream_momentum_recompute": dict(model="skip", kind="pipedream", n=10, opt="momentum", recompute=[1]),
+    "2bw_recompute": dict(model="mlp", kind="2bw", m=2, n=6, recompute=True),
+    "flush_2_1_recompute": dict(model="mlp", kind="flush", m=4, n=3, plan="2-1", recompute=[0]),
 }
+#: Each recomputing scenario and the scenario it repeats without recomputation.
+RECOMPUTED = {name: name.removesuffix("_recompute") for name in SCENARIOS if name.endswith("_recompute")}
 
 
 def make_opt(name: str, lr: float):
@@ -187,11 +196,20 @@ def run_scenario(name: str, profiled: dict | None = None) -> dict:
     loss_fn = lm_loss if sc["model"] == "transformer" else nn.CrossEntropyLoss(reduction=reduction)
     pipe = Pipeline(MODELS[sc["model"]](), plan, optimizer=make_opt(sc.get("opt", "sgd"), sc.get("lr", LR)),
                     loss_fn=loss_fn, loss_reduction=reduction, vertical_sync=sc.get("vertical_sync", False),
-                    microbatches=m if kind in ("flush", "gpipe", "2bw") else None, timeout_s=30)
+                    microbatches=m if kind in ("flush", "gpipe", "2bw") else None, timeout_s=30,
+                    recompute=sc.get("recompute"))
     batches = token_data(sc["n"]) if sc["model"] == "transformer" else data(sc["n"], last=sc.get("last"))
+    calls = [0]  # forwards of the stage's modules with parameters (a recomputing stage runs each twice)
+
+    def count(*_: object) -> None:
+        calls[0] += 1
+
+    hooks = [m.register_forward_hook(count) for m in pipe.module.modules() if m._parameters]
     losses = pipe.train_minibatches(batches)
+    for h in hooks:
+        h.remove()
     out = {"losses": losses, "stage": pipe.stage_state_dict(), "full": pipe.state_dict(dst=0),
-           "copies": pipe.weights.copies, "versions": pipe.weights.max_versions_alive}
+           "copies": pipe.weights.copies, "versions": pipe.weights.max_versions_alive, "forwards": calls[0]}
     if name == "pipedream":
         out["trace"] = pipe.trace(dst=0)
         out["eval"] = pipe.evaluate(data(2, seed=7))
@@ -408,3 +426,30 @@ def test_trace_and_evaluate(results, tmp_path):
         logits = module(xs)
     assert out["eval"]["loss"] == pytest.approx(nn.functional.cross_entropy(logits, ys).item(), abs=1e-5)
     assert out["eval"]["accuracy"] == pytest.approx((logits.argmax(1) == ys).float().mean().item())
+
+
+# --------------------------------------------------------------------------- recomputation
+def _reference_of(name: str) -> dict:
+    sc = SCENARIOS[name]
+    batches = data(sc["n"])
+    opt = sc.get("opt", "sgd")
+    if sc["kind"] in ("flush", "gpipe"):
+        return reference_sync(sc["model"], batches, opt)
+    if sc["kind"] == "2bw":
+        return reference_versions(sc["model"], batches, lambda s, t: t - 1, opt)
+    return reference_versions(sc["model"], batches, _pipedream_version(3), opt)
+
+
+@pytest.mark.parametrize("name", sorted(RECOMPUTED))
+def test_recomputation_follows_the_same_rule(results, name):
+    """A run with recomputation equals its schedule's independent reference, and every stage
+    that recomputes ran each forward twice (the one without recomputation once)."""
+    assert_close(results[0][name]["full"], _reference_of(name))
+    assert results[0][name]["losses"] == pytest.approx(results[0][RECOMPUTED[name]]["losses"], abs=1e-6)
+    chosen = SCENARIOS[name]["recompute"]
+    plan = two_one("flush") if SCENARIOS[name].get("plan") == "2-1" else straight(SCENARIOS[name]["model"], "flush")
+    for rank, r in enumerate(results):
+        stage, _ = plan.stage_of_rank(rank)
+        once = r[RECOMPUTED[name]]["forwards"]
+        assert once > 0
+        assert r[name]["forwards"] == (2 * once if chosen is True or stage in chosen else once), (rank, stage)

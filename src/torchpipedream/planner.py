@@ -45,6 +45,7 @@ whole components); it is O(levels · N³ · c²) and kept as a reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -697,6 +698,7 @@ def plan(
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
     method: str = "fast",
     rtol: float = 1e-10,
+    recompute: bool = False,
 ) -> Plan:
     """Choose stages, replica counts and ranks that minimise the predicted time per minibatch.
 
@@ -714,6 +716,9 @@ def plan(
         optimizer_state_factor: extra weight-sized buffers per worker (gradient, momentum).
         method: "fast" (exact bisection, default) or "hierarchical" (the paper's DP).
         rtol: the bisection stops when the bracket is within this relative width.
+        recompute: activation recomputation on every stage (``Stage.recompute``): each
+            backward is charged its stage's forward again. The memory model is unchanged: it
+            counts the stashed stage inputs only, which is what a recomputing stage keeps.
 
     Raises:
         PlanError: impossible requests (more stages than blocks or workers, nothing fits in
@@ -731,7 +736,11 @@ def plan(
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:
         raise PlanError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}")
+    if not isinstance(recompute, bool):
+        raise PlanError(f"recompute must be True or False, got {recompute!r}")
     blocks = graph.linearize()
+    if recompute:  # the search and the prediction charge the second forward to the backward
+        blocks = [dataclasses.replace(b, backward_ms=b.backward_ms + b.forward_ms) for b in blocks]
     _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
                          allow_fewer_workers)
     memory = memory_bytes if memory_bytes is not None else topo.memory_bytes
@@ -761,7 +770,7 @@ def plan(
                        elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
                                              allow_fewer_workers=allow_fewer_workers, memory_bytes=memory,
                                              microbatches=microbatches,
-                                             optimizer_state_factor=optimizer_state_factor))
+                                             optimizer_state_factor=optimizer_state_factor, recompute=recompute))
 
 
 def _check_shape_request(layers: int, N: int, W: int, microbatches: int, num_stages: int | None, straight: bool,
@@ -954,6 +963,7 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
                 schedule: str, microbatches: int, f: float, memory: float | None, elapsed: float, checks: int,
                 options: dict[str, Any]) -> Plan:
     ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied)
+    recompute = bool(options.get("recompute"))
     out: list[Stage] = []
     for s, (i, j, m) in enumerate(stages):
         bl = blocks[i:j + 1]
@@ -963,7 +973,9 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
         comm = sync + (ev.cut_ms[s] if s < len(ev.cut_ms) else 0.0)
         out.append(Stage(
             layers=names, replicas=m, ranks=ev.ranks[s],
-            forward_ms=sum(b.forward_ms for b in bl), backward_ms=sum(b.backward_ms for b in bl),
+            # Stage.backward_ms leaves out the recomputed forward (Costs.from_plan adds it)
+            forward_ms=sum(b.forward_ms for b in bl),
+            backward_ms=sum(b.backward_ms - (b.forward_ms if recompute else 0.0) for b in bl), recompute=recompute,
             optimizer_ms=sum(b.optimizer_ms for b in bl), parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
             comm_ms=comm, memory_bytes=int(math.ceil(ev.memory_bytes[s])),
         ))

@@ -45,6 +45,9 @@ class Stage:
             the replicas' weight synchronisation, amortised).
         memory_bytes: predicted peak memory of one worker of this stage.
         optimizer_ms: one optimizer step over the stage's weights (once per update).
+        recompute: activation recomputation: the forward keeps only the stage's inputs and the
+            backward runs the forward again (same weight version, same dropout masks) before
+            differentiating it; ``backward_ms`` does not include that second forward.
     """
 
     layers: list[str]
@@ -57,10 +60,12 @@ class Stage:
     comm_ms: float = 0.0
     memory_bytes: int = 0
     optimizer_ms: float = 0.0
+    recompute: bool = False
 
     @property
     def compute_ms(self) -> float:
-        return self.forward_ms + self.backward_ms + self.optimizer_ms
+        """Forward, backward (with the recomputed forward) and optimizer step of one minibatch."""
+        return self.forward_ms * (2 if self.recompute else 1) + self.backward_ms + self.optimizer_ms
 
 
 @dataclass
@@ -188,6 +193,8 @@ class Plan:
                 if r in seen_ranks:
                     raise PlanError(f"rank {r} is assigned to two stages")
                 seen_ranks.add(r)
+            if not isinstance(stage.recompute, bool):
+                raise PlanError(f"stage {s}: recompute must be true or false, got {stage.recompute!r}")
             for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes", "memory_bytes"):
                 v = getattr(stage, attr)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
@@ -330,6 +337,7 @@ class Plan:
         rows = [("stage", "layers", "replicas", "ranks", "compute ms", "comm ms", "memory")]
         for s, st in enumerate(self.stages):
             span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]}"
+            span += " recomputed" if st.recompute else ""
             rows.append((str(s), f"{span} ({len(st.layers)})", str(st.replicas), ranks(st.ranks),
                          f"{st.compute_ms:.3f}", f"{st.comm_ms:.3f}", mem(st.memory_bytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -352,6 +360,25 @@ class Plan:
                   f"{' (used by ' + ', '.join(t.layers) + ')' if t.layers else ''}, gradients summed once per update"
                   for t in self.tied]
         return "\n".join(lines + [summary] + shared)
+
+    def with_recompute(self, stages: bool | Iterable[int]) -> "Plan":
+        """A copy of the plan with activation recomputation on every stage (``True``), on none
+        (``False``) or on the stages listed."""
+        import copy
+
+        n = self.num_stages
+        if isinstance(stages, bool):
+            chosen = set(range(n)) if stages else set()
+        else:
+            chosen = set()
+            for s in stages:
+                if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < n:
+                    raise PlanError(f"recompute: {s!r} is not a stage of this plan (0..{n - 1})")
+                chosen.add(s)
+        plan = copy.deepcopy(self)
+        for s, st in enumerate(plan.stages):
+            st.recompute = s in chosen
+        return plan
 
     @classmethod
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":

@@ -131,7 +131,8 @@ class Costs:
         n = plan.num_stages
         kw: dict[str, Any] = dict(
             forward_s=[st.forward_ms / 1e3 / m for st in plan.stages],
-            backward_s=[st.backward_ms / 1e3 / m for st in plan.stages],
+            # a recomputing stage runs its forward again at the start of every backward
+            backward_s=[(st.backward_ms + (st.forward_ms if st.recompute else 0.0)) / 1e3 / m for st in plan.stages],
             output_bytes=[st.output_bytes / m for st in plan.stages],
             parameter_bytes=[float(st.parameter_bytes) for st in plan.stages],
             activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],

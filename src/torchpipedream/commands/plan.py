@@ -34,6 +34,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (2bw, flush, gpipe)")
     p.add_argument("--optimizer-state", type=float, default=None, metavar="F",
                    help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
+    p.add_argument("--recompute", action="store_true",
+                   help="activation recomputation on every stage (each backward runs its forward again)")
     p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
                    help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
     p.add_argument("--out", "-o", default=None, help="where to write the plan JSON")
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     f = DEFAULT_OPTIMIZER_STATE_FACTOR if args.optimizer_state is None else args.optimizer_state
     p = plan(graph, topo, schedule=args.schedule, straight=args.straight, num_stages=args.stages,
              allow_fewer_workers=args.allow_fewer_workers, memory_bytes=memory, microbatches=args.microbatches,
-             optimizer_state_factor=f, method=args.method)
+             optimizer_state_factor=f, method=args.method, recompute=args.recompute)
     print(f"{args.graph}: {len(graph)} layers, {len(graph.linearize())} blocks; topology {topo.to_spec()} "
           f"({topo.num_workers} workers)")
     print(p.table())

@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sgd, momentum (SGD with momentum 0.9) or adam (default: %(default)s)")
     p.add_argument("--stages", type=int, default=None, help="plan exactly this many stages (default: the planner's choice)")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
+    p.add_argument("--recompute", action="store_true",
+                   help="activation recomputation on every stage: keep only each stage's inputs between a forward "
+                        "and its backward, and run the forward again in the backward (less memory, more compute)")
     p.add_argument("--plan", dest="plan_file", default=None, help="use this plan.json instead of planning")
     p.add_argument("--topology", default=None, help="topology spec for the planner (default: local, one level)")
     p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")

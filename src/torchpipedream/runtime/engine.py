@@ -11,6 +11,13 @@ graph of its forward (outputs and the leaves it needs gradients for), the receiv
 gradients and the computed input gradients, each dropped as soon as the action that
 consumes it has run.
 
+A recomputing stage (``Stage.recompute``) runs its training forwards under
+``torch.utils.checkpoint`` (non-reentrant): the graph keeps the stage's inputs only, and the
+backward runs the forward again, with the same weight version (the stash lives until B, as
+without recomputation) and the same random numbers, before differentiating it. Buffers the
+forward updates (BatchNorm's running statistics) are restored after every second run of a
+forward, so they move once per microbatch, as without recomputation.
+
 Each executed action becomes an :class:`~torchpipedream.trace.Event` with wall-clock times
 relative to a common start (ranks start after a barrier).
 """
@@ -26,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from ..actions import Action, Kind
 from ..trace import Event
@@ -146,6 +154,7 @@ class Engine:
         # (rng_seed, stage, microbatch number since the start): replicas draw different masks, a
         # recomputed forward the same, and a run with the same seed the same (see ``_seeded``).
         self.draws_random = False
+        self.recompute = False  # activation recomputation (Stage.recompute)
         self.rng_seed = 0
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
@@ -276,6 +285,35 @@ class Engine:
         return out, loss
 
     @contextlib.contextmanager
+    def _buffers_kept(self) -> Iterator[None]:
+        """Run a forward a second time without moving the module's buffers (BatchNorm's running
+        statistics and batch counts are put back as they were)."""
+        saved = [(b, b.clone()) for b in self.module.buffers()]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, value in saved:
+                    b.copy_(value)
+
+    def _run_recomputable(self, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...],
+                          tied_versions: dict[int, int]) -> tuple[Any, torch.Tensor | None]:
+        """``_run_module`` under a non-reentrant checkpoint: autograd keeps the inputs only and
+        runs the forward again when the backward reaches it (random state restored by the
+        checkpoint, buffers by ``_buffers_kept``)."""
+        runs = 0
+
+        def forward(*xs: Any) -> tuple[Any, torch.Tensor | None]:
+            nonlocal runs
+            runs += 1
+            if runs == 1:
+                return self._run_module(version, xs, targets, tied_versions)
+            with self._buffers_kept():
+                return self._run_module(version, xs, targets, tied_versions)
+
+        return checkpoint(forward, *inputs, use_reentrant=False, preserve_rng_state=self.draws_random)
+
+    @contextlib.contextmanager
     def _seeded(self, microbatch: int, train: bool) -> Iterator[None]:
         """Run a training forward with the random state of its microbatch (the caller's global
         random state is restored afterwards); nothing changes for a stage that draws none."""
@@ -292,8 +330,9 @@ class Engine:
         inputs, targets, samples, leaves = self._inputs(microbatch, get_microbatch)
         # A shared parameter's version is the number of its steps (TR) so far (actions.py).
         tied = {k: copy.weights.version for k, copy in self.tied.items()}
+        run = self._run_recomputable if train and self.recompute and not self.eval_graph else self._run_module
         with torch.set_grad_enabled(train), self._seeded(microbatch, train):
-            out, loss = self._run_module(version, inputs, targets, tied)
+            out, loss = run(version, inputs, targets, tied)
         if train:
             self.weights.release(version)
             for k, copy in self.tied.items():
@@ -335,7 +374,7 @@ class Engine:
             inputs = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                            for t in ctx.inputs)
             leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-            with torch.enable_grad(), self._seeded(microbatch, True):
+            with torch.enable_grad(), self._seeded(microbatch, True), self._buffers_kept():
                 out, loss = self._run_module(version, inputs, ctx.targets, ctx.tied_versions)
             ctx.leaves = leaves
             ctx.loss = loss

@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 from ..actions import Action, Kind, Schedule
 from ..huge_pages import HUGE_PAGES_ENV
 from ..placement import tied_support_problem
-from ..plans import Plan, TiedParameter
+from ..plans import Plan, PlanError, TiedParameter
 from ..schedules import build_schedule
 from ..trace import Event, Trace
 from ..tracing import as_call, draws_random_numbers, model_loss, parameter_aliases
@@ -122,6 +122,10 @@ class Pipeline:
             (``torchpipedream.keep_freed_memory``; process-wide and for the process's
             lifetime, so off by default; the workers of ``launch`` and of the command line
             are tuned anyway). Faster steps on CPU workers (docs/architecture.md, "Freed memory").
+        recompute: activation recomputation on every stage (True), none (False) or the stages
+            listed; default: the plan's ``Stage.recompute``. A recomputing stage keeps only its
+            inputs between a forward and its backward and runs the forward again in the
+            backward (same weights version, dropout masks and BatchNorm statistics as without).
 
     Example, in one process (the same code runs on every rank under ``torchrun`` or
     :func:`~torchpipedream.launch` with a plan of more workers, e.g.
@@ -159,6 +163,7 @@ class Pipeline:
         failure_timeout_s: float = 10.0,
         tune_allocator: bool = False,
         sample: Any = None,
+        recompute: bool | Sequence[int] | None = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -167,6 +172,11 @@ class Pipeline:
                 "optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)` "
                 "(each rank builds it on its own stage's parameters), not an optimizer instance"
             )
+        if recompute is not None:
+            try:
+                plan = plan.with_recompute(recompute)
+            except PlanError as exc:
+                raise PipelineError(str(exc)) from None
         self.plan = plan
         self.kind = schedule or plan.schedule
         self.microbatches = microbatches
@@ -241,6 +251,7 @@ class Pipeline:
             device=self.device,
         )
         self.engine.draws_random = draws_random_numbers(self.module)
+        self.engine.recompute = plan.stages[self.stage].recompute
         # Dropout masks come from (this seed, stage, microbatch): distinct on every replica and
         # reproducible; without a seed, the process's (what torch.manual_seed set, if anything).
         self.engine.rng_seed = seed if seed is not None else torch.initial_seed()

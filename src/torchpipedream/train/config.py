@@ -53,6 +53,7 @@ class TrainConfig:
     microbatches: int = 4
     stages: int | None = None  # planner: exactly this many stages
     straight: bool = False  # planner: no replication
+    recompute: bool = False  # activation recomputation on every stage (Stage.recompute)
     plan_file: str | None = None
     topology: str | None = None
     out: str = "runs/train"

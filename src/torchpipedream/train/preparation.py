@@ -89,7 +89,7 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
         except PlanError as exc:
             raise TrainError(f"--plan {cfg.plan_file}: {exc}") from None
         plan.schedule = cfg.schedule
-        return plan
+        return plan.with_recompute(True) if cfg.recompute else plan
     from ..planner import plan as make_plan
     from ..topology import Topology
 
@@ -97,7 +97,7 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
     if topo.num_workers != workers:
         raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
     return make_plan(graph, topo, schedule=cfg.schedule, microbatches=microbatches_of(cfg),
-                     num_stages=cfg.stages, straight=cfg.straight)
+                     num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute)
 
 
 def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:

@@ -1,0 +1,126 @@
+"""Activation recomputation side by side: time and memory with and without it, on one plan.
+
+For each model and schedule, the planner's plan for ``--procs`` local workers runs twice per
+pass, as planned and with ``Stage.recompute`` on every stage (the same cut, so the difference
+is recomputation alone); rows run in interleaved passes (the machine's speed drifts). For each
+row: samples/s (median over passes of the median timed window), the simulator's prediction
+made just before the run (recomputation charged as one more forward per backward), and the
+peak resident memory of each rank (VmHWM of a freshly spawned worker). A CPU probe runs at the
+start and the end; a run whose probes disagree by more than 15% is flagged.
+
+    .venv/bin/python benchmarks/recompute.py
+    .venv/bin/python benchmarks/recompute.py --models transformer_lm --passes 1
+
+Writes benchmarks/results/recompute.json and recompute.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import WORKLOADS, _predict_and_run, choose_plan  # noqa: E402  (also tunes this process's allocator)
+from peers import cpu_probe  # noqa: E402
+
+import torch  # noqa: E402
+
+SCHEDULES = ("flush", "pipedream")
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of ``rows`` (what docs/benchmarks.md shows)."""
+    lines = ["| model | schedule | recompute | samples/s | vs without | predicted | measured/predicted "
+             "| peak RSS per rank (MiB) | vs without |",
+             "|---|---|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} (batch {r['batch_size']}) | {r['schedule']} [{r['plan']}] | "
+                     f"{'yes' if r['recompute'] else 'no'} | {r['samples_per_s']:.1f} | {r['vs_without']:.2f} | "
+                     f"{r['predicted_samples_per_s']:.1f} | {r['measured_vs_predicted']:.2f} | "
+                     f"{', '.join(f'{x:.0f}' for x in r['peak_rss_mb'])} | "
+                     f"{', '.join(f'{x:+.0f}' for x in r['rss_vs_without_mb'])} |")
+    return "\n".join(lines)
+
+
+def run_model(name: str, batch: int, procs: int, microbatches: int, windows: int, per_window: int,
+              passes: int) -> list[dict]:
+    work = dataclasses.replace(WORKLOADS[name], batch_size=batch)
+    jobs = []
+    for kind in SCHEDULES:
+        plan, sched = choose_plan(work, procs, kind, microbatches, minibatches=per_window)
+        for recompute in (False, True):
+            p = plan.with_recompute(recompute)
+            jobs.append(((kind, recompute, plan.summary),
+                         functools.partial(_predict_and_run, work, p, sched, microbatches, windows, per_window, 1)))
+    got: dict[tuple, list[dict]] = {key: [] for key, _ in jobs}
+    for pass_ in range(passes):
+        for key, run in jobs:
+            res = run()
+            torch.set_num_threads(1)
+            got[key].append(res)
+            print(f"  {name:<15} {key[0]:<10} recompute {'yes' if key[1] else 'no ':<4} pass {pass_ + 1}: "
+                  f"{res['samples_per_s']:8.1f} samples/s, predicted {res['predicted_samples_per_s']:8.1f}, "
+                  f"peak RSS {', '.join(f'{x:.0f}' for x in res['peak_rss_mb'])} MiB", flush=True)
+    rows = []
+    for (kind, recompute, summary), res in got.items():
+        rows.append({
+            "model": name, "batch_size": batch, "schedule": kind, "recompute": recompute, "plan": summary,
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in res),
+            "passes_samples_per_s": [r["samples_per_s"] for r in res],
+            "predicted_samples_per_s": statistics.median(r["predicted_samples_per_s"] for r in res),
+            "passes_predicted_samples_per_s": [r["predicted_samples_per_s"] for r in res],
+            "measured_vs_predicted": statistics.median(r["samples_per_s"] / r["predicted_samples_per_s"] for r in res),
+            "peak_rss_mb": [max(r["peak_rss_mb"][i] for r in res) for i in range(procs)],
+        })
+    for r in rows:
+        base = next(b for b in rows if b["schedule"] == r["schedule"] and not b["recompute"])
+        r["vs_without"] = r["samples_per_s"] / base["samples_per_s"]
+        r["predicted_vs_without"] = r["predicted_samples_per_s"] / base["predicted_samples_per_s"]
+        r["rss_vs_without_mb"] = [a - b for a, b in zip(r["peak_rss_mb"], base["peak_rss_mb"])]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="transformer_lm:64,small_cnn:256",
+                    help="MODEL:BATCH,... from compare.py's workloads (default: %(default)s)")
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--per-window", type=int, default=16)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/recompute")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    start = cpu_probe()
+    print(f"CPU probe at start: {start:.2f} (2.0 = two free cores)", flush=True)
+    rows: list[dict] = []
+    for spec in args.models.split(","):
+        name, _, batch = spec.partition(":")
+        if name not in WORKLOADS:
+            ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
+        rows += run_model(name, int(batch or WORKLOADS[name].batch_size), args.procs, args.microbatches,
+                          args.windows, args.per_window, args.passes)
+    end = cpu_probe()
+    print(f"CPU probe at end: {end:.2f}", flush=True)
+    agree = abs(end - start) / max(start, end) <= 0.15
+    if not agree:
+        print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
+    text = table(rows)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps({"probes": [start, end], "probes_agree": agree, "args": vars(args),
+                                               "rows": rows}, indent=1))
+    Path(f"{out}.md").write_text(text + "\n")
+    print(f"wrote {out}.json, {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
