@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMPANIONS", "TABLES", "block", "check", "cli_startup", "compare_results", "compare_runs",
+__all__ = ["COMPANIONS", "TABLES", "block", "check", "cli_startup", "compare_results", "compare_runs", "recompute",
            "compare_targets", "main", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
@@ -303,6 +303,20 @@ def model_zoo(data: Data) -> str:
     return caption + "\n\n" + _table(head, body)
 
 
+# ----------------------------------------------------------------------------- recompute.json
+def recompute(data: Data) -> str:
+    """recompute.json (benchmarks/recompute.py) → time and peak memory with and without
+    activation recomputation, per schedule."""
+    head = ["model", "schedule [plan]", "recompute", "samples/s", "vs without", "predicted", "measured/predicted",
+            "peak RSS per rank (MiB)", "RSS vs without (MiB)"]
+    body = [[f"{r['model']} (batch {r['batch_size']})", f"{r['schedule']} [{r['plan']}]",
+             "yes" if r["recompute"] else "no", f"{r['samples_per_s']:.1f}", f"{r['vs_without']:.2f}",
+             f"{r['predicted_samples_per_s']:.1f}", f"{r['measured_vs_predicted']:.2f}",
+             ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"]), ", ".join(f"{x:+.0f}" for x in r["rss_vs_without_mb"])]
+            for r in data["rows"]]
+    return _table(head, body)
+
+
 # ----------------------------------------------------------------------------- statistical_efficiency*.json
 def _targets(meta: Data) -> list[float]:
     return sorted({0.95, 0.97, meta["target"]})
@@ -439,6 +453,7 @@ TABLES: dict[str, Table] = {
     "runtime_vs_sim": Table(("runtime_vs_sim.json",), runtime_vs_sim),
     "profile_overhead": Table(("profile_overhead.json",), profile_overhead),
     "cli_startup": Table(("cli_startup.json",), cli_startup),
+    "recompute": Table(("recompute.json",), recompute),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).
@@ -448,6 +463,7 @@ COMPANIONS: tuple[tuple[str, str, Callable[[Data], str]], ...] = (
     ("compare_run12.md", "compare_run12.json", compare_results),
     ("statistical_efficiency.md", "statistical_efficiency.json", statistical_efficiency),
     ("statistical_efficiency_momentum.md", "statistical_efficiency_momentum.json", statistical_efficiency),
+    ("recompute.md", "recompute.json", recompute),
 )
 
 

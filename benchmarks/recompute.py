@@ -1,7 +1,7 @@
 """Activation recomputation side by side: time and memory with and without it, on one plan.
 
-For each model and schedule, the planner's plan for ``--procs`` local workers runs twice per
-pass, as planned and with ``Stage.recompute`` on every stage (the same cut, so the difference
+For each model and schedule, the planner's straight pipeline of ``--procs`` stages runs twice
+per pass, as planned and with ``Stage.recompute`` on every stage (the same cut, so the difference
 is recomputation alone); rows run in interleaved passes (the machine's speed drifts). For each
 row: samples/s (median over passes of the median timed window), the simulator's prediction
 made just before the run (recomputation charged as one more forward per backward), and the
@@ -25,26 +25,27 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import WORKLOADS, _predict_and_run, choose_plan  # noqa: E402  (also tunes this process's allocator)
+from compare import WORKLOADS, _predict_and_run, _profile, schedule_microbatches  # noqa: E402  (tunes the allocator)
 from peers import cpu_probe  # noqa: E402
+from doc_tables import recompute as recompute_table  # noqa: E402  (the docs render it the same way)
 
 import torch  # noqa: E402
 
-SCHEDULES = ("flush", "pipedream")
+SCHEDULES = ("gpipe", "flush", "pipedream")
 
 
-def table(rows: list[dict]) -> str:
-    """The markdown table of ``rows`` (what docs/benchmarks.md shows)."""
-    lines = ["| model | schedule | recompute | samples/s | vs without | predicted | measured/predicted "
-             "| peak RSS per rank (MiB) | vs without |",
-             "|---|---|---|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} (batch {r['batch_size']}) | {r['schedule']} [{r['plan']}] | "
-                     f"{'yes' if r['recompute'] else 'no'} | {r['samples_per_s']:.1f} | {r['vs_without']:.2f} | "
-                     f"{r['predicted_samples_per_s']:.1f} | {r['measured_vs_predicted']:.2f} | "
-                     f"{', '.join(f'{x:.0f}' for x in r['peak_rss_mb'])} | "
-                     f"{', '.join(f'{x:+.0f}' for x in r['rss_vs_without_mb'])} |")
-    return "\n".join(lines)
+def straight_plan(work, procs: int, kind: str, microbatches: int, minibatches: int):
+    """The planner's straight pipeline of ``procs`` stages (activations are what a pipeline
+    stage holds; a data-parallel plan would keep whole-model activations on every worker) and
+    its schedule of ``minibatches`` minibatches."""
+    from torchpipedream.planner import plan as make_plan
+    from torchpipedream.schedules import build_schedule
+    from torchpipedream.topology import Topology
+
+    m = schedule_microbatches(kind, microbatches)
+    plan = make_plan(_profile(work, m, 1), Topology.local(procs), schedule=kind, microbatches=m, straight=True,
+                     num_stages=procs)
+    return plan, build_schedule(plan, kind, minibatches=minibatches, microbatches=m)
 
 
 def run_model(name: str, batch: int, procs: int, microbatches: int, windows: int, per_window: int,
@@ -52,7 +53,7 @@ def run_model(name: str, batch: int, procs: int, microbatches: int, windows: int
     work = dataclasses.replace(WORKLOADS[name], batch_size=batch)
     jobs = []
     for kind in SCHEDULES:
-        plan, sched = choose_plan(work, procs, kind, microbatches, minibatches=per_window)
+        plan, sched = straight_plan(work, procs, kind, microbatches, per_window)
         for recompute in (False, True):
             p = plan.with_recompute(recompute)
             jobs.append(((kind, recompute, plan.summary),
@@ -87,12 +88,12 @@ def run_model(name: str, batch: int, procs: int, microbatches: int, windows: int
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="transformer_lm:64,small_cnn:256",
+    ap.add_argument("--models", default="transformer_lm:256",
                     help="MODEL:BATCH,... from compare.py's workloads (default: %(default)s)")
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--windows", type=int, default=3)
-    ap.add_argument("--per-window", type=int, default=16)
+    ap.add_argument("--per-window", type=int, default=8)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/recompute")
     args = ap.parse_args(argv)
@@ -111,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     agree = abs(end - start) / max(start, end) <= 0.15
     if not agree:
         print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
-    text = table(rows)
+    result = {"probes": [start, end], "probes_agree": agree, "args": vars(args), "rows": rows}
+    text = recompute_table(result)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"probes": [start, end], "probes_agree": agree, "args": vars(args),
-                                               "rows": rows}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
     Path(f"{out}.md").write_text(text + "\n")
     print(f"wrote {out}.json, {out}.md")
     return 0
