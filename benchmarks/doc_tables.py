@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMPANIONS", "TABLES", "block", "check", "cli_startup", "compare_results", "compare_runs", "recompute",
+__all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
            "compare_targets", "main", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
@@ -301,6 +301,23 @@ def model_zoo(data: Data) -> str:
                f"{data['torch']}, transformers {data['transformers']}; the check time is per model (all its "
                f"plans in one launch of 2 processes): {'all equal' if data['passed'] else 'FAILED'}.")
     return caption + "\n\n" + _table(head, body)
+
+
+# ----------------------------------------------------------------------------- auto_choice.json
+def auto_choice(data: Data) -> str:
+    """auto_choice.json (benchmarks/auto_choice.py) → every candidate of --schedule auto, measured
+    beside predicted, per model; the choice against the best measured; rank correlation."""
+    head = ["model", "schedule", "microbatches", "plan", "predicted samples/s", "measured samples/s",
+            "measured/predicted", "auto's choice"]
+    body = []
+    for m in data["models"]:
+        for r in sorted(m["rows"], key=lambda r: -r["samples_per_s"]):
+            body.append([f"{m['model']} (batch {m['batch_size']})", r["schedule"], str(r["microbatches"]), r["config"],
+                         f"{r['predicted_samples_per_s']:.1f}", f"{r['samples_per_s']:.1f}",
+                         f"{r['samples_per_s'] / r['predicted_samples_per_s']:.2f}", "**chosen**" if r["chosen"] else ""])
+    summary = "; ".join(f"{m['model']}: chose {m['chosen']}, {m['chosen_vs_best_measured']:.2f} of the best measured "
+                        f"({m['best_measured']}), Spearman {m['spearman']:.2f}" for m in data["models"])
+    return summary + ".\n\n" + _table(head, body)
 
 
 # ----------------------------------------------------------------------------- recompute.json

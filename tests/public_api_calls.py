@@ -57,6 +57,8 @@ def main() -> None:
     topology = call("Topology", tpd.Topology.parse("4:10GB/s").levels)
     made = call("plan", vgg, topology)
     assert isinstance(made, tpd.Plan) and made.num_workers == 4
+    chosen = call("choose_schedule", vgg, topology, microbatches=(1, 2))
+    assert chosen.schedule in ("flush", "gpipe") and chosen.meta["auto"]["chosen"]["microbatches"] in (1, 2)
     assert call("Plan", [call("Stage", ["a"], ranks=[0]), tpd.Stage(["b"], ranks=[1])]).num_stages == 2
     sched = call("build_schedule", made, "flush", minibatches=4, microbatches=4)
     assert isinstance(sched, tpd.Schedule)

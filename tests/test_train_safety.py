@@ -402,3 +402,48 @@ def test_a_diverged_loss_is_null_in_report_json_with_a_warning(tmp_path: Path, c
 
     report = json.loads((out / "report.json").read_text(), parse_constant=no_constants)
     assert report["history"][0]["train_loss"] is None
+
+
+def test_a_user_error_marker_of_an_earlier_job_is_not_read_by_a_later_one(tmp_path: Path) -> None:
+    """`--rdzv-id` is reused by later jobs: only a marker written since this job's agent
+    started stops a restart."""
+    from torchpipedream.train.job import reported_by_this_job
+
+    marker = tmp_path / "torchpipedream-job-user-error.txt"
+    assert not reported_by_this_job(marker, time.time())  # none written
+    marker.write_text("--lr must be a positive number")
+    now = time.time()
+    os.utime(marker, (now - 3600, now - 3600))  # an hour old: another job's
+    assert not reported_by_this_job(marker, now - 60)
+    os.utime(marker, (now - 30, now - 30))  # written by this job's first attempt
+    assert reported_by_this_job(marker, now - 60)
+
+
+def test_checkpoints_written_before_an_option_existed_resume_with_its_default(two_runs, tmp_path: Path,
+                                                                               caplog) -> None:
+    """A checkpoint whose saved options lack those added since (recompute, precision,
+    allow_stale) resumes: the older run had their defaults; nothing is re-planned."""
+    import hashlib
+
+    root, common = two_runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    edited = 0
+    for extra in (out / "checkpoints").rglob("extra.json"):  # as an older version wrote them
+        data = json.loads(extra.read_text())
+        for key in ("recompute", "precision", "allow_stale"):
+            data["extra"]["config"].pop(key)
+        raw = json.dumps(data).encode()
+        extra.write_bytes(raw)
+        manifest_path = extra.parent / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        entry = next(e for e in manifest["files"] if e["file"] == "extra.json")
+        entry.update(size=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+        manifest_path.write_text(json.dumps(manifest))
+        edited += 1
+    assert edited, "no saved options found to edit"
+    with caplog.at_level(logging.WARNING, logger="torchpipedream"):
+        assert main(["train", *common, "--epochs", "3", "--lr", "0.05", "--checkpoint-every", "3",
+                     "--keep-checkpoints", "0", "--resume", "--out", str(out)]) == 0
+    assert "skipping checkpoint" not in caplog.text and "another plan" not in caplog.text
+    assert f"resuming from {out / 'checkpoints' / 'epoch_2'}" in caplog.text

@@ -25,7 +25,8 @@ _EXPORTS = {
     "profile": "profiler",
     "split_wide_layers": "layer_split",
     "Topology": "topology",
-    "plan": "planner",
+    "plan": "auto_schedule",  # planner.plan, and schedule="auto"
+    "choose_schedule": "auto_schedule",
     "Plan": "plans",
     "Stage": "plans",
     "PlanError": "plans",

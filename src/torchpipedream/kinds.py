@@ -28,7 +28,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["VersionRule", "ScheduleKind", "SCHEDULE_KINDS", "KIND_NAMES", "schedule_kind", "UnknownKindError"]
+__all__ = ["VersionRule", "ScheduleKind", "SCHEDULE_KINDS", "KIND_NAMES", "AUTO", "schedule_kind", "UnknownKindError"]
+
+#: Not a kind: the name that asks the planner to choose the kind and microbatches (auto_schedule.py).
+AUTO = "auto"
 
 
 class UnknownKindError(ValueError):

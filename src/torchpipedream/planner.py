@@ -56,7 +56,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .graph import Block, LayerGraph, SharedParameter
-from .kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from .plans import Plan, PlanError, Stage, TiedParameter
 from .topology import Topology, format_bytes
 
@@ -708,6 +708,7 @@ def plan(
             preset name (``"A"``) or a JSON file path.
         schedule: the schedule kind (a name in ``kinds.SCHEDULE_KINDS``): decides the memory
             model, how replicas share a minibatch and whether fill and drain are paid.
+            (``torchpipedream.plan``, in auto_schedule.py, also takes "auto".)
         straight: one worker per stage (no replication).
         num_stages: exactly this many stages.
         allow_fewer_workers: the plan may leave workers idle when that is not slower.
@@ -727,6 +728,9 @@ def plan(
     t0 = time.perf_counter()
     if not isinstance(graph, LayerGraph):
         raise PlanError(f"plan() needs a LayerGraph, got {type(graph).__name__}")
+    if schedule == AUTO:
+        raise PlanError("planner.plan plans one schedule kind; torchpipedream.plan(..., schedule='auto') "
+                        "(auto_schedule.plan) chooses the kind and the microbatches")
     topo = Topology.from_any(topology)
     try:
         schedule = schedule_kind(schedule).name

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..kinds import KIND_NAMES
+from ..kinds import AUTO, KIND_NAMES
 from . import CommandError
 
 
@@ -29,8 +29,11 @@ def register(subparsers: Any) -> None:
                    help="the plan may leave workers idle when that is not slower")
     p.add_argument("--memory", default=None, help="memory per worker, e.g. 16GB (default: the topology's, if any)")
     p.add_argument("--no-memory-limit", action="store_true", help="ignore the topology's memory per worker")
-    p.add_argument("--schedule", default="pipedream", choices=KIND_NAMES,
-                   help="the schedule kind to plan for (default: %(default)s)")
+    p.add_argument("--schedule", default="pipedream", choices=[*KIND_NAMES, AUTO],
+                   help="the schedule kind to plan for, or auto: plan every synchronous kind at 1, 2, 4 and 8 "
+                        "microbatches and keep the fastest the simulator predicts (default: %(default)s)")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (2bw, flush, gpipe)")
     p.add_argument("--optimizer-state", type=float, default=None, metavar="F",
                    help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
@@ -43,7 +46,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner import DEFAULT_OPTIMIZER_STATE_FACTOR, plan
+    from ..auto_schedule import plan
+    from ..planner import DEFAULT_OPTIMIZER_STATE_FACTOR
     from ..profiles import load_profile
     from ..topology import Topology, parse_bytes
 
@@ -57,10 +61,14 @@ def run(args: argparse.Namespace) -> int:
     f = DEFAULT_OPTIMIZER_STATE_FACTOR if args.optimizer_state is None else args.optimizer_state
     p = plan(graph, topo, schedule=args.schedule, straight=args.straight, num_stages=args.stages,
              allow_fewer_workers=args.allow_fewer_workers, memory_bytes=memory, microbatches=args.microbatches,
-             optimizer_state_factor=f, method=args.method, recompute=args.recompute)
+             optimizer_state_factor=f, method=args.method, recompute=args.recompute, allow_stale=args.allow_stale)
     print(f"{args.graph}: {len(graph)} layers, {len(graph.linearize())} blocks; topology {topo.to_spec()} "
           f"({topo.num_workers} workers)")
     print(p.table())
+    if args.schedule == AUTO:
+        from ..auto_schedule import auto_candidates_table
+
+        print(auto_candidates_table(p))
     if args.out:
         out = Path(args.out)
         try:

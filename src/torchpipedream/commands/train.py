@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ..kinds import KIND_NAMES
+from ..kinds import AUTO, KIND_NAMES
 
 _EPILOG = """\
 With no options: the default CNN on the bundled digits images, one worker per core, PipeDream's
@@ -38,8 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="mlp, cnn, resnet, transformer (a character LM on Python's own sources), gpt2 (a small "
                         "Hugging Face GPT-2 on the same text; needs transformers), or a "
                         "user's module:function returning an nn.Module for (N,1,8,8) digits (default: %(default)s)")
-    p.add_argument("--schedule", default=d.schedule, choices=KIND_NAMES,
-                   help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe or naive (default: %(default)s)")
+    p.add_argument("--schedule", default=d.schedule, choices=[*KIND_NAMES, AUTO],
+                   help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe, naive, or auto: the fastest "
+                        "predicted synchronous kind and microbatch count (default: %(default)s)")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")
     p.add_argument("--workers", type=int, default=d.workers, help="number of worker processes (default: one per core)")
     p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training data (default: %(default)s)")
@@ -54,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage: keep only each stage's inputs between a forward "
                         "and its backward, and run the forward again in the backward (less memory, more compute)")
+    p.add_argument("--precision", default=d.precision, choices=["fp32", "bf16"],
+                   help="bf16: forwards and losses under bfloat16 autocast, activations cross the cuts in "
+                        "bfloat16; weights and optimizer state stay float32 (default: %(default)s)")
     p.add_argument("--plan", dest="plan_file", default=None, help="use this plan.json instead of planning")
     p.add_argument("--topology", default=None, help="topology spec for the planner (default: local, one level)")
     p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")

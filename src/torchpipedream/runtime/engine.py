@@ -155,6 +155,7 @@ class Engine:
         # recomputed forward the same, and a run with the same seed the same (see ``_seeded``).
         self.draws_random = False
         self.recompute = False  # activation recomputation (Stage.recompute)
+        self.compute_dtype: torch.dtype | None = None  # torch.bfloat16: forwards under autocast (precision="bf16")
         self.rng_seed = 0
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
@@ -259,6 +260,15 @@ class Engine:
 
     def _run_module(self, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...],
                     tied_versions: dict[int, int]) -> tuple[Any, torch.Tensor | None]:
+        """The stage's forward (and the loss on the last stage) with the weights of ``version``,
+        under autocast when the pipeline computes in a lower precision."""
+        if self.compute_dtype is None:
+            return self._call_module(version, inputs, targets, tied_versions)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype):
+            return self._call_module(version, inputs, targets, tied_versions)
+
+    def _call_module(self, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...],
+                     tied_versions: dict[int, int]) -> tuple[Any, torch.Tensor | None]:
         if self.eval_graph:  # evaluation with the current weights, which that graph reads itself
             out = self.module(*inputs)
             return out, (self.loss_fn(out, *targets) if self.is_last else None)

@@ -68,6 +68,9 @@ __all__ = ["Pipeline", "PipelineError", "PipelineFailure", "forward_only"]
 log = logging.getLogger(__name__)
 
 
+#: ``Pipeline(precision=)``: the dtype forwards compute in under autocast (None: float32, no autocast).
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
 #: How many minibatch losses ``Pipeline.history`` keeps (the newest).
 HISTORY_LIMIT = 10_000
 
@@ -126,6 +129,10 @@ class Pipeline:
             listed; default: the plan's ``Stage.recompute``. A recomputing stage keeps only its
             inputs between a forward and its backward and runs the forward again in the
             backward (same weights version, dropout masks and BatchNorm statistics as without).
+        precision: "fp32" (default) or "bf16": every forward and loss runs under
+            ``torch.autocast`` with bfloat16 (CPU and CUDA), so activations and their gradients
+            cross the cuts in bfloat16 (half the bytes); weights, gradients and optimizer state
+            stay float32 (the master copy). fp16 needs loss scaling and is not supported.
 
     Example, in one process (the same code runs on every rank under ``torchrun`` or
     :func:`~torchpipedream.launch` with a plan of more workers, e.g.
@@ -164,6 +171,7 @@ class Pipeline:
         tune_allocator: bool = False,
         sample: Any = None,
         recompute: bool | Sequence[int] | None = None,
+        precision: str = "fp32",
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -172,6 +180,10 @@ class Pipeline:
                 "optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)` "
                 "(each rank builds it on its own stage's parameters), not an optimizer instance"
             )
+        if precision not in PRECISIONS:
+            hint = " (fp16 needs loss scaling, not supported yet; bf16 needs none)" if precision == "fp16" else ""
+            raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}{hint}")
+        self.precision = precision
         if recompute is not None:
             try:
                 plan = plan.with_recompute(recompute)
@@ -252,6 +264,7 @@ class Pipeline:
         )
         self.engine.draws_random = draws_random_numbers(self.module)
         self.engine.recompute = plan.stages[self.stage].recompute
+        self.engine.compute_dtype = PRECISIONS[precision]
         # Dropout masks come from (this seed, stage, microbatch): distinct on every replica and
         # reproducible; without a seed, the process's (what torch.manual_seed set, if anything).
         self.engine.rng_seed = seed if seed is not None else torch.initial_seed()

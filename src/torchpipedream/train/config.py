@@ -7,9 +7,10 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..kinds import KIND_NAMES, schedule_kind
+from ..kinds import AUTO, KIND_NAMES, schedule_kind
+from ..plans import Plan
 
-__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "check_options", "microbatches_of", "flag", "WORKER_MEMORY_BYTES"]
+__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -54,6 +55,8 @@ class TrainConfig:
     stages: int | None = None  # planner: exactly this many stages
     straight: bool = False  # planner: no replication
     recompute: bool = False  # activation recomputation on every stage (Stage.recompute)
+    precision: str = "fp32"  # fp32, or bf16 (forwards under autocast; float32 master weights)
+    allow_stale: bool = False  # --schedule auto may choose the asynchronous kinds (pipedream, 2bw)
     plan_file: str | None = None
     topology: str | None = None
     out: str = "runs/train"
@@ -75,8 +78,18 @@ class TrainConfig:
 
 def microbatches_of(cfg: TrainConfig) -> int:
     """Microbatches per minibatch the run uses: ``--microbatches`` for the kinds that split a
-    minibatch, 1 for the others."""
+    minibatch, 1 for the others (``--schedule auto``: see :func:`schedule_of`)."""
+    if cfg.schedule == AUTO:
+        raise TrainError("--schedule auto: the microbatches come from the chosen plan (schedule_of)")
     return cfg.microbatches if schedule_kind(cfg.schedule).microbatched else 1
+
+
+def schedule_of(cfg: TrainConfig, plan: Plan) -> tuple[str, int]:
+    """The schedule kind and microbatches per minibatch the run trains with: the options', or
+    with ``--schedule auto`` the chosen plan's."""
+    if cfg.schedule != AUTO:
+        return cfg.schedule, microbatches_of(cfg)
+    return plan.schedule, (plan.microbatches if schedule_kind(plan.schedule).microbatched else 1)
 
 
 def _positive_int(cfg: TrainConfig, name: str, allow_none: bool = False, minimum: int = 1) -> None:
@@ -125,8 +138,11 @@ def check_workers_fit(workers: int, model_bytes: int = 0, available: int | None 
 
 def check_options(cfg: TrainConfig) -> None:
     """TrainError for the first option that cannot work, before anything is started."""
-    if cfg.schedule not in KIND_NAMES:
-        raise TrainError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(KIND_NAMES)}")
+    if cfg.schedule not in KIND_NAMES and cfg.schedule != AUTO:
+        raise TrainError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(KIND_NAMES)} or auto")
+    if cfg.allow_stale and cfg.schedule != AUTO:
+        raise TrainError(f"--allow-stale lets --schedule auto choose an asynchronous kind; with --schedule "
+                         f"{cfg.schedule} it does nothing (drop it, or use --schedule auto)")
     if cfg.optimizer not in OPTIMIZERS:
         raise TrainError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     for name in ("epochs", "batch_size", "microbatches"):
@@ -149,7 +165,7 @@ def check_options(cfg: TrainConfig) -> None:
             f"unknown model {cfg.model!r}: use one of {', '.join(MODELS)} or 'module:function' for your own "
             "(it must take (N, 1, 8, 8) digit images and return 10 logits)"
         )
-    if schedule_kind(cfg.schedule).microbatched and cfg.batch_size < cfg.microbatches:
+    if cfg.schedule != AUTO and schedule_kind(cfg.schedule).microbatched and cfg.batch_size < cfg.microbatches:
         raise TrainError(
             f"--batch-size {cfg.batch_size} cannot be split into --microbatches {cfg.microbatches}"
         )

@@ -94,12 +94,35 @@ def _marker() -> Path | None:
     return Path(tempfile.gettempdir()) / f"torchpipedream-{safe}-user-error.txt"
 
 
+def _agent_started_unix() -> float | None:
+    """When the elastic agent (this worker's parent) started, in Unix seconds (None if unknown)."""
+    try:
+        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def reported_by_this_job(marker: Path, agent_started: float | None) -> bool:
+    """Whether ``marker`` was written by an attempt of the running job: after its agent started.
+    A ``--rdzv-id`` is often reused by later jobs, whose restarts must not read an old marker
+    (one second of slack: ``btime`` is whole seconds)."""
+    try:
+        written = marker.stat().st_mtime
+    except OSError:
+        return False
+    return agent_started is None or written >= agent_started - 1.0
+
+
 def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
     """What rank 0 sends the others: the prepared run, or the error that stops it."""
     marker = _marker()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if marker is not None and restart > 0 and marker.exists():  # reported by the first attempt already
-        return {"error": f"not retried: {marker.read_text().strip()}", "user": True, "repeat": True}
+    if marker is not None and restart > 0 and reported_by_this_job(marker, _agent_started_unix()):
+        return {"error": "not retried: an earlier attempt of this job stopped on the mistake it reported "
+                         f"(noted in {marker})", "user": True, "repeat": True}
     try:
         resume_after_restart(cfg)
         check_options(cfg)
@@ -136,9 +159,9 @@ def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
     sent = agreement.broadcast("the start of the run", _prepare_on_rank0(cfg) if rank == 0 else None)
     if "error" in sent:
         dist.destroy_process_group()  # leave no gloo work behind ("terminate called without an active exception")
-        if rank == 0 and not sent.get("repeat"):
+        if rank == 0:  # a repeat says so in one line, so that no attempt ends without a word
             raise TrainError(sent["error"]) if sent["user"] else RuntimeError(sent["error"])
-        raise TrainError(sent["error"], quiet=True)  # reported once: by rank 0, on the first attempt
+        raise TrainError(sent["error"], quiet=True)  # reported by rank 0
     prep = Prepared.from_dict(sent["prepared"])
     if prep.complete:
         dist.destroy_process_group()

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from ..trace import Trace
+from ..auto_schedule import auto_summary_lines
+from ..kinds import schedule_kind
 from .resume import plan_side_text
 from .config import TrainError
 from .preparation import Prepared
@@ -84,7 +86,7 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
     _write(paths["chrome_trace"], json.dumps(trace.to_chrome_dict()).encode())
     with tempfile.TemporaryDirectory(dir=out) as tmp:  # matplotlib writes a file; then moved in whole
         picture = Path(tmp) / "timeline.png"
-        draw_timeline(trace, picture, title=f"{cfg.model}: {plan.summary}, {cfg.schedule} (last epoch, measured)")
+        draw_timeline(trace, picture, title=f"{cfg.model}: {plan.summary}, {plan.schedule} (last epoch, measured)")
         _write(paths["timeline"], picture.read_bytes())
     buf = io.BytesIO()
     torch.save({"model": cfg.model, "plan": plan.to_dict(), "state_dict": result["state"],
@@ -96,6 +98,10 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         "config": asdict(cfg),
         "plan": plan.summary,
         "plan_config": plan.config,
+        "schedule": plan.schedule,  # what trained (--schedule auto: the chosen kind)
+        "microbatches": plan.microbatches if schedule_kind(plan.schedule).microbatched else 1,
+        # --schedule auto: the choice, the runner-up and every candidate with its prediction
+        "auto": plan.meta.get("auto"),
         "why": prep.why,
         # parameters several stages hold a copy of (a tied embedding and output layer)
         "shared_parameters": [{"name": t.name, "stages": t.stages, "bytes": t.bytes, "layers": t.layers}
@@ -124,7 +130,9 @@ def format_report(report: dict[str, Any]) -> str:
     measured_t, predicted_t = m["time_per_minibatch_s"], p.get("time_per_minibatch_s")
     ratio = predicted_t / measured_t if measured_t and predicted_t is not None else None
     rows = [
-        ("plan", f"{report['plan']} ({report['plan_config']}), schedule {report['config']['schedule']}"),
+        ("plan", f"{report['plan']} ({report['plan_config']}), schedule {report.get('schedule', report['config']['schedule'])}"
+                 + (f", {report['microbatches']} microbatches" if report.get("microbatches", 1) > 1 else "")),
+        *[("auto", line) for line in auto_summary_lines(report.get("auto"))],
         ("why", report["why"]),
         *[("shared", f"{t['name']} (layers {', '.join(t['layers']) or '-'}): a copy in stages "
                      f"{', '.join(map(str, t['stages']))}, gradients summed once per update")

@@ -10,7 +10,8 @@ from typing import Any
 from ..graph import LayerGraph
 from ..plans import Plan, PlanError
 from ..units import human_bytes
-from .config import TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of
+from ..kinds import AUTO
+from .config import TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of, schedule_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .resume import ResumePoint, plan_side_text, resume_point
 
@@ -83,12 +84,13 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
             raise TrainError(f"--resume: the checkpoint's plan {exc}") from None
         return saved_plan
     if cfg.plan_file:
-        plan = Plan.load(cfg.plan_file)
+        plan = _load_plan_file(cfg)
         try:
             plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
         except PlanError as exc:
             raise TrainError(f"--plan {cfg.plan_file}: {exc}") from None
-        plan.schedule = cfg.schedule
+        if cfg.schedule != AUTO:  # auto: the file's schedule and microbatches
+            plan.schedule = cfg.schedule
         return plan.with_recompute(True) if cfg.recompute else plan
     from ..planner import plan as make_plan
     from ..topology import Topology
@@ -100,6 +102,44 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
                      num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute)
 
 
+def _load_plan_file(cfg: TrainConfig) -> Plan:
+    try:
+        return Plan.load(cfg.plan_file)
+    except PlanError as exc:
+        raise TrainError(f"--plan: {exc}") from None
+
+
+def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, measure_host: bool) -> Plan:
+    """``--schedule auto``: the fastest predicted kind and microbatch count (auto_schedule.py),
+    each candidate planned from a profile at its own microbatch size, and on this machine's
+    workers priced with its measured host costs (as the run's own prediction is)."""
+    from ..auto_schedule import choose_schedule
+    from ..topology import Topology
+
+    measured: dict[Any, dict[str, Any]] = {}
+
+    def host_costs(plan: Plan, m: int) -> dict[str, Any]:
+        from ..runtime.measure import measure_local_costs
+
+        if plan.num_workers < 2:
+            return {}
+        key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
+        if key not in measured:  # candidates of one shape (flush and gpipe, often) measure once
+            measured[key] = measure_local_costs(plan, m)
+        return measured[key]
+
+    topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
+    if topo.num_workers != workers:
+        raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
+    log.info("--schedule auto: planning every schedule kind and microbatch count")
+    try:
+        return choose_schedule(profiled, topo, allow_stale=cfg.allow_stale, batch_size=cfg.batch_size,
+                               num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
+                               host_costs=host_costs if measure_host and not cfg.topology else None)
+    except PlanError as exc:
+        raise TrainError(str(exc)) from None
+
+
 def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     """Check options, profile the model, plan (or load and check a plan) and predict its time.
 
@@ -108,20 +148,42 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     (``runtime.measure.measure_local_costs``, a few seconds of spawned processes) instead of the
     link model's bytes / bandwidth, which on CPU workers predicts gloo's collectives 3-10× too fast.
     """
+    import torch
+
     from ..profiler import profile
     from ..schedules import build_schedule
     from ..simulator import Costs, simulate
     check_options(cfg)
     point: ResumePoint | None = resume_point(cfg) if cfg.resume else None
     workers = cfg.resolved_workers()
-    m = microbatches_of(cfg)
     model = build_model(cfg)
     x, y, _, _ = load_data(cfg)
     if measure_host:  # a local run: its workers must fit in this machine's memory
         check_workers_fit(workers, sum(p.numel() * p.element_size() for p in model.parameters()))
-    graph = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size],
-                    name=cfg.model, optimizer=optimizer_factory(cfg), microbatches=m)
-    plan = _choose_plan(cfg, graph, workers, point.plan if point is not None and not point.replan else None)
+    profiles: dict[int, LayerGraph] = {}
+
+    def profiled(microbatches: int) -> LayerGraph:
+        """The model profiled as a schedule of ``microbatches`` runs it, and under autocast for
+        bf16 (its compute, and activations of half the bytes); once per count."""
+        if microbatches not in profiles:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+                profiles[microbatches] = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg),
+                                                 target=y[: cfg.batch_size], name=cfg.model,
+                                                 optimizer=optimizer_factory(cfg), microbatches=microbatches)
+        return profiles[microbatches]
+
+    saved = point.plan if point is not None and not point.replan else None
+    if cfg.schedule == AUTO and saved is None and not cfg.plan_file:
+        plan = _auto_plan(cfg, profiled, workers, measure_host)
+    else:
+        if cfg.schedule == AUTO:  # the checkpoint's or the file's choice
+            given = saved if saved is not None else _load_plan_file(cfg)
+            profiled(schedule_of(cfg, given)[1])
+        else:
+            profiled(microbatches_of(cfg))
+        plan = _choose_plan(cfg, profiles[next(iter(profiles))], workers, saved)
+    kind, m = schedule_of(cfg, plan)
+    graph = profiled(m)
     changes = list(point.extra.get("plan_changes", [])) if point is not None else []
     if point is not None and point.replan and not point.complete:
         change = {"epoch": int(point.extra.get("epoch", 0)), "minibatch": int(point.extra.get("minibatch", 0)),
@@ -133,7 +195,7 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
                     plan_side_text(change, "to"), "; ".join(point.replan))
         changes.append(change)
     n = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
-    sched = build_schedule(plan, cfg.schedule, minibatches=n, microbatches=m,
+    sched = build_schedule(plan, kind, minibatches=n, microbatches=m,
                            **({"vertical_sync": True} if cfg.vertical_sync else {}))
     host: dict[str, Any] = {}
     if measure_host and not cfg.topology and plan.num_workers > 1 and not (point is not None and point.complete):

@@ -61,8 +61,11 @@ def _differences(cfg: TrainConfig, saved: dict[str, Any], among: frozenset[str] 
     """The options that differ from the saved run's, as text: those that may not change, or
     those ``among`` the given ones."""
     mine = asdict(cfg)
+    # an option newer than the checkpoint was not recorded: that run had its default
+    defaults = asdict(TrainConfig())
     keys = [k for k in mine if (k in among if among is not None else k not in RESUMABLE_CHANGES)]
-    return [f"{flag(k)} {saved.get(k)!r} (now {mine[k]!r})" for k in sorted(keys) if saved.get(k) != mine[k]]
+    return [f"{flag(k)} {saved.get(k, defaults[k])!r} (now {mine[k]!r})" for k in sorted(keys)
+            if saved.get(k, defaults[k]) != mine[k]]
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:

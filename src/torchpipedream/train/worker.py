@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig, microbatches_of
+from .config import TrainConfig, schedule_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .out_dir import checkpoints_root, prune_checkpoints
 from .preparation import Prepared
@@ -28,7 +28,7 @@ def _progress_bar(rank: int, prep: Prepared, per_epoch: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=cfg.epochs * per_epoch, unit="minibatch", dynamic_ncols=True,
-                desc=f"train {cfg.model} [{prep.plan.summary}, {cfg.schedule}]")
+                desc=f"train {cfg.model} [{prep.plan.summary}, {prep.plan.schedule}]")
 
 
 def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
@@ -39,8 +39,10 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     model = build_model(cfg)
     x, y, xt, yt = load_data(cfg)
     pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
-                    schedule=cfg.schedule, microbatches=microbatches_of(cfg), vertical_sync=cfg.vertical_sync,
+                    schedule=schedule_of(cfg, prep.plan)[0], microbatches=schedule_of(cfg, prep.plan)[1],
+                    vertical_sync=cfg.vertical_sync,
                     timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s,
+                    precision=cfg.precision,
                     sample=x[: cfg.batch_size])  # for models that torch.export traces (--model gpt2)
     test = minibatches(xt, yt, 256, None, None)
     per_epoch = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))

@@ -1,0 +1,142 @@
+"""Is ``--schedule auto``'s choice the fastest measured? Every candidate run side by side.
+
+For each model, ``choose_schedule`` plans every synchronous kind (flush, gpipe) at 1, 2, 4 and 8
+microbatches for ``--procs`` local workers, each from a profile at its own microbatch size and
+priced with this host's measured costs (as ``train --schedule auto`` does on local workers);
+then every candidate's plan runs (the same ``_tpd_worker`` as compare.py: warm-up, timed
+windows of ``--per-window`` minibatches), in ``--passes`` interleaved passes. For each model:
+the measured samples/s of every candidate beside its prediction, the auto choice's measured
+throughput over the best measured one (target ≥ 0.95), and the rank correlation (Spearman)
+between predicted and measured throughput. A CPU probe runs at the start and the end.
+
+    .venv/bin/python benchmarks/auto_choice.py
+    .venv/bin/python benchmarks/auto_choice.py --models fc_heavy --passes 1
+
+Writes benchmarks/results/auto_choice.json and auto_choice.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import WORKLOADS, _profile, _tpd_worker  # noqa: E402  (also tunes this process's allocator)
+from doc_tables import auto_choice as auto_choice_table  # noqa: E402  (the docs render it the same way)
+from peers import cpu_probe, training_step  # noqa: E402
+
+import torch  # noqa: E402
+
+from torchpipedream.runtime import launch  # noqa: E402
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def run_model(name: str, procs: int, windows: int, per_window: int, passes: int, split_parts: int) -> dict:
+    from torchpipedream.auto_schedule import choose_schedule
+    from torchpipedream.planner import plan as make_plan
+    from torchpipedream.runtime.measure import measure_local_costs
+    from torchpipedream.topology import Topology
+
+    work = WORKLOADS[name]
+    topo = Topology.local(procs)
+    graphs: dict[int, object] = {}
+
+    def graph_for(m: int):
+        if m not in graphs:
+            graphs[m] = _profile(work, m, split_parts)
+        return graphs[m]
+
+    def host(plan, m: int) -> dict:
+        return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
+
+    chosen = choose_schedule(graph_for, topo, batch_size=work.batch_size, host_costs=host, minibatches=per_window)
+    cands = [c for c in chosen.meta["auto"]["candidates"] if not c["error"]]
+    plans = {(c["schedule"], c["microbatches"]): make_plan(graph_for(c["microbatches"]), topo, schedule=c["schedule"],
+                                                          microbatches=c["microbatches"]) for c in cands}
+    measured: dict[tuple[str, int], list[float]] = {k: [] for k in plans}
+    for pass_ in range(passes):
+        for (kind, m), plan in plans.items():
+            res = launch(_tpd_worker, procs, work, plan, kind, m, 1, windows, per_window, split_parts, timeout_s=900)
+            torch.set_num_threads(1)
+            measured[(kind, m)].append(res["samples_per_s"])
+            print(f"  {name:<15} {kind:<6} m={m}  pass {pass_ + 1}: {res['samples_per_s']:8.1f} samples/s "
+                  f"[{plan.config}]", flush=True)
+    rows = []
+    for c in cands:
+        key = (c["schedule"], c["microbatches"])
+        rows.append({"schedule": c["schedule"], "microbatches": c["microbatches"], "config": c["config"],
+                     "predicted_samples_per_s": work.batch_size / c["time_per_minibatch_s"],
+                     "samples_per_s": statistics.median(measured[key]), "passes_samples_per_s": measured[key],
+                     "chosen": key == (chosen.schedule, chosen.microbatches)})
+    best = max(r["samples_per_s"] for r in rows)
+    pick = next(r for r in rows if r["chosen"])
+    return {"model": name, "batch_size": work.batch_size, "rows": rows,
+            "chosen": f"{pick['schedule']}, {pick['microbatches']} microbatches",
+            "chosen_vs_best_measured": pick["samples_per_s"] / best,
+            "best_measured": next(f"{r['schedule']}, {r['microbatches']} microbatches" for r in rows
+                                  if r["samples_per_s"] == best),
+            "spearman": spearman([r["predicted_samples_per_s"] for r in rows], [r["samples_per_s"] for r in rows])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="fc_heavy,small_cnn,transformer_lm")
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--per-window", type=int, default=16)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--split-wide", type=int, default=4, metavar="PARTS",
+                    help="split linear layers with >= 1024 outputs into PARTS column parts, as compare.py does")
+    ap.add_argument("--out", default="benchmarks/results/auto_choice")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    start = cpu_probe()
+    print(f"CPU probe at start: {start:.2f} (2.0 = two free cores)", flush=True)
+    models = []
+    for name in args.models.split(","):
+        if name not in WORKLOADS:
+            ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
+        models.append(run_model(name, args.procs, args.windows, args.per_window, args.passes, args.split_wide))
+    end = cpu_probe()
+    print(f"CPU probe at end: {end:.2f}", flush=True)
+    agree = abs(end - start) / max(start, end) <= 0.15
+    if not agree:
+        print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
+    result = {"probes": [start, end], "probes_agree": agree, "args": vars(args), "models": models}
+    text = auto_choice_table(result)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
+    Path(f"{out}.md").write_text(text + "\n")
+    print(f"wrote {out}.json, {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

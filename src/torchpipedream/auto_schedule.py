@@ -1,0 +1,219 @@
+"""``schedule="auto"``: choose the schedule kind and microbatch count with the planner and the simulator.
+
+For every candidate (kind × microbatches per minibatch) the planner finds its best stages,
+replication and ranks under the memory budget; the simulator then runs the candidate's
+schedule over ``minibatches`` minibatches with the plan's costs, and the fastest predicted
+time per minibatch wins (ties: less predicted memory, fewer microbatches, then the order of
+``kinds``). Synchronous
+kinds (plain training: flush, gpipe) by default; ``allow_stale`` adds the asynchronous ones
+(pipedream, 2bw), whose updates use stale weights. A candidate that fits nowhere is kept with
+the planner's reason. The chosen plan records every candidate in ``plan.meta["auto"]`` and the
+report prints the choice and the runner-up.
+
+The profile a candidate is planned from may depend on its microbatch count (a schedule of m
+microbatches runs the layers on batch/m samples, often less efficiently): ``graph_for(m)``
+gives it; a single graph is scaled by 1/m as ``Costs.from_plan`` does.
+
+Activation recomputation is not searched: the planner's memory model counts stashed stage
+inputs only, which is all a recomputing stage keeps, so it would never see a saving to buy
+with the extra forward (docs/planner.md, Restrictions).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+from .graph import LayerGraph
+from .kinds import AUTO, SCHEDULE_KINDS, schedule_kind
+from .plans import Plan, PlanError
+from .topology import Topology
+
+__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "candidate_kinds", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
+
+log = logging.getLogger(__name__)
+
+#: Microbatch counts tried for the microbatched kinds (those above the batch size are skipped).
+DEFAULT_MICROBATCHES = (1, 2, 4, 8)
+
+
+@dataclass
+class Candidate:
+    """One configuration tried: its prediction, or why it could not be planned."""
+
+    schedule: str
+    microbatches: int
+    config: str = ""
+    time_per_minibatch_s: float | None = None
+    peak_memory_bytes: int | None = None
+    error: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.schedule if self.microbatches == 1 else f"{self.schedule}, {self.microbatches} microbatches"
+
+
+def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedream", allow_stale: bool = False,
+         **options: Any) -> Plan:
+    """:func:`torchpipedream.planner.plan`, where ``schedule="auto"`` also chooses the kind and
+    the microbatch count (:func:`choose_schedule`; ``options["microbatches"]`` is then not used).
+    This is ``torchpipedream.plan``."""
+    from .planner import plan as plan_one_kind
+
+    if schedule == AUTO:
+        options.pop("microbatches", None)
+        return choose_schedule(graph, topology, allow_stale=allow_stale, **options)
+    if allow_stale:
+        raise PlanError(f"allow_stale lets schedule='auto' choose an asynchronous kind; schedule={schedule!r} "
+                        "is already chosen")
+    return plan_one_kind(graph, topology, schedule=schedule, **options)
+
+
+def candidate_kinds(allow_stale: bool) -> list[str]:
+    """Kinds with true gradients: the synchronous ones, and with ``allow_stale`` the asynchronous."""
+    return [k.name for k in SCHEDULE_KINDS.values() if k.true_gradients and (allow_stale or not k.asynchronous)]
+
+
+def choose_schedule(
+    graph_for: Callable[[int], LayerGraph] | LayerGraph,
+    topology: Topology | str,
+    *,
+    allow_stale: bool = False,
+    kinds: Sequence[str] | None = None,
+    microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
+    batch_size: int | None = None,
+    minibatches: int = 32,
+    progress: Callable[[Candidate], None] | None = None,
+    host_costs: Callable[[Plan, int], dict[str, Any]] | None = None,
+    **plan_options: Any,
+) -> Plan:
+    """The fastest predicted plan over schedule kinds and microbatch counts.
+
+    Args:
+        graph_for: the profile to plan a candidate of ``m`` microbatches from (``graph_for(m)``),
+            or one graph for all.
+        topology: as for :func:`~torchpipedream.planner.plan`.
+        allow_stale: also try pipedream and 2bw (asynchronous: stale but true gradients).
+        kinds: the kinds to try (default: :func:`candidate_kinds`); naive is never chosen.
+        microbatches: counts tried for microbatched kinds; counts above ``batch_size`` are skipped.
+        batch_size: samples per minibatch (default: the graph's).
+        minibatches: the schedule length the simulator compares (fill and drain amortised over it).
+        progress: called with each candidate as it is decided.
+        host_costs: ``host_costs(plan, microbatches)`` -> overrides for ``Costs.from_plan``
+            (``runtime.measure.measure_local_costs`` on local CPU workers, whose messages and
+            all-reduces the link model prices too cheaply); default: the plan's link model.
+        plan_options: passed to the planner (straight, num_stages, memory_bytes, ...).
+
+    Raises:
+        PlanError: no candidate can be planned (the message lists each one's reason).
+    """
+    from .planner import plan as make_plan
+    from .schedules import build_schedule
+    from .simulator import Costs, simulate
+
+    names = list(kinds) if kinds is not None else candidate_kinds(allow_stale)
+    for name in names:
+        if schedule_kind(name).version_rule is schedule_kind("naive").version_rule:
+            raise PlanError("schedule auto: 'naive' computes no true gradient and is never chosen")
+    if "schedule" in plan_options or "microbatches" in plan_options:
+        raise PlanError("schedule auto chooses the schedule and the microbatches itself; do not pass them")
+    if not isinstance(minibatches, int) or minibatches < 1:
+        raise PlanError(f"minibatches must be a positive integer, got {minibatches!r}")
+    cache: dict[int, LayerGraph] = {}
+
+    def graph(m: int) -> LayerGraph:
+        if isinstance(graph_for, LayerGraph):
+            return graph_for
+        if m not in cache:
+            cache[m] = graph_for(m)
+        return cache[m]
+
+    counts = sorted({int(m) for m in microbatches if int(m) >= 1})
+    if not counts:
+        raise PlanError(f"schedule auto: no microbatch count to try in {list(microbatches)!r}")
+    tried: list[tuple[Candidate, Plan | None]] = []
+    for name in names:
+        kind = schedule_kind(name)
+        for m in counts if kind.microbatched else [1]:
+            batch = batch_size or graph(1).batch_size
+            if batch and m > batch:
+                continue
+            cand = Candidate(name, m)
+            plan: Plan | None = None
+            try:
+                plan = make_plan(graph(m), topology, schedule=name, microbatches=m, **plan_options)
+                extra = host_costs(plan, m) if host_costs is not None else {}
+                sim = simulate(build_schedule(plan, name, minibatches=minibatches, microbatches=m),
+                               Costs.from_plan(plan, microbatches=m, **extra))
+                cand.config = plan.config
+                cand.time_per_minibatch_s = sim.makespan_s / minibatches
+                cand.peak_memory_bytes = int(max(sim.peak_memory_bytes)) if sim.peak_memory_bytes else None
+            except PlanError as exc:
+                cand.error = str(exc)
+                plan = None
+            tried.append((cand, plan))
+            if progress is not None:
+                progress(cand)
+    ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
+    if not ok:
+        reasons = "; ".join(f"{c.label}: {c.error}" for c, _ in tried) or "no candidate (batch smaller than 1?)"
+        raise PlanError(f"schedule auto: no schedule fits: {reasons}")
+    order = {n: i for i, n in enumerate(names)}
+    ok.sort(key=lambda cp: (cp[0].time_per_minibatch_s, cp[0].peak_memory_bytes or 0, cp[0].microbatches,
+                            order[cp[0].schedule]))
+    best_cand, best = ok[0]
+    best.meta["auto"] = {
+        "allow_stale": allow_stale, "minibatches": minibatches,
+        "chosen": asdict(best_cand),
+        "runner_up": asdict(ok[1][0]) if len(ok) > 1 else None,
+        "candidates": [asdict(c) for c, _ in tried],
+    }
+    log.info("schedule auto: %s (%s) predicted %.3f ms per minibatch", best_cand.label, best.config,
+             best_cand.time_per_minibatch_s * 1e3)
+    return best
+
+
+def auto_summary(plan: Plan) -> list[str]:
+    """Lines saying what ``schedule="auto"`` chose and the runner-up, with predicted time and
+    memory (empty for a plan that was not chosen that way)."""
+    return auto_summary_lines(plan.meta.get("auto") if isinstance(plan.meta, dict) else None)
+
+
+def auto_summary_lines(auto: Any) -> list[str]:
+    """:func:`auto_summary` of a plan's ``meta["auto"]`` record (as the report stores it)."""
+    if not isinstance(auto, dict) or not auto.get("chosen"):
+        return []
+
+    def text(c: dict[str, Any]) -> str:
+        cand = Candidate(**c)
+        mem = f", peak {cand.peak_memory_bytes / 2**20:.1f} MiB" if cand.peak_memory_bytes else ""
+        return f"{cand.label} ({cand.config}): {cand.time_per_minibatch_s * 1e3:.3f} ms per minibatch{mem}"
+
+    tried = auto.get("candidates", [])
+    failed = sum(1 for c in tried if c.get("error"))
+    lines = [f"chosen {text(auto['chosen'])}"]
+    if auto.get("runner_up"):
+        lines.append(f"runner-up {text(auto['runner_up'])}")
+    lines.append(f"{len(tried)} candidates ({'with' if auto.get('allow_stale') else 'without'} stale kinds)"
+                 + (f", {failed} did not fit" if failed else ""))
+    return lines
+
+
+def auto_candidates_table(plan: Plan) -> str:
+    """Every candidate of a ``schedule="auto"`` plan, fastest first, with its prediction or why
+    it could not be planned (what ``torchpipedream plan --schedule auto`` prints)."""
+    auto = plan.meta.get("auto") or {}
+    cands = [Candidate(**c) for c in auto.get("candidates", [])]
+    cands.sort(key=lambda c: (c.time_per_minibatch_s is None, c.time_per_minibatch_s or 0.0))
+    rows = [("schedule", "microbatches", "config", "ms per minibatch", "peak memory")]
+    for c in cands:
+        if c.error:
+            rows.append((c.schedule, str(c.microbatches), "-", "does not fit", c.error[:60]))
+        else:
+            rows.append((c.schedule, str(c.microbatches), c.config, f"{c.time_per_minibatch_s * 1e3:.3f}",
+                         f"{(c.peak_memory_bytes or 0) / 2**20:.1f} MiB"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join(["schedule auto: " + "; ".join(auto_summary(plan)), *lines])

@@ -1,0 +1,121 @@
+"""``schedule="auto"``: the planner chooses the kind and microbatch count by simulation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import torchpipedream as tpd
+from torchpipedream.auto_schedule import auto_summary, candidate_kinds, choose_schedule
+from torchpipedream.kinds import schedule_kind
+from torchpipedream.planner import plan as make_plan
+from torchpipedream.plans import PlanError
+from torchpipedream.profiles import load_profile
+from torchpipedream.schedules import build_schedule
+from torchpipedream.simulator import Costs, simulate
+
+TOPOLOGY = "4:10GB/s"
+
+
+@pytest.fixture(scope="module")
+def vgg16():
+    return load_profile("vgg16")
+
+
+def _grid_times(graph, kinds, counts=(1, 2, 4, 8), minibatches=32, **options) -> dict[tuple[str, int], float]:
+    """Every (kind, microbatches) planned and simulated one by one, as a user would by hand."""
+    out = {}
+    for kind in kinds:
+        for m in counts if schedule_kind(kind).microbatched else [1]:
+            try:
+                p = make_plan(graph, TOPOLOGY, schedule=kind, microbatches=m, **options)
+            except PlanError:
+                continue
+            sim = simulate(build_schedule(p, kind, minibatches=minibatches, microbatches=m),
+                           Costs.from_plan(p, microbatches=m))
+            out[(kind, m)] = sim.makespan_s / minibatches
+    return out
+
+
+def test_auto_picks_the_fastest_synchronous_kind_of_the_grid(vgg16) -> None:
+    chosen = choose_schedule(vgg16, TOPOLOGY)
+    grid = _grid_times(vgg16, ["flush", "gpipe"])
+    best = min(grid.values())
+    assert chosen.schedule in ("flush", "gpipe")
+    assert grid[(chosen.schedule, chosen.microbatches)] == pytest.approx(best, rel=1e-12)
+    auto = chosen.meta["auto"]
+    assert auto["chosen"]["time_per_minibatch_s"] == pytest.approx(best, rel=1e-12)
+    assert len(auto["candidates"]) == len(grid)
+    assert auto["runner_up"]["time_per_minibatch_s"] >= best
+    lines = auto_summary(chosen)
+    assert lines[0].startswith(f"chosen {chosen.schedule}") and lines[1].startswith("runner-up")
+
+
+def test_stale_kinds_only_when_allowed(vgg16) -> None:
+    assert candidate_kinds(False) == ["flush", "gpipe"]
+    assert candidate_kinds(True) == ["pipedream", "2bw", "flush", "gpipe"]  # never naive
+    stale = choose_schedule(vgg16, TOPOLOGY, allow_stale=True)
+    grid = _grid_times(vgg16, candidate_kinds(True))
+    assert grid[(stale.schedule, stale.microbatches)] == pytest.approx(min(grid.values()), rel=1e-12)
+    # On vgg16 over 4 workers weight stashing wins by far; without leave it is never chosen.
+    assert stale.schedule == "pipedream"
+    assert tpd.plan(vgg16, TOPOLOGY, schedule="auto").schedule in ("flush", "gpipe")
+    with pytest.raises(PlanError, match="torchpipedream.plan"):
+        make_plan(vgg16, TOPOLOGY, schedule="auto")  # the planner plans one kind
+    with pytest.raises(PlanError, match="naive"):
+        choose_schedule(vgg16, TOPOLOGY, kinds=["flush", "naive"])
+    with pytest.raises(PlanError, match="allow_stale lets schedule='auto'"):
+        tpd.plan(vgg16, TOPOLOGY, schedule="flush", allow_stale=True)
+
+
+def test_a_memory_budget_moves_the_choice_and_nothing_fitting_names_every_reason(vgg16) -> None:
+    free = choose_schedule(vgg16, TOPOLOGY)
+    peak = free.meta["auto"]["chosen"]["peak_memory_bytes"]
+    # A budget under the free choice's peak: whatever is chosen now fits the planner's memory model.
+    budget = int(peak * 0.99)
+    tight = choose_schedule(vgg16, TOPOLOGY, memory_bytes=budget)
+    assert tight.predicted["peak_memory_bytes"] <= budget
+    assert (tight.schedule, tight.microbatches, tight.config) != (free.schedule, free.microbatches, free.config)
+    with pytest.raises(PlanError) as err:
+        choose_schedule(vgg16, TOPOLOGY, memory_bytes=10_000)
+    text = str(err.value)
+    assert "no schedule fits" in text and "flush, 4 microbatches:" in text and "gpipe:" in text
+
+
+def test_microbatch_counts_above_the_batch_are_skipped(vgg16) -> None:
+    p = choose_schedule(vgg16, TOPOLOGY, batch_size=2)
+    assert {c["microbatches"] for c in p.meta["auto"]["candidates"]} == {1, 2}
+
+
+def test_plan_command_prints_every_candidate(tmp_path: Path, capsys) -> None:
+    from torchpipedream.cli import main
+
+    out = tmp_path / "auto.json"
+    assert main(["plan", "vgg16", "-t", TOPOLOGY, "--schedule", "auto", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "schedule auto: chosen" in text and "runner-up" in text and text.count("\nflush ") == 4
+    saved = json.loads(out.read_text())
+    assert saved["schedule"] in ("flush", "gpipe") and saved["meta"]["auto"]["chosen"]["schedule"] == saved["schedule"]
+    assert main(["plan", "vgg16", "-t", TOPOLOGY, "--schedule", "flush", "--allow-stale"]) == 2
+
+
+def test_train_schedule_auto_trains_with_the_chosen_kind(tmp_path: Path, capsys) -> None:
+    from torchpipedream.cli import main
+
+    out = tmp_path / "auto"
+    assert main(["train", "--model", "mlp", "--workers", "2", "--no-progress", "--epochs", "1",
+                 "--max-minibatches", "6", "--timeout", "60", "--schedule", "auto", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    chosen = report["auto"]["chosen"]
+    assert report["config"]["schedule"] == "auto"
+    assert report["schedule"] == chosen["schedule"] and report["schedule"] in ("flush", "gpipe")
+    assert report["microbatches"] == chosen["microbatches"]
+    console = capsys.readouterr().out
+    assert f"schedule {report['schedule']}" in console and "auto           chosen" in console
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace  # it trained with that schedule: the measured trace exists
+    assert main(["train", "--model", "mlp", "--workers", "2", "--no-progress", "--allow-stale",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--allow-stale lets --schedule auto choose" in capsys.readouterr().err
