@@ -81,7 +81,16 @@ def run_model(name: str, procs: int, windows: int, per_window: int, passes: int,
     measured: dict[tuple[str, int], list[float]] = {k: [] for k in plans}
     for pass_ in range(passes):
         for (kind, m), plan in plans.items():
-            res = launch(_tpd_worker, procs, work, plan, kind, m, 1, windows, per_window, split_parts, timeout_s=900)
+            for attempt in (1, 2):  # a worker abort is retried once (seen rarely: "terminate called without
+                try:                 # an active exception" in a gloo worker at exit; not yet explained)
+                    res = launch(_tpd_worker, procs, work, plan, kind, m, 1, windows, per_window, split_parts,
+                                 timeout_s=900)
+                    break
+                except Exception as exc:
+                    print(f"  {name:<15} {kind:<6} m={m}: FAILED (attempt {attempt}): {str(exc).splitlines()[0][:160]}",
+                          flush=True)
+                    if attempt == 2:
+                        raise
             torch.set_num_threads(1)
             measured[(kind, m)].append(res["samples_per_s"])
             print(f"  {name:<15} {kind:<6} m={m}  pass {pass_ + 1}: {res['samples_per_s']:8.1f} samples/s "

@@ -471,6 +471,7 @@ TABLES: dict[str, Table] = {
     "profile_overhead": Table(("profile_overhead.json",), profile_overhead),
     "cli_startup": Table(("cli_startup.json",), cli_startup),
     "recompute": Table(("recompute.json",), recompute),
+    "auto_choice": Table(("auto_choice.json",), auto_choice),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).
@@ -481,6 +482,7 @@ COMPANIONS: tuple[tuple[str, str, Callable[[Data], str]], ...] = (
     ("statistical_efficiency.md", "statistical_efficiency.json", statistical_efficiency),
     ("statistical_efficiency_momentum.md", "statistical_efficiency_momentum.json", statistical_efficiency),
     ("recompute.md", "recompute.json", recompute),
+    ("auto_choice.md", "auto_choice.json", auto_choice),
 )
 
 
