@@ -205,3 +205,15 @@ def test_a_local_run_listens_on_loopback_only():
     addresses = launch(_listening_worker, 2, timeout_s=60)
     assert addresses, "found no listening socket: the check would prove nothing"
     assert all(_loopback(a) for a in addresses), addresses
+
+
+def test_a_rank_that_dies_on_its_way_out_is_reported_with_how_far_it_got(tmp_path) -> None:
+    """A worker killed after returning its result (an abort in gloo's teardown, seen rarely)
+    is reported with the last step it finished, so the report says where it died."""
+    from torchpipedream.runtime.launcher import _root_cause
+
+    (tmp_path / "phase_1.txt").write_text("had passed the final barrier")
+    text = _root_cause({1: -6}, tmp_path, [])
+    assert text == ("worker rank 1 exited with code -6 (killed by a signal if negative), "
+                    "after it had passed the final barrier")
+    assert _root_cause({0: -9}, tmp_path, []).endswith("(killed by a signal if negative)")

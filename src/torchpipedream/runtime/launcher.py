@@ -145,16 +145,25 @@ def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, tim
             raise RuntimeError(text) from None
         with open(Path(outdir) / f"result_{rank}.pickle", "wb") as f:
             pickle.dump(result, f)
+        _phase(outdir, rank, "had written its result")
         # Tear down together: a rank that destroys its process group while a peer still has
         # gloo work in flight can abort the peer ("terminate called without an active
         # exception", seen intermittently at the end of benchmark runs). A rank that failed
         # skips this; the launcher kills the others.
         dist.barrier()
+        _phase(outdir, rank, "had passed the final barrier")
     finally:
         try:
             dist.destroy_process_group()
+            _phase(outdir, rank, "had destroyed its process group")
         except Exception:  # pragma: no cover - best effort on the way out
             pass
+
+
+def _phase(outdir: str, rank: int, what: str) -> None:
+    """Note how far a worker got on its way out, for the message if it dies there (an abort in
+    gloo's teardown is seen rarely and not yet explained: this says where it happened)."""
+    (Path(outdir) / f"phase_{rank}.txt").write_text(what)
 
 
 def _wait_for_workers(processes: list[Any], deadline: float | None, grace_s: float, marks: Any,
@@ -210,7 +219,9 @@ def _root_cause(failed: dict[int, int], outdir: Path, running: list[int]) -> str
             return f"worker rank {rank} failed:\n{cause}{still}"
     for rank in sorted(failed):
         if text(rank, "consequence") is None:
-            return f"worker rank {rank} exited with code {failed[rank]} (killed by a signal if negative){still}"
+            phase = outdir / f"phase_{rank}.txt"
+            where = f", after it {phase.read_text()}" if phase.exists() else ""
+            return f"worker rank {rank} exited with code {failed[rank]} (killed by a signal if negative){where}{still}"
     rank = min(failed)
     first_line = (text(rank, "consequence") or "").splitlines()[0]
     return f"worker rank {rank} failed: {first_line}{still}"
