@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import WORKLOADS, _profile, _tpd_worker  # noqa: E402  (also tunes this process's allocator)
 from doc_tables import auto_choice as auto_choice_table  # noqa: E402  (the docs render it the same way)
-from peers import cpu_probe, training_step  # noqa: E402
+from peers import probed, training_step, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -124,28 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/auto_choice")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    start = cpu_probe()
-    print(f"CPU probe at start: {start:.2f} (2.0 = two free cores)", flush=True)
-    models = []
     for name in args.models.split(","):
         if name not in WORKLOADS:
             ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
-        models.append(run_model(name, args.procs, args.windows, args.per_window, args.passes, args.split_wide))
-    end = cpu_probe()
-    print(f"CPU probe at end: {end:.2f}", flush=True)
-    agree = abs(end - start) / max(start, end) <= 0.15
-    if not agree:
-        print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
-    result = {"probes": [start, end], "probes_agree": agree, "args": vars(args), "models": models}
-    text = auto_choice_table(result)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
-    Path(f"{out}.md").write_text(text + "\n")
-    print(f"wrote {out}.json, {out}.md")
+    models, probes, agree = probed(lambda: [
+        run_model(name, args.procs, args.windows, args.per_window, args.passes, args.split_wide)
+        for name in args.models.split(",")])
+    result = {"probes": probes, "probes_agree": agree, "args": vars(args), "models": models}
+    write_results(args.out, result, auto_choice_table(result))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

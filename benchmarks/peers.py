@@ -14,13 +14,17 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+import json
+from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from torchpipedream.runtime.measure import concurrent_rates
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -223,6 +227,30 @@ def cpu_probe(seconds: float = 0.5) -> float:
     """Work rate of two concurrent processes relative to one (≈2.0 on two free cores)."""
     one, two = concurrent_rates(2, seconds, _spin)
     return sum(two) / one
+
+
+def probed(run: Callable[[], T]) -> tuple[T, list[float], bool]:
+    """``run()`` between two CPU probes (printed); returns its value, the probes and whether
+    they agree within 15% (a run whose probes disagree saw the machine change: repeat it)."""
+    start = cpu_probe()
+    print(f"CPU probe at start: {start:.2f} (2.0 = two free cores)", flush=True)
+    value = run()
+    end = cpu_probe()
+    print(f"CPU probe at end: {end:.2f}", flush=True)
+    agree = abs(end - start) / max(start, end) <= 0.15
+    if not agree:
+        print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
+    return value, [start, end], agree
+
+
+def write_results(out: str, result: dict, table: str) -> None:
+    """Print ``table`` and write OUT.json (``result``) and OUT.md (``table``)."""
+    print(table)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{path}.json").write_text(json.dumps(result, indent=1))
+    Path(f"{path}.md").write_text(table + "\n")
+    print(f"wrote {path}.json, {path}.md")
 
 
 def _spin(seconds: float) -> float:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import WORKLOADS, _predict_and_run, _profile, schedule_microbatches  # noqa: E402  (tunes the allocator)
-from peers import cpu_probe  # noqa: E402
+from peers import probed, write_results  # noqa: E402
 from doc_tables import recompute as recompute_table  # noqa: E402  (the docs render it the same way)
 
 import torch  # noqa: E402
@@ -98,30 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/recompute")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    start = cpu_probe()
-    print(f"CPU probe at start: {start:.2f} (2.0 = two free cores)", flush=True)
-    rows: list[dict] = []
-    for spec in args.models.split(","):
-        name, _, batch = spec.partition(":")
+    specs = [(name, int(batch or WORKLOADS[name].batch_size) if name in WORKLOADS else 0)
+             for name, _, batch in (spec.partition(":") for spec in args.models.split(","))]
+    for name, _ in specs:
         if name not in WORKLOADS:
             ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
-        rows += run_model(name, int(batch or WORKLOADS[name].batch_size), args.procs, args.microbatches,
-                          args.windows, args.per_window, args.passes)
-    end = cpu_probe()
-    print(f"CPU probe at end: {end:.2f}", flush=True)
-    agree = abs(end - start) / max(start, end) <= 0.15
-    if not agree:
-        print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
-    result = {"probes": [start, end], "probes_agree": agree, "args": vars(args), "rows": rows}
-    text = recompute_table(result)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
-    Path(f"{out}.md").write_text(text + "\n")
-    print(f"wrote {out}.json, {out}.md")
+    rows, probes, agree = probed(lambda: [row for name, batch in specs for row in run_model(
+        name, batch, args.procs, args.microbatches, args.windows, args.per_window, args.passes)])
+    result = {"probes": probes, "probes_agree": agree, "args": vars(args), "rows": rows}
+    write_results(args.out, result, recompute_table(result))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
