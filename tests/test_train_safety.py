@@ -217,6 +217,8 @@ def test_resume_refuses_an_option_outside_the_plan_and_names_it(two_runs, tmp_pa
     (["--workers", "-2"], "--workers must be an integer >= 0"),
     (["--topology", "4x:fast"], "--topology 4x:fast"),
     (["--resume", "--overwrite"], "give one of them"),
+    (["--schedule", "auto", "--vertical-sync"], "--vertical-sync applies to pipedream only"),
+    (["--allow-stale"], "--allow-stale lets --schedule auto choose"),
 ])
 def test_bad_numbers_are_refused_before_anything_starts(argv, message, tmp_path: Path, capsys, monkeypatch) -> None:
     import torchpipedream.profiler as profiler

@@ -140,6 +140,9 @@ def check_options(cfg: TrainConfig) -> None:
     """TrainError for the first option that cannot work, before anything is started."""
     if cfg.schedule not in KIND_NAMES and cfg.schedule != AUTO:
         raise TrainError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(KIND_NAMES)} or auto")
+    if cfg.vertical_sync and cfg.schedule == AUTO:
+        raise TrainError("--vertical-sync applies to pipedream only, and --schedule auto has not chosen a kind yet: "
+                         "use --schedule pipedream --vertical-sync, or drop --vertical-sync")
     if cfg.allow_stale and cfg.schedule != AUTO:
         raise TrainError(f"--allow-stale lets --schedule auto choose an asynchronous kind; with --schedule "
                          f"{cfg.schedule} it does nothing (drop it, or use --schedule auto)")
