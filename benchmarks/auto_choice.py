@@ -57,7 +57,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def run_model(name: str, procs: int, windows: int, per_window: int, passes: int, split_parts: int) -> dict:
     from torchpipedream.auto_schedule import choose_schedule
-    from torchpipedream.planner import plan as make_plan
     from torchpipedream.runtime.measure import measure_local_costs
     from torchpipedream.topology import Topology
 
@@ -73,10 +72,15 @@ def run_model(name: str, procs: int, windows: int, per_window: int, passes: int,
     def host(plan, m: int) -> dict:
         return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
 
-    chosen = choose_schedule(graph_for, topo, batch_size=work.batch_size, host_costs=host, minibatches=per_window)
+    plans = {}  # every candidate's plan, as choose_schedule planned it
+
+    def keep(cand, plan) -> None:
+        if plan is not None:
+            plans[(cand.schedule, cand.microbatches)] = plan
+
+    chosen = choose_schedule(graph_for, topo, batch_size=work.batch_size, host_costs=host, minibatches=per_window,
+                             progress=keep)
     cands = [c for c in chosen.meta["auto"]["candidates"] if not c["error"]]
-    plans = {(c["schedule"], c["microbatches"]): make_plan(graph_for(c["microbatches"]), topo, schedule=c["schedule"],
-                                                          microbatches=c["microbatches"]) for c in cands}
     measured: dict[tuple[str, int], list[float]] = {k: [] for k in plans}
     for pass_ in range(passes):
         for (kind, m), plan in plans.items():

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -48,8 +47,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import (Workload, cpu_probe, peak_rss_mb, run_ddp, run_single, run_torch_pipelining,  # noqa: E402
-                   training_step)
+from peers import (Workload, peak_rss_mb, probed, run_ddp, run_single, run_torch_pipelining,  # noqa: E402
+                   training_step, write_results)
 from doc_tables import compare_results  # noqa: E402  (the docs render compare.md the same way)
 
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
@@ -378,28 +377,17 @@ def main(argv: list[str] | None = None) -> int:
                          "stages can balance (1 = off; default 4)")
     ap.add_argument("--out", default="benchmarks/results/compare")
     args = ap.parse_args(argv)
-    start = cpu_probe()
-    print(f"CPU probe at start: {start:.2f} (2.0 = two free cores)", flush=True)
-    rows: list[dict] = []
     for name in args.models.split(","):
         if name not in WORKLOADS:
             ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
-        rows += compare_model(WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window,
-                              args.split_wide, args.passes)
-    end = cpu_probe()
-    print(f"CPU probe at end: {end:.2f}", flush=True)
-    if abs(end - start) / max(start, end) > 0.15:
-        print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
-    result = {"probes": [start, end], "args": vars(args), "huge_pages": huge_pages_on(),
+    rows, probes, _ = probed(lambda: [row for name in args.models.split(",") for row in compare_model(
+        WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window, args.split_wide, args.passes)])
+    result = {"probes": probes, "args": vars(args), "huge_pages": huge_pages_on(),
               "keeps_freed_memory": KEEPS_FREED_MEMORY, "rows": rows}
-    table = compare_results(result)  # the same function renders docs/benchmarks.md's table
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
-    Path(f"{out}.md").write_text(table + "\n")
-    _plot(rows, Path(f"{out}.png"))
-    print(f"wrote {out}.json, {out}.md, {out}.png")
+    # the same function renders docs/benchmarks.md's table
+    write_results(args.out, result, compare_results(result))
+    _plot(rows, Path(f"{args.out}.png"))
+    print(f"wrote {args.out}.png")
     return 0
 
 

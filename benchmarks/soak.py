@@ -235,11 +235,11 @@ def soak_train(minutes: float, out: Path, tolerance: float, keep: int) -> dict:
         problems.append(f"{most} checkpoint directories at once; --keep-checkpoints {keep} allows {keep + 1}")
     steady = [s for s in samples if s["seconds"] >= wall / 5 and len(s["worker_rss_mib"]) >= 2]
     growth = 0.0
+    allowed = tolerance + epochs * HISTORY_ROW_BYTES / 2**20
     if steady:
         first = steady[0]["worker_rss_mib"]
         growth = max(max(rss - first[pid] for pid, rss in s["worker_rss_mib"].items() if pid in first)
                      for s in steady)
-        allowed = tolerance + epochs * HISTORY_ROW_BYTES / 2**20
         if growth > allowed:
             problems.append(f"a worker's memory grew {growth:.1f} MiB after the first fifth; allowed {allowed:.1f} "
                             f"({tolerance:g} + {epochs} epochs of history at {HISTORY_ROW_BYTES} bytes)")
@@ -247,7 +247,7 @@ def soak_train(minutes: float, out: Path, tolerance: float, keep: int) -> dict:
             "final_test_accuracy": report and report.get("final_test_accuracy"), "max_checkpoint_dirs": most,
             "keep_checkpoints": keep, "final_out_mb": samples[-1]["out_mb"] if samples else None,
             "worker_rss_growth_mib": round(growth, 2),
-            "allowed_growth_mib": round(tolerance + epochs * HISTORY_ROW_BYTES / 2**20, 2), "samples": samples, "stdout_tail": stdout[-1500:],
+            "allowed_growth_mib": round(allowed, 2), "samples": samples, "stdout_tail": stdout[-1500:],
             "passed": not problems, "problems": problems}
 
 

@@ -416,3 +416,21 @@ def test_split_wide_layers_leaves_the_global_random_state_alone():
     assert torch.equal(torch.get_rng_state(), before)
     x = torch.randn(3, 4)
     torch.testing.assert_close(split(x), model(x))
+
+
+def test_the_papers_dp_never_returns_a_replicated_holder_of_a_split_tie():
+    """method="hierarchical" replicates freely; a split tie under a round-robin kind must not
+    be held by a replicated stage, so the straight re-search is the exact planner's."""
+    from torchpipedream.schedules import build_schedule
+
+    names = ["x"] + [f"l{i}" for i in range(6)]
+    layers = [Layer("x", is_input=True, activation_bytes=1000)]
+    layers += [Layer(n, forward_ms=1.0, backward_ms=2.0, activation_bytes=1000, parameter_bytes=4000)
+               for n in names[1:]]
+    graph = LayerGraph(layers, list(zip(names, names[1:])), batch_size=8,
+                       tied=[SharedParameter("w", [names[1], names[-1]], 10)])
+    for topology in ("C", "A", "4:1GB/s"):
+        plan = make_plan(graph, Topology.from_any(topology), schedule="pipedream", method="hierarchical")
+        held = {s for t in plan.tied for s in t.stages}
+        assert all(plan.stages[s].replicas == 1 for s in held), (topology, plan.config)
+        build_schedule(plan, "pipedream", minibatches=4)  # runnable

@@ -29,6 +29,7 @@ from .graph import LayerGraph
 from .kinds import AUTO, SCHEDULE_KINDS, schedule_kind
 from .plans import Plan, PlanError
 from .topology import Topology
+from .units import human_bytes
 
 __all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "candidate_kinds", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
 
@@ -84,7 +85,7 @@ def choose_schedule(
     microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
     batch_size: int | None = None,
     minibatches: int = 32,
-    progress: Callable[[Candidate], None] | None = None,
+    progress: Callable[[Candidate, Plan | None], None] | None = None,
     host_costs: Callable[[Plan, int], dict[str, Any]] | None = None,
     **plan_options: Any,
 ) -> Plan:
@@ -99,7 +100,7 @@ def choose_schedule(
         microbatches: counts tried for microbatched kinds; counts above ``batch_size`` are skipped.
         batch_size: samples per minibatch (default: the graph's).
         minibatches: the schedule length the simulator compares (fill and drain amortised over it).
-        progress: called with each candidate as it is decided.
+        progress: called with each candidate as it is decided, and its plan (None if none fits).
         host_costs: ``host_costs(plan, microbatches)`` -> overrides for ``Costs.from_plan``
             (``runtime.measure.measure_local_costs`` on local CPU workers, whose messages and
             all-reduces the link model prices too cheaply); default: the plan's link model.
@@ -114,8 +115,8 @@ def choose_schedule(
 
     names = list(kinds) if kinds is not None else candidate_kinds(allow_stale)
     for name in names:
-        if schedule_kind(name).version_rule is schedule_kind("naive").version_rule:
-            raise PlanError("schedule auto: 'naive' computes no true gradient and is never chosen")
+        if not schedule_kind(name).true_gradients:
+            raise PlanError(f"schedule auto: {name!r} computes no true gradient and is never chosen")
     if "schedule" in plan_options or "microbatches" in plan_options:
         raise PlanError("schedule auto chooses the schedule and the microbatches itself; do not pass them")
     if not isinstance(minibatches, int) or minibatches < 1:
@@ -133,10 +134,10 @@ def choose_schedule(
     if not counts:
         raise PlanError(f"schedule auto: no microbatch count to try in {list(microbatches)!r}")
     tried: list[tuple[Candidate, Plan | None]] = []
+    batch = batch_size or graph(1).batch_size
     for name in names:
         kind = schedule_kind(name)
         for m in counts if kind.microbatched else [1]:
-            batch = batch_size or graph(1).batch_size
             if batch and m > batch:
                 continue
             cand = Candidate(name, m)
@@ -154,7 +155,7 @@ def choose_schedule(
                 plan = None
             tried.append((cand, plan))
             if progress is not None:
-                progress(cand)
+                progress(cand, plan)
     ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
     if not ok:
         reasons = "; ".join(f"{c.label}: {c.error}" for c, _ in tried) or "no candidate (batch smaller than 1?)"
@@ -187,7 +188,7 @@ def auto_summary_lines(auto: Any) -> list[str]:
 
     def text(c: dict[str, Any]) -> str:
         cand = Candidate(**c)
-        mem = f", peak {cand.peak_memory_bytes / 2**20:.1f} MiB" if cand.peak_memory_bytes else ""
+        mem = f", peak {human_bytes(cand.peak_memory_bytes)}" if cand.peak_memory_bytes else ""
         return f"{cand.label} ({cand.config}): {cand.time_per_minibatch_s * 1e3:.3f} ms per minibatch{mem}"
 
     tried = auto.get("candidates", [])
@@ -212,7 +213,7 @@ def auto_candidates_table(plan: Plan) -> str:
             rows.append((c.schedule, str(c.microbatches), "-", "does not fit", c.error[:60]))
         else:
             rows.append((c.schedule, str(c.microbatches), c.config, f"{c.time_per_minibatch_s * 1e3:.3f}",
-                         f"{(c.peak_memory_bytes or 0) / 2**20:.1f} MiB"))
+                         human_bytes(c.peak_memory_bytes or 0)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]

@@ -217,10 +217,11 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
             copies[s] += t.bytes
     for s, (i, j, m) in enumerate(stages):
         compute = sum(b.compute_ms for b in blocks[i:j + 1])
-        params = sum(b.parameter_bytes for b in blocks[i:j + 1]) + copies[s]
+        own = sum(b.parameter_bytes for b in blocks[i:j + 1])  # without copies of shared parameters
+        params = own + copies[s]
         bw = topology.allreduce_bandwidth(ranks[s])
-        ar_ms.append(allreduce_ms(params - copies[s], m, bw) + exchange[s])
-        stage_ms.append(stage_time_ms(compute, params - copies[s], m, bw, schedule, microbatches) + exchange[s])
+        ar_ms.append(allreduce_ms(own, m, bw) + exchange[s])
+        stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches) + exchange[s])
         input_bytes = blocks[i - 1].cut_bytes if i > 0 else 0
         depth = in_flight(workers - ranks[s][0], m)
         mem.append(stage_memory_bytes(schedule, params, input_bytes, depth, microbatches, optimizer_state_factor))
@@ -755,7 +756,8 @@ def plan(
                         "use method='fast'")
 
     def search(chain: list[Block], straight_only: bool) -> tuple[list[tuple[int, int, int]], int]:
-        if method == "hierarchical":
+        # the paper's DP replicates freely: a straight re-search (shared parameters) is the exact one's
+        if method == "hierarchical" and not straight_only:
             return _hierarchical(chain, topo, allow_fewer_workers), 0
 
         def problem(depth: int | None) -> _Problem:
@@ -927,9 +929,9 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
     checks = 0
     merged = _merge_shared(blocks, graph.tied)
     errors = []
-    for chain, only_straight in ((merged, straight), (blocks, straight)):
+    for chain in (merged, blocks):
         try:
-            stages, n = search(chain, only_straight)
+            stages, n = search(chain, straight)
         except PlanError as exc:
             errors.append(exc)
             continue
@@ -938,7 +940,7 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
         if split and kind.version_rule is VersionRule.NEWEST:
             continue  # naive keeps no version rule for a copy
         if split and kind.round_robin and any(stages[s][2] > 1 for _, holders in split for s in holders):
-            if only_straight:
+            if straight:
                 continue
             try:
                 stages, n = search(chain, True)

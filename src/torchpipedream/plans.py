@@ -361,6 +361,13 @@ class Plan:
                   for t in self.tied]
         return "\n".join(lines + [summary] + shared)
 
+    def same_layout(self, other: "Plan") -> bool:
+        """Whether both plans put the same layers on the same ranks with the same replicas."""
+        def shape(p: "Plan") -> list[Any]:
+            return [[st.layers, st.replicas, st.ranks] for st in p.stages]
+
+        return shape(self) == shape(other)
+
     def with_recompute(self, stages: bool | Iterable[int]) -> "Plan":
         """A copy of the plan with activation recomputation on every stage (``True``), on none
         (``False``) or on the stages listed."""

@@ -31,8 +31,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Traced", "TraceError", "trace", "as_call", "model_loss", "mutates_first_input", "shared_parameters",
-           "canonical_names", "parameter_aliases", "draws_random_numbers"]
+__all__ = ["Traced", "TraceError", "trace", "as_call", "model_loss", "mutates_first_input",
+           "canonical_names", "parameter_aliases", "with_aliases", "draws_random_numbers"]
 
 log = logging.getLogger(__name__)
 
@@ -259,36 +259,16 @@ def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-def shared_parameters(gm: fx.GraphModule, groups: dict[str, int], original: nn.Module | None = None
-                      ) -> dict[str, set[int]]:
-    """Parameters that nodes of more than one group use (``groups``: node name -> group, e.g.
-    its layer or its stage): canonical name (:func:`canonical_names` of ``original``, default
-    ``gm``) -> the groups that use it. A parameter is one object however many names it has."""
-    modules = dict(gm.named_modules())
-    first_name = canonical_names(original if original is not None else gm)
-    users: dict[int, set[int]] = {}
-    for node in gm.graph.nodes:
-        group = groups.get(node.name)
-        if group is None:
-            continue
-        params: list[nn.Parameter] = []
-        if node.op == "call_module":
-            params = list(modules[str(node.target)].parameters())
-        for arg in node.all_input_nodes:
-            if arg.op == "get_attr":
-                value = _attr(gm, str(arg.target))
-                if isinstance(value, nn.Parameter):
-                    params.append(value)
-        for p in params:
-            users.setdefault(id(p), set()).add(group)
-    return {first_name[pid]: g for pid, g in users.items() if len(g) > 1 and pid in first_name}
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+def with_aliases(state: dict[str, Any], groups: Any) -> dict[str, Any]:
+    """``state`` with every name of each parameter in ``groups`` (lists of the names one
+    parameter has, as :func:`parameter_aliases` gives them), as the model's own ``state_dict``
+    has them: a stage or a checkpoint holds a tied parameter under one name."""
+    for names in groups:
+        present = next((n for n in names if n in state), None)
+        if present is not None:
+            for n in names:
+                state.setdefault(n, state[present])
+    return state
 
 
 def trace(model: nn.Module, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,

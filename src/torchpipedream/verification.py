@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from .kinds import ScheduleKind, VersionRule, schedule_kind
 from .plans import Plan
+from .tracing import as_call, model_loss, parameter_aliases
 
 __all__ = ["verify", "verify_plans", "VerifyReport", "Mismatch", "VerifyError"]
 
@@ -136,15 +137,11 @@ def _worker(rank: int, job: _Job) -> list[dict[int, dict[str, Any]]]:
             pipe = Pipeline(job.model(), plan, job.optimizer, loss_fn=job.loss_fn, loss_reduction=job.loss_reduction,
                             timeout_s=job.timeout_s, sample=inputs)
             pipe.train_minibatches(job.batches[:k])
-            runs[k] = {"stage": pipe.stage, "replica": pipe.replica, "state": pipe.stage_state_dict(),
-                       "tied": {pipe.plan.tied[i].name: pipe.stage_state_dict()[_local_name(pipe, i)]
-                                for i in pipe.tied}}
+            state = pipe.stage_state_dict()
+            runs[k] = {"stage": pipe.stage, "replica": pipe.replica, "state": state,
+                       "tied": {pipe.plan.tied[i].name: state[pipe.tied[i].weights.names[0]] for i in pipe.tied}}
         out.append(runs)
     return out
-
-
-def _local_name(pipe: Any, k: int) -> str:
-    return pipe.tied[k].weights.names[0]
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -169,19 +166,10 @@ def _microbatches(inputs: Any, targets: tuple, m: int) -> list[tuple[Any, tuple,
 
 
 def _call(module: nn.Module, params: dict[str, torch.Tensor] | None, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        args, kwargs = (), inputs
-    elif isinstance(inputs, (tuple, list)):
-        args, kwargs = tuple(inputs), {}
-    else:
-        args, kwargs = (inputs,), {}
+    args, kwargs = as_call(inputs)
     if params is None:
         return module(*args, **kwargs)
     return functional_call(module, params, args, kwargs)
-
-
-def _own_loss(output: Any) -> torch.Tensor:
-    return output["loss"] if isinstance(output, dict) else output.loss
 
 
 def _reference(job: _Job, plan: Plan, version_of: Callable[[str, int], int]) -> list[dict[str, torch.Tensor]]:
@@ -214,7 +202,7 @@ def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], in
         loss = 0.0
         for x, y, n in parts:
             out = _call(module, params, x)
-            value = _own_loss(out) if job.loss_fn is None else job.loss_fn(out, *y)
+            value = model_loss(out) if job.loss_fn is None else job.loss_fn(out, *y)
             loss = loss + (value * n / total if job.loss_reduction == "mean" else value)
         grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
         for n, g in zip(names, grads):
@@ -390,10 +378,8 @@ def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: 
 
 def _aliases(model: Callable[[], nn.Module]) -> dict[str, list[str]]:
     """Name -> the other names of the same parameter, for parameters a model knows by several."""
-    names: dict[int, list[str]] = {}
-    for name, p in model().named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n: [o for o in group if o != n] for group in names.values() if len(group) > 1 for n in group}
+    groups = parameter_aliases(model()).values()
+    return {n: [o for o in group if o != n] for group in groups if len(group) > 1 for n in group}
 
 
 def _first_difference(job: _Job, i: int, want: list[dict[str, torch.Tensor]], aliases: dict[str, list[str]],

@@ -25,11 +25,12 @@ def _handle(args: argparse.Namespace) -> int:
 
     from ..runtime.checkpoint import MANIFEST, latest_checkpoint, read_stage_states
     from ..state_files import save_state_file
+    from ..train.out_dir import checkpoints_root
     from . import CommandError
 
     source = Path(args.checkpoint)
     if not (source / MANIFEST).is_file():
-        found = latest_checkpoint(source / "checkpoints") if (source / "checkpoints").is_dir() else None
+        found = latest_checkpoint(checkpoints_root(source))
         if found is None:
             raise CommandError(f"{source}: not a checkpoint (no {MANIFEST}) and no complete checkpoint under "
                                f"{source / 'checkpoints'}")

@@ -73,6 +73,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..plans import Plan, PlanError
+from ..tracing import with_aliases
 from . import liveness
 from .optimizer_state import OptimizerStateError, load_state_by_name, state_by_name
 
@@ -321,11 +323,7 @@ def read_stage_states(directory: str | Path) -> dict[str, torch.Tensor]:
                     raise CheckpointError(f"checkpoint file {directory / file} lacks {name}, which the manifest "
                                           "says it holds")
                 state[name] = tensors[name]
-    for name, names in manifest.aliases.items():
-        for other in names:
-            if name in state:
-                state.setdefault(other, state[name])
-    return state
+    return with_aliases(state, manifest.aliases.values())
 
 
 def checkpoints_newest_first(root: str | Path) -> list[Manifest]:
@@ -417,15 +415,8 @@ def _name_of_parameters(pipe: "Pipeline", weights: Any) -> dict[int, str]:
 
 
 def _holdings(pipe: "Pipeline") -> dict[str, list[str]]:
-    """What this rank's stage holds, by the model's names: tensors and trained parameters."""
-    if pipe.replica != 0:
-        return {"tensors": [], "parameters": []}
-    trained = [pipe.state_names.get(n, n) for w in _all_weights(pipe) for n in w.names]
-    return {"tensors": sorted(set(pipe.state_names.values())), "parameters": sorted(set(trained))}
-
-
-def _all_weights(pipe: "Pipeline") -> list[Any]:
-    return [pipe.weights] + [copy.weights for copy in pipe.tied.values()]
+    """What this rank's stage holds, by the model's names (replica 0 writes it)."""
+    return {"tensors": sorted(set(pipe.state_names.values())) if pipe.replica == 0 else []}
 
 
 def _owners(pipe: "Pipeline", holdings: list[dict[str, list[str]]]) -> dict[str, int]:
@@ -440,7 +431,7 @@ def _owners(pipe: "Pipeline", holdings: list[dict[str, list[str]]]) -> dict[str,
 
 def _stage_file(pipe: "Pipeline", save_id: str, owner: dict[str, int]) -> tuple[str, dict[str, Any]]:
     """This rank's file name and content (tensors and plain values only)."""
-    states = [w.boundary_state() for w in _all_weights(pipe)]  # asserts nothing is in flight
+    states = [w.boundary_state() for w in pipe._all_weights()]  # asserts nothing is in flight
     payload: dict[str, Any] = {"save_id": save_id, "stage": pipe.stage, "replica": pipe.replica, "rank": pipe.rank,
                                "version": states[0]["version"], "rng": _rng_state(pipe.device),
                                "data": {"epoch": pipe.epochs_done, "minibatches": pipe.minibatches_done}}
@@ -451,7 +442,7 @@ def _stage_file(pipe: "Pipeline", save_id: str, owner: dict[str, int]) -> tuple[
     tensors = {pipe.state_names[k]: v.detach().cpu().clone() for k, v in local.items()
                if k in pipe.state_names and pipe.state_names[k] in mine}
     optimizer: dict[str, Any] = {}
-    for weights in _all_weights(pipe):
+    for weights in pipe._all_weights():
         if weights.optimizer is not None:
             for name, entry in state_by_name(weights.optimizer, _name_of_parameters(pipe, weights)).items():
                 if name in mine:
@@ -501,7 +492,6 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
     parts = _exchange(pipe, "the checkpoint file list", entries)
     error = None
     if pipe.rank == 0:
-        trained = {n for h in holdings for n in h["parameters"]}
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -518,8 +508,7 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
             # Which file holds each tensor (and the optimizer state of each trained one), by
             # the model's names: any plan reads what its stages need (module docstring).
             "index": {name: f"stage{stage}.pt" for name, stage in sorted(owner.items())},
-            "trained": sorted(trained),
-            "aliases": {name: names for name, names in sorted(pipe._aliases.items()) if len(names) > 1},
+            "aliases": dict(sorted(pipe._aliases.items())),
         }
         try:
             write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -545,17 +534,20 @@ class _Loaded:
 
 
 def _same_layout(pipe: "Pipeline", manifest: Manifest) -> bool:
-    saved = manifest.plan.get("stages") if isinstance(manifest.plan, dict) else None
-    mine = [{"layers": list(st.layers), "ranks": list(st.ranks)} for st in pipe.plan.stages]
-    return manifest.world_size == pipe.world_size and isinstance(saved, list) and \
-        [{"layers": st.get("layers"), "ranks": st.get("ranks")} for st in saved if isinstance(st, dict)] == mine
+    if manifest.world_size != pipe.world_size:
+        return False
+    try:
+        return Plan.from_dict(manifest.plan).same_layout(pipe.plan)
+    except PlanError:
+        return False
 
 
 def _read_for_stage(pipe: "Pipeline", directory: Path) -> _Loaded:
     """Read and check what this rank needs, from whichever files hold it (any plan)."""
     manifest = verify_checkpoint(directory) if pipe.rank == 0 else read_manifest(directory)
     by_file = {e["file"]: e for e in manifest.files}
-    needed = {pipe.state_names[k]: k for k in pipe.module.state_dict() if k in pipe.state_names}
+    local = pipe.module.state_dict()
+    needed = {pipe.state_names[k]: k for k in local if k in pipe.state_names}
     missing = sorted(n for n in needed if n not in manifest.index)
     if missing:
         raise CheckpointError(f"checkpoint {directory} holds no {missing[:4]}{' ...' if len(missing) > 4 else ''} "
@@ -570,7 +562,6 @@ def _read_for_stage(pipe: "Pipeline", directory: Path) -> _Loaded:
         return files[name]
 
     state: dict[str, torch.Tensor] = {}
-    local = pipe.module.state_dict()
     for name, key in needed.items():
         holder = manifest.index[name]
         tensor = payload(holder).get("tensors", {}).get(name)
@@ -580,7 +571,7 @@ def _read_for_stage(pipe: "Pipeline", directory: Path) -> _Loaded:
                                   f"{tuple(local[key].shape)}: resume with the same model")
         state[key] = tensor
     optimizer: dict[str, dict[str, Any]] = {}
-    for weights in _all_weights(pipe):
+    for weights in pipe._all_weights():
         for name in _name_of_parameters(pipe, weights).values():
             entry = payload(manifest.index[name]).get("optimizer", {}).get(name)
             if entry is None:
@@ -595,13 +586,13 @@ def _read_for_stage(pipe: "Pipeline", directory: Path) -> _Loaded:
     return _Loaded(state, optimizer, rng, manifest, read_extra(directory, manifest), version)
 
 
-def _check_names_cover(pipe: "Pipeline", directory: Path) -> str | None:
+def _check_names_cover(pipe: "Pipeline", directory: Path, manifest: Manifest) -> str | None:
     """Every tensor of the checkpoint is used by some stage of this pipeline (else the model
     lacks some of the checkpoint's layers): checked on rank 0 from every rank's names."""
     names = _exchange(pipe, "the names the stages load", sorted(set(pipe.state_names.values())))
     if pipe.rank != 0:
         return None
-    unused = sorted(set(read_manifest(directory).index) - {n for part in names for n in part})
+    unused = sorted(set(manifest.index) - {n for part in names for n in part})
     if unused:
         return (f"checkpoint {directory} holds {unused[:4]}{' ...' if len(unused) > 4 else ''}, which this model "
                 "does not have: resume with the same model")
@@ -625,8 +616,8 @@ def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
     except Exception as exc:  # a malformed file: refuse on every rank, never hang
         error = f"checkpoint {directory} cannot be used: {type(exc).__name__}: {exc}"
     _agree(pipe, "the reading of the checkpoint files", error)
-    _agree(pipe, "the checking of the checkpoint's names", _check_names_cover(pipe, directory))
-    assert loaded is not None
+    assert loaded is not None  # every rank read its files (the agreement above)
+    _agree(pipe, "the checking of the checkpoint's names", _check_names_cover(pipe, directory, loaded.manifest))
 
     with torch.no_grad():
         pipe.module.load_state_dict(loaded.state, strict=False)
@@ -634,7 +625,7 @@ def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
         pipe.engine.buffers.snapshot()
     error = None
     try:
-        for weights in _all_weights(pipe):
+        for weights in pipe._all_weights():
             weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
             if weights.optimizer is not None:
                 load_state_by_name(weights.optimizer, loaded.optimizer, _name_of_parameters(pipe, weights))

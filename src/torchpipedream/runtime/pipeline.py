@@ -53,7 +53,7 @@ from ..placement import tied_support_problem
 from ..plans import Plan, PlanError, TiedParameter
 from ..schedules import build_schedule
 from ..trace import Event, Trace
-from ..tracing import as_call, draws_random_numbers, model_loss, parameter_aliases
+from ..tracing import as_call, draws_random_numbers, model_loss, parameter_aliases, with_aliases
 from ..validate import validate_schedule
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
@@ -221,7 +221,9 @@ class Pipeline:
         call = as_call(sample) if sample is not None else None
         split = split_stages(module_or_stages, plan, sample=call, train=True)
         self.plan = plan = self._with_shared_parameters(plan, split)
-        self._aliases = parameter_aliases(module_or_stages) if isinstance(module_or_stages, nn.Module) else {}
+        # parameters the model knows by several names (tied): canonical name -> every name
+        self._aliases = {k: v for k, v in parameter_aliases(module_or_stages).items() if len(v) > 1} \
+            if isinstance(module_or_stages, nn.Module) else {}
         local_tied = {k: split.tied[t.name][self.stage] for k, t in enumerate(plan.tied) if self.stage in t.stages}
         # The model's name of each entry of this stage's state (checkpoints are keyed by it).
         self.state_names = model_state_names(split.modules[self.stage],
@@ -292,7 +294,7 @@ class Pipeline:
         found = []
         for name, holders in sorted(split.tied.items(), key=lambda kv: min(kv[1])):
             stage, local = min(holders.items())
-            p = dict(split.modules[stage].named_parameters())[local]
+            p = split.modules[stage].get_parameter(local)
             found.append(TiedParameter(name, sorted(holders), p.numel() * p.element_size()))
         if plan.tied and [(t.name, t.stages) for t in plan.tied] != [(t.name, t.stages) for t in found]:
             raise PipelineError(
@@ -474,10 +476,11 @@ class Pipeline:
         # but add no loss, no gradient and no samples.
         parts = [list(torch.tensor_split(v, m, dim=0)) if isinstance(v, torch.Tensor) and v.dim() > 0
                  and v.shape[0] == size else [v] * m for v in leaves]
+        counted = next(p for p, v in zip(parts, leaves) if v is first)  # its rows are the samples
         out = []
         for j in range(m):
             args_j, kwargs_j, targets_j = pytree.tree_unflatten([p[j] for p in parts], spec)
-            samples = int(next(p[j] for p, v in zip(parts, leaves) if v is first).shape[0])
+            samples = int(counted[j].shape[0])
             try:
                 stage_inputs = self._stage_inputs(args_j, kwargs_j)
             except (TypeError, ValueError) as exc:
@@ -659,7 +662,7 @@ class Pipeline:
         """
         mine = self.stage_state_dict() if self.replica == 0 else {}
         if not self.distributed:
-            return self._with_aliases(mine)
+            return with_aliases(mine, self._aliases.values())
         buf = io.BytesIO()
         torch.save(mine, buf)
         with self._failure_guard("gathering the state"):
@@ -669,17 +672,7 @@ class Pipeline:
         full: dict[str, torch.Tensor] = {}
         for part in parts:
             full.update(torch.load(io.BytesIO(part), map_location="cpu", weights_only=True))
-        return self._with_aliases(full)
-
-    def _with_aliases(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every name of a parameter the model knows by several (a tied embedding and output
-        layer), as in the model's own ``state_dict``: a stage holds it under one of them."""
-        for names in self._aliases.values():
-            present = next((n for n in names if n in state), None)
-            if present is not None:
-                for n in names:
-                    state.setdefault(n, state[present])
-        return state
+        return with_aliases(full, self._aliases.values())
 
     def _gather_bytes(self, data: bytes, dst: int | None, what: str) -> list[bytes] | None:
         """Every rank's ``data`` on rank ``dst`` (every rank when None; None elsewhere): raw

@@ -196,15 +196,16 @@ def _assign_stages(gm: fx.GraphModule, plan: Plan, layout: dict[str, Any] | None
     by_target = {str(n.target): n for n in nodes if n.op == "call_module"}
     planned: dict[fx.Node, int] = {}
     unknown = []
-    for s, stage in enumerate(plan.stages if layout is None else ()):
-        for name in stage.layers:
-            node = by_name.get(name) or by_target.get(name)
-            if node is None:
-                unknown.append(name)
-                continue
-            planned[node] = s
     if layout is not None:
         planned = _planned_by_layout(gm, layout)
+    else:
+        for s, stage in enumerate(plan.stages):
+            for name in stage.layers:
+                node = by_name.get(name) or by_target.get(name)
+                if node is None:
+                    unknown.append(name)
+                    continue
+                planned[node] = s
     if unknown:
         raise StageSplitError(
             f"the plan names layers this model does not have: {unknown[:6]}{' ...' if len(unknown) > 6 else ''} "

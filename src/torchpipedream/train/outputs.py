@@ -23,9 +23,8 @@ import torch
 
 from ..trace import Trace
 from ..auto_schedule import auto_summary_lines
-from ..kinds import schedule_kind
 from .resume import plan_side_text
-from .config import TrainError
+from .config import TrainError, schedule_of
 from .preparation import Prepared
 
 __all__ = ["write_outputs", "format_report", "outputs_from_checkpoint", "strict_json"]
@@ -98,8 +97,9 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         "config": asdict(cfg),
         "plan": plan.summary,
         "plan_config": plan.config,
-        "schedule": plan.schedule,  # what trained (--schedule auto: the chosen kind)
-        "microbatches": plan.microbatches if schedule_kind(plan.schedule).microbatched else 1,
+        # what trained (--schedule auto: the chosen kind and microbatches)
+        "schedule": schedule_of(cfg, plan)[0],
+        "microbatches": schedule_of(cfg, plan)[1],
         # --schedule auto: the choice, the runner-up and every candidate with its prediction
         "auto": plan.meta.get("auto"),
         "why": prep.why,

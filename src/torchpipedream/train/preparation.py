@@ -84,7 +84,7 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
             raise TrainError(f"--resume: the checkpoint's plan {exc}") from None
         return saved_plan
     if cfg.plan_file:
-        plan = _load_plan_file(cfg)
+        plan = Plan.load(cfg.plan_file)  # check_options has read it
         try:
             plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
         except PlanError as exc:
@@ -93,49 +93,52 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
             plan.schedule = cfg.schedule
         return plan.with_recompute(True) if cfg.recompute else plan
     from ..planner import plan as make_plan
+
+    return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
+                     num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute)
+
+
+def _topology(cfg: TrainConfig, workers: int) -> Any:
+    """``--topology``, else this computer's ``workers``; checked against ``--workers``."""
     from ..topology import Topology
 
     topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
     if topo.num_workers != workers:
         raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
-    return make_plan(graph, topo, schedule=cfg.schedule, microbatches=microbatches_of(cfg),
-                     num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute)
+    return topo
 
 
-def _load_plan_file(cfg: TrainConfig) -> Plan:
-    try:
-        return Plan.load(cfg.plan_file)
-    except PlanError as exc:
-        raise TrainError(f"--plan: {exc}") from None
+class _HostCosts:
+    """This host's measured costs of a plan's local run (``runtime.measure.measure_local_costs``,
+    a few seconds of spawned processes), measured once per plan shape and microbatch count:
+    candidates of one shape (flush and gpipe, often) and the chosen plan share a measurement."""
 
+    def __init__(self) -> None:
+        self._measured: dict[Any, dict[str, Any]] = {}
 
-def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, measure_host: bool) -> Plan:
-    """``--schedule auto``: the fastest predicted kind and microbatch count (auto_schedule.py),
-    each candidate planned from a profile at its own microbatch size, and on this machine's
-    workers priced with its measured host costs (as the run's own prediction is)."""
-    from ..auto_schedule import choose_schedule
-    from ..topology import Topology
-
-    measured: dict[Any, dict[str, Any]] = {}
-
-    def host_costs(plan: Plan, m: int) -> dict[str, Any]:
+    def __call__(self, plan: Plan, m: int) -> dict[str, Any]:
         from ..runtime.measure import measure_local_costs
 
         if plan.num_workers < 2:
             return {}
         key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
-        if key not in measured:  # candidates of one shape (flush and gpipe, often) measure once
-            measured[key] = measure_local_costs(plan, m)
-        return measured[key]
+        if key not in self._measured:
+            self._measured[key] = measure_local_costs(plan, m)
+        return self._measured[key]
 
-    topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
-    if topo.num_workers != workers:
-        raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
+
+def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostCosts | None) -> Plan:
+    """``--schedule auto``: the fastest predicted kind and microbatch count (auto_schedule.py),
+    each candidate planned from a profile at its own microbatch size, and on this machine's
+    workers priced with its measured host costs (as the run's own prediction is)."""
+    from ..auto_schedule import choose_schedule
+
+    topo = _topology(cfg, workers)
     log.info("--schedule auto: planning every schedule kind and microbatch count")
     try:
         return choose_schedule(profiled, topo, allow_stale=cfg.allow_stale, batch_size=cfg.batch_size,
                                num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
-                               host_costs=host_costs if measure_host and not cfg.topology else None)
+                               host_costs=host_costs)
     except PlanError as exc:
         raise TrainError(str(exc)) from None
 
@@ -172,16 +175,15 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
                                                  optimizer=optimizer_factory(cfg), microbatches=microbatches)
         return profiles[microbatches]
 
+    host_costs = _HostCosts() if measure_host and not cfg.topology else None  # a local run on this host
     saved = point.plan if point is not None and not point.replan else None
     if cfg.schedule == AUTO and saved is None and not cfg.plan_file:
-        plan = _auto_plan(cfg, profiled, workers, measure_host)
+        plan = _auto_plan(cfg, profiled, workers, host_costs)
     else:
-        if cfg.schedule == AUTO:  # the checkpoint's or the file's choice
-            given = saved if saved is not None else _load_plan_file(cfg)
-            profiled(schedule_of(cfg, given)[1])
-        else:
-            profiled(microbatches_of(cfg))
-        plan = _choose_plan(cfg, profiles[next(iter(profiles))], workers, saved)
+        # auto with a checkpoint's or a file's plan: that plan's microbatches
+        given = (saved or Plan.load(cfg.plan_file)) if cfg.schedule == AUTO else None
+        m = schedule_of(cfg, given)[1] if given is not None else microbatches_of(cfg)
+        plan = _choose_plan(cfg, profiled(m), workers, saved)
     kind, m = schedule_of(cfg, plan)
     graph = profiled(m)
     changes = list(point.extra.get("plan_changes", [])) if point is not None else []
@@ -198,11 +200,9 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     sched = build_schedule(plan, kind, minibatches=n, microbatches=m,
                            **({"vertical_sync": True} if cfg.vertical_sync else {}))
     host: dict[str, Any] = {}
-    if measure_host and not cfg.topology and plan.num_workers > 1 and not (point is not None and point.complete):
-        from ..runtime.measure import measure_local_costs
-
+    if host_costs is not None and plan.num_workers > 1 and not (point is not None and point.complete):
         log.info("measuring this host's message, all-reduce and copy costs for the prediction")
-        host = measure_local_costs(plan, m)
+        host = host_costs(plan, m)
     sim = simulate(sched, Costs.from_plan(plan, microbatches=m, **host))
     predicted = {
         "time_per_minibatch_s": sim.makespan_s / n,

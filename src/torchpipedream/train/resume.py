@@ -68,13 +68,6 @@ def _differences(cfg: TrainConfig, saved: dict[str, Any], among: frozenset[str] 
             if saved.get(k, defaults[k]) != mine[k]]
 
 
-def _same_plan(a: Plan, b: Plan) -> bool:
-    def shape(p: Plan) -> list[Any]:
-        return [[st.layers, st.replicas, st.ranks] for st in p.stages]
-
-    return shape(a) == shape(b)
-
-
 def resume_point(cfg: TrainConfig) -> ResumePoint:
     """The newest verified checkpoint in OUT/checkpoints written by a run with the same options
     (checkpoints of other options are skipped, with a warning saying which option differs)."""
@@ -82,6 +75,7 @@ def resume_point(cfg: TrainConfig) -> ResumePoint:
 
     root = Path(cfg.out) / "checkpoints"
     rejected: list[str] = []
+    given = Plan.load(cfg.plan_file) if cfg.plan_file else None
     for manifest in checkpoints_newest_first(root):
         found = manifest.path.parent
         try:
@@ -99,7 +93,7 @@ def resume_point(cfg: TrainConfig) -> ResumePoint:
             rejected.append(f"{found.name} was written with other options: {', '.join(differ)}")
             continue
         replan = _differences(cfg, saved, PLAN_OPTIONS - {"plan_file"})
-        if cfg.plan_file and not _same_plan(Plan.load(cfg.plan_file), plan):
+        if given is not None and not given.same_layout(plan):
             replan.append(f"--plan {cfg.plan_file} (another plan than the checkpoint's)")
         done = int(extra.get("epoch", 0)) >= cfg.epochs and not extra.get("minibatch", 0)
         return ResumePoint(found, plan, extra, complete=done, replan=replan)

@@ -38,8 +38,9 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     cfg = prep.config
     model = build_model(cfg)
     x, y, xt, yt = load_data(cfg)
+    kind, microbatches = schedule_of(cfg, prep.plan)
     pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
-                    schedule=schedule_of(cfg, prep.plan)[0], microbatches=schedule_of(cfg, prep.plan)[1],
+                    schedule=kind, microbatches=microbatches,
                     vertical_sync=cfg.vertical_sync,
                     timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s,
                     precision=cfg.precision,
