@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
-           "compare_targets", "main", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "main", "memory_budget", "memory_model", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -334,6 +334,50 @@ def recompute(data: Data) -> str:
     return _table(head, body)
 
 
+def memory_model(data: Data) -> str:
+    """memory_model.json (benchmarks/memory_model.py) → the memory model's prediction beside the
+    measured peak of every stage, the models it was chosen on first, then those held out."""
+    rows = data["rows"]
+
+    def summary(held_out: bool) -> str:
+        ratios = [r["measured_vs_predicted"] for r in rows if r["held_out"] == held_out]
+        if not ratios:
+            return ""
+        inside = sum(abs(x - 1) <= 0.15 for x in ratios)
+        what = "held out (not looked at while choosing the model's constant)" if held_out else \
+            f"chosen on (working factor {data['working_factor']:g} chosen on these)"
+        return (f"Models {what}: {inside} of {len(ratios)} stages within ±15% of the prediction, "
+                f"measured/predicted {min(ratios):.2f}–{max(ratios):.2f}.")
+
+    head = ["model", "schedule", "μ", "recompute", "stage", "predicted MiB", "simulated MiB", "measured MiB",
+            "measured/predicted"]
+    body = [[r["model"] + (" (held out)" if r["held_out"] else ""), r["schedule"], r["microbatches"],
+             "yes" if r["recompute"] else "no", r["stage"], f"{r['predicted_bytes'] / 2**20:.2f}",
+             f"{r['simulated_bytes'] / 2**20:.2f}", f"{r['measured_bytes'] / 2**20:.2f}",
+             f"{r['measured_vs_predicted']:.3f}"] for r in sorted(rows, key=lambda r: r["held_out"])]
+    lines = [line for line in (summary(False), summary(True)) if line]
+    return "\n".join(lines) + "\n\n" + _table(head, body)
+
+
+def memory_budget(data: Data) -> str:
+    """memory_model.json → ``--schedule auto`` without and with a memory budget: the plans chosen,
+    predicted and measured peaks per stage, and what the budget gave up."""
+    head = ["model", "run", "budget MiB", "chosen", "predicted ms/minibatch", "predicted MiB per stage",
+            "measured MiB per stage", "measured under budget"]
+    body = []
+    for r in data.get("budget_rows", []):
+        budget = r["budget_bytes"]
+        body.append([r["model"], r["run"], "-" if budget is None else f"{budget / 2**20:.2f}",
+                     f"{r['schedule']}, {r['microbatches']} microbatches{', recompute' if r['recompute'] else ''} "
+                     f"[{r['plan']}]", f"{r['predicted_time_per_minibatch_s'] * 1e3:.2f}",
+                     ", ".join(f"{x / 2**20:.2f}" for x in r["predicted_bytes"]),
+                     ", ".join(f"{x / 2**20:.2f}" for x in r["measured_bytes"]),
+                     "-" if budget is None else _yes(max(r["measured_bytes"]) <= budget)])
+    gave = [f"{r['model']}: {line}" for r in data.get("budget_rows", []) if r["budget_bytes"] is not None
+            for line in r["summary"] if line.startswith("memory budget")]
+    return _table(head, body) + ("\n\n" + "\n".join(f"- {g}" for g in gave) if gave else "")
+
+
 # ----------------------------------------------------------------------------- statistical_efficiency*.json
 def _targets(meta: Data) -> list[float]:
     return sorted({0.95, 0.97, meta["target"]})
@@ -472,6 +516,8 @@ TABLES: dict[str, Table] = {
     "cli_startup": Table(("cli_startup.json",), cli_startup),
     "recompute": Table(("recompute.json",), recompute),
     "auto_choice": Table(("auto_choice.json",), auto_choice),
+    "memory_model": Table(("memory_model.json",), memory_model),
+    "memory_budget": Table(("memory_model.json",), memory_budget),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).

@@ -119,3 +119,43 @@ def test_train_schedule_auto_trains_with_the_chosen_kind(tmp_path: Path, capsys)
     assert main(["train", "--model", "mlp", "--workers", "2", "--no-progress", "--allow-stale",
                  "--out", str(tmp_path / "x")]) == 2
     assert "--allow-stale lets --schedule auto choose" in capsys.readouterr().err
+
+
+def _activation_heavy_chain():
+    """Four layers whose forwards leave 48 MB each for their backward (intermediate activations)
+    but pass on only 1 MB: a memory budget binds, and recomputation is what lifts it."""
+    from torchpipedream.graph import Layer, LayerGraph
+
+    names = [f"l{i}" for i in range(4)]
+    layers = [Layer(n, forward_ms=1.0, backward_ms=2.0, activation_bytes=1 << 20, parameter_bytes=1 << 20,
+                    saved_bytes=48 << 20, saved_output_bytes=0, released_bytes=0) for n in names]
+    return LayerGraph(layers, list(zip(names, names[1:])), batch_size=8)
+
+
+def test_with_a_memory_budget_auto_recomputes_and_says_what_the_budget_cost() -> None:
+    graph = _activation_heavy_chain()
+    free = choose_schedule(graph, "2:10GB/s")
+    assert not any(c["recompute"] for c in free.meta["auto"]["candidates"])  # no budget: never tried
+    peak = free.predicted["peak_memory_bytes"]
+    budget = int(peak * 0.2)
+    bounded = choose_schedule(graph, "2:10GB/s", memory_bytes=budget)
+    auto = bounded.meta["auto"]
+    assert max(st.memory_bytes for st in bounded.stages) <= budget
+    assert auto["memory_budget_bytes"] == budget
+    assert auto["without_budget"]["time_per_minibatch_s"] == pytest.approx(
+        free.meta["auto"]["chosen"]["time_per_minibatch_s"], rel=1e-9)
+    # nothing without recomputation fits; the chosen plan recomputes and is slower than the free one
+    assert all(c["error"] for c in auto["candidates"] if not c["recompute"])
+    assert auto["chosen"]["recompute"] and all(st.recompute for st in bounded.stages)
+    assert auto["chosen"]["time_per_minibatch_s"] > auto["without_budget"]["time_per_minibatch_s"]
+    free_label = free.meta["auto"]["chosen"]["schedule"]
+    assert any(line.startswith("memory budget") and f"gave up {free_label}" in line and "time per minibatch" in line
+               for line in auto_summary(bounded))
+
+
+def test_a_budget_the_fastest_plan_fits_gives_up_nothing() -> None:
+    graph = _activation_heavy_chain()
+    free = choose_schedule(graph, "2:10GB/s")
+    roomy = choose_schedule(graph, "2:10GB/s", memory_bytes=free.predicted["peak_memory_bytes"] * 4)
+    assert not roomy.meta["auto"]["chosen"]["recompute"]
+    assert any("gave up nothing" in line for line in auto_summary(roomy))

@@ -40,38 +40,54 @@ def _slowest(counts: list[int], bws: list[float], ranks: list[int]) -> float:
     return min(bws[:k], default=math.inf)
 
 
-def _cuts(g: LayerGraph) -> tuple[list[str], list[float]]:
-    order = g.topological_order()
-    pos = {n: i for i, n in enumerate(order)}
-    cut = []
-    for p in range(len(order)):
-        crossing = {a for a, b in g.edges if pos[a] <= p < pos[b]}
-        cut.append(float(sum(g[a].activation_bytes for a in crossing)))
-    return order, cut
-
-
-def _memory(schedule: str, w: float, a_in: float, d: int, mu: int) -> float:
+def _memory(schedule: str, w: float, held: float, once: float, d: int, mu: int, replicas: int = 1) -> float:
+    """docs/planner.md, "Memory": ``held`` per in-flight minibatch, ``once`` per worker (already
+    per microbatch); replicas of flush and gpipe share a minibatch's microbatches, so one holds
+    at most ⌈μ/replicas⌉ of them."""
+    local = -(-mu // replicas)
     if schedule == "pipedream":
-        return w * d + F * w + a_in * d
+        return w * d + F * w + held * d + once
     if schedule == "naive":
-        return w * (1 + F) + a_in * d
+        return w * (1 + F) + held * d + once
     if schedule == "2bw":
-        return w * (2 + F) + a_in / mu * d
+        return w * (2 + F) + held / mu * d + once
     if schedule == "flush":
-        return w * (1 + F) + a_in / mu * min(d, mu)
+        return w * (1 + F) + held / mu * min(d, mu, local) + once
     if schedule == "gpipe":
-        return w * (1 + F) + a_in
+        return w * (1 + F) + held / mu * local + once
     raise AssertionError(schedule)
+
+
+def _stage_memory(blocks, i: int, j: int, schedule: str, w: float, d: int, mu: int, replicas: int) -> float:
+    """The written memory model of blocks i..j-1 (no recomputation): what an in-flight minibatch
+    holds (saved, inputs, outputs nothing saved, 2 message buffers of the outputs), and once: 1.5 ×
+    the largest output + inputs of a layer less what the backward of the later layers freed, two
+    message buffers of the inputs, and the largest layer's parameters when backwards accumulate.
+    A graph without saved bytes: the stashed inputs only."""
+    mu = mu if schedule in ("2bw", "flush", "gpipe") else 1
+    inputs = blocks[i - 1].cut_bytes if i > 0 else 0.0
+    if not all(b.saves_measured for b in blocks):
+        return _memory(schedule, w, inputs, 0.0, d, mu, replicas)
+    outputs = blocks[j - 1].cut_bytes if j < len(blocks) else 0.0
+    unsaved = blocks[j - 1].unsaved_cut_bytes if j < len(blocks) else 0.0
+    held = sum(b.saved_bytes for b in blocks[i:j]) + inputs + unsaved + 2 * outputs
+    working = max(1.5 * blocks[k].working_bytes - blocks[k].released_bytes
+                  - sum(b.saved_bytes for b in blocks[k + 1:j]) for k in range(i, j))
+    once = (working + 2 * inputs) / mu
+    if mu > 1 or replicas > 1:
+        once += max(b.largest_parameter_bytes for b in blocks[i:j])
+    return _memory(schedule, w, held, once, d, mu, replicas)
 
 
 def oracle(g: LayerGraph, counts: list[int], bws: list[float], *, schedule="pipedream", straight=False,
            num_stages=None, allow_fewer=False, memory=None, mu=1, ar_eff=1.0):
     """(best time ms, best max memory) over every plan, or (inf, min max memory over all plans)."""
-    order, cut = _cuts(g)
-    n, W = len(order), math.prod(counts)
+    blocks = g.linearize()  # the planner cuts between blocks (free layers join the one before)
+    cut = [float(b.cut_bytes) for b in blocks]
+    n, W = len(blocks), math.prod(counts)
     shared = schedule in ("2bw", "flush", "gpipe")
-    comp = [g[x].compute_ms for x in order]
-    wts = [float(g[x].parameter_bytes) for x in order]
+    comp = [b.compute_ms for b in blocks]
+    wts = [float(b.parameter_bytes) for b in blocks]
     best, best_mem_any = math.inf, math.inf
     for k in range(1, n + 1):
         if num_stages is not None and k != num_stages:
@@ -102,9 +118,8 @@ def oracle(g: LayerGraph, counts: list[int], bws: list[float], *, schedule="pipe
                         if s + 1 < k:
                             Bc = _slowest(counts, bws, ranks[s] + ranks[s + 1])
                             t = max(t, 2 * cut[j - 1] / Bc * 1e3)
-                        a_in = cut[i - 1] if i > 0 else 0.0
                         d = -(-(total - ranks[s][0]) // m)
-                        mem = max(mem, _memory(schedule, w, a_in, d, mu))
+                        mem = max(mem, _stage_memory(blocks, i, j, schedule, w, d, mu, m))
                     if schedule in ("flush", "gpipe"):  # every minibatch fills and drains k stages
                         t *= (mu + k - 1) / mu
                     best_mem_any = min(best_mem_any, mem)
@@ -118,13 +133,19 @@ def oracle(g: LayerGraph, counts: list[int], bws: list[float], *, schedule="pipe
 def problems(draw):
     n = draw(st.integers(1, 8))
     layers = []
+    measured = draw(st.booleans())  # the profile measured what each layer saves for its backward
     for i in range(n):
+        out = draw(st.integers(0, 4 * 10**7))
+        saved_out = draw(st.integers(0, out)) if measured else None
         layers.append(Layer(
             name=f"l{i}",
             forward_ms=draw(st.floats(0.0, 10.0, allow_nan=False)),
             backward_ms=draw(st.floats(0.0, 20.0, allow_nan=False)),
-            activation_bytes=draw(st.integers(0, 4 * 10**7)),
+            activation_bytes=out,
             parameter_bytes=draw(st.sampled_from([0, draw(st.integers(0, 10**8))])),
+            saved_bytes=saved_out + draw(st.integers(0, 4 * 10**7)) if measured else None,
+            saved_output_bytes=saved_out,
+            released_bytes=draw(st.integers(0, saved_out)) if measured else None,
         ))
     edges = []
     dag = draw(st.booleans())

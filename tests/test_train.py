@@ -139,3 +139,22 @@ def test_a_failing_worker_ends_the_command_with_its_error_not_a_launcher_traceba
     assert "rank 1" in err
     # nothing to resume from: no resume hint for checkpoints that do not exist
     assert "no checkpoint was written" in err and "--resume" not in err
+
+
+def test_a_memory_budget_is_kept_and_the_peaks_are_measured(tmp_path: Path, capsys) -> None:
+    """`--schedule auto --memory B --measure-memory`: the chosen plan's predicted peaks fit B, the
+    measured peak of every stage is reported beside its prediction, and a budget no plan fits is
+    refused with the smallest that would."""
+    out = tmp_path / "run"
+    common = ["train", "--workers", "2", "--epochs", "1", "--max-minibatches", "8", "--no-progress",
+              "--timeout", "60", "--optimizer", "momentum", "--schedule", "auto"]
+    assert main([*common, "--memory", "64MB", "--measure-memory", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["auto"]["memory_budget_bytes"] == 64_000_000
+    assert [m["stage"] for m in report["memory"]] == list(range(len(report["memory"])))
+    for m in report["memory"]:
+        assert 0 < m["predicted_bytes"] <= 64_000_000 and m["measured_bytes"] > 0
+    assert "memory budget 64" in text and "measured" in text.split("memory", 1)[1]
+    assert main([*common, "--memory", "1kB", "--out", str(tmp_path / "tiny")]) == 2
+    assert "no plan fits in 1" in capsys.readouterr().err

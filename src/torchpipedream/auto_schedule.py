@@ -14,13 +14,18 @@ The profile a candidate is planned from may depend on its microbatch count (a sc
 microbatches runs the layers on batch/m samples, often less efficiently): ``graph_for(m)``
 gives it; a single graph is scaled by 1/m as ``Costs.from_plan`` does.
 
-Activation recomputation is not searched: the planner's memory model counts stashed stage
-inputs only, which is all a recomputing stage keeps, so it would never see a saving to buy
-with the extra forward (docs/planner.md, Restrictions).
+Activation recomputation is searched where memory is bounded: with a memory budget (the
+``memory_bytes`` option or the topology's) every candidate is also planned with
+``recompute=True``, which the memory model (memory_model.py) prices as keeping each stage's
+inputs and outputs only, at the cost of a second forward in every backward. Without a budget
+recomputation only costs time and is not tried (``recompute=True`` asks for it on every
+candidate). With a budget, the fastest plan without it is recorded too
+(``meta["auto"]["without_budget"]``): what the budget gave up.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
@@ -45,6 +50,7 @@ class Candidate:
 
     schedule: str
     microbatches: int
+    recompute: bool = False
     config: str = ""
     time_per_minibatch_s: float | None = None
     peak_memory_bytes: int | None = None
@@ -52,7 +58,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return self.schedule if self.microbatches == 1 else f"{self.schedule}, {self.microbatches} microbatches"
+        text = self.schedule if self.microbatches == 1 else f"{self.schedule}, {self.microbatches} microbatches"
+        return text + (", recompute" if self.recompute else "")
 
 
 def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedream", allow_stale: bool = False,
@@ -133,41 +140,68 @@ def choose_schedule(
     counts = sorted({int(m) for m in microbatches if int(m) >= 1})
     if not counts:
         raise PlanError(f"schedule auto: no microbatch count to try in {list(microbatches)!r}")
-    tried: list[tuple[Candidate, Plan | None]] = []
+    topo = Topology.from_any(topology)
+    budget = plan_options.get("memory_bytes")
+    budget = budget if budget is not None else topo.memory_bytes
+    asked = bool(plan_options.pop("recompute", False))
+    recomputes = [True] if asked else ([False, True] if budget is not None else [False])
     batch = batch_size or graph(1).batch_size
-    for name in names:
-        kind = schedule_kind(name)
-        for m in counts if kind.microbatched else [1]:
-            if batch and m > batch:
-                continue
-            cand = Candidate(name, m)
-            plan: Plan | None = None
-            try:
-                plan = make_plan(graph(m), topology, schedule=name, microbatches=m, **plan_options)
-                extra = host_costs(plan, m) if host_costs is not None else {}
-                sim = simulate(build_schedule(plan, name, minibatches=minibatches, microbatches=m),
-                               Costs.from_plan(plan, microbatches=m, **extra))
-                cand.config = plan.config
-                cand.time_per_minibatch_s = sim.makespan_s / minibatches
-                cand.peak_memory_bytes = int(max(sim.peak_memory_bytes)) if sim.peak_memory_bytes else None
-            except PlanError as exc:
-                cand.error = str(exc)
-                plan = None
-            tried.append((cand, plan))
-            if progress is not None:
-                progress(cand, plan)
-    ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
+
+    def search(topo: Topology, options: dict[str, Any], recomputes: list[bool],
+               report: bool) -> list[tuple[Candidate, Plan | None]]:
+        tried: list[tuple[Candidate, Plan | None]] = []
+        for name in names:
+            kind = schedule_kind(name)
+            for m in counts if kind.microbatched else [1]:
+                if batch and m > batch:
+                    continue
+                for recompute in recomputes:
+                    cand = Candidate(name, m, recompute)
+                    plan: Plan | None = None
+                    try:
+                        plan = make_plan(graph(m), topo, schedule=name, microbatches=m, recompute=recompute,
+                                         **options)
+                        extra = host_costs(plan, m) if host_costs is not None else {}
+                        sim = simulate(build_schedule(plan, name, minibatches=minibatches, microbatches=m),
+                                       Costs.from_plan(plan, microbatches=m, **extra))
+                        cand.config = plan.config
+                        cand.time_per_minibatch_s = sim.makespan_s / minibatches
+                        cand.peak_memory_bytes = int(max(sim.peak_memory_bytes)) if sim.peak_memory_bytes else None
+                    except PlanError as exc:
+                        cand.error = str(exc)
+                        plan = None
+                    tried.append((cand, plan))
+                    if progress is not None and report:
+                        progress(cand, plan)
+        return tried
+
+    order = {n: i for i, n in enumerate(names)}
+
+    def ranked(tried: list[tuple[Candidate, Plan | None]]) -> list[tuple[Candidate, Plan]]:
+        ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
+        ok.sort(key=lambda cp: (cp[0].time_per_minibatch_s, cp[0].peak_memory_bytes or 0, cp[0].recompute,
+                                cp[0].microbatches, order[cp[0].schedule]))
+        return ok
+
+    tried = search(topo, plan_options, recomputes, True)
+    ok = ranked(tried)
     if not ok:
         reasons = "; ".join(f"{c.label}: {c.error}" for c, _ in tried) or "no candidate (batch smaller than 1?)"
         raise PlanError(f"schedule auto: no schedule fits: {reasons}")
-    order = {n: i for i, n in enumerate(names)}
-    ok.sort(key=lambda cp: (cp[0].time_per_minibatch_s, cp[0].peak_memory_bytes or 0, cp[0].microbatches,
-                            order[cp[0].schedule]))
     best_cand, best = ok[0]
+    without_budget = None
+    if budget is not None:  # what the budget gave up: the fastest plan if memory were unbounded
+        unbounded = copy.copy(topo)
+        unbounded.memory_bytes = None
+        options = {k: v for k, v in plan_options.items() if k != "memory_bytes"}
+        free = ranked(search(unbounded, options, [asked], False))
+        without_budget = asdict(free[0][0]) if free else None
     best.meta["auto"] = {
         "allow_stale": allow_stale, "minibatches": minibatches,
+        "memory_budget_bytes": budget,
         "chosen": asdict(best_cand),
         "runner_up": asdict(ok[1][0]) if len(ok) > 1 else None,
+        "without_budget": without_budget,
         "candidates": [asdict(c) for c, _ in tried],
     }
     log.info("schedule auto: %s (%s) predicted %.3f ms per minibatch", best_cand.label, best.config,
@@ -198,6 +232,17 @@ def auto_summary_lines(auto: Any) -> list[str]:
         lines.append(f"runner-up {text(auto['runner_up'])}")
     lines.append(f"{len(tried)} candidates ({'with' if auto.get('allow_stale') else 'without'} stale kinds)"
                  + (f", {failed} did not fit" if failed else ""))
+    free, budget = auto.get("without_budget"), auto.get("memory_budget_bytes")
+    if budget is not None:
+        if not free:
+            lines.append(f"memory budget {human_bytes(budget)} per worker")
+        elif (free["schedule"], free["microbatches"], free["recompute"], free["config"]) == tuple(
+                auto["chosen"][k] for k in ("schedule", "microbatches", "recompute", "config")):
+            lines.append(f"memory budget {human_bytes(budget)} per worker: gave up nothing (the fastest plan fits)")
+        else:
+            cost = auto["chosen"]["time_per_minibatch_s"] / free["time_per_minibatch_s"] - 1
+            lines.append(f"memory budget {human_bytes(budget)} per worker gave up {text(free)} "
+                         f"({cost:+.0%} time per minibatch)")
     return lines
 
 
@@ -207,14 +252,15 @@ def auto_candidates_table(plan: Plan) -> str:
     auto = plan.meta.get("auto") or {}
     cands = [Candidate(**c) for c in auto.get("candidates", [])]
     cands.sort(key=lambda c: (c.time_per_minibatch_s is None, c.time_per_minibatch_s or 0.0))
-    rows = [("schedule", "microbatches", "config", "ms per minibatch", "peak memory")]
+    rows = [("schedule", "microbatches", "recompute", "config", "ms per minibatch", "peak memory")]
     for c in cands:
+        again = "yes" if c.recompute else "no"
         if c.error:
-            rows.append((c.schedule, str(c.microbatches), "-", "does not fit", c.error[:60]))
+            rows.append((c.schedule, str(c.microbatches), again, "-", "does not fit", c.error[:60]))
         else:
-            rows.append((c.schedule, str(c.microbatches), c.config, f"{c.time_per_minibatch_s * 1e3:.3f}",
+            rows.append((c.schedule, str(c.microbatches), again, c.config, f"{c.time_per_minibatch_s * 1e3:.3f}",
                          human_bytes(c.peak_memory_bytes or 0)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     return "\n".join(["schedule auto: " + "; ".join(auto_summary(plan)), *lines])

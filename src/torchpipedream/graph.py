@@ -53,6 +53,9 @@ class Layer:
     is_input: bool = False
     stage_id: int | None = None
     optimizer_ms: float = 0.0
+    saved_bytes: int | None = None
+    saved_output_bytes: int | None = None
+    released_bytes: int | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -61,6 +64,26 @@ class Layer:
             return 0.0
         return self.forward_ms + self.backward_ms + self.optimizer_ms
 
+    @property
+    def stash_bytes(self) -> int:
+        """Bytes this layer's forward leaves alive for the backward (``saved_bytes``: tensors
+        it produced that autograd saved, by it or a later layer); 0 where not measured."""
+        return self.saved_bytes or 0
+
+    @property
+    def unsaved_output_bytes(self) -> int:
+        """Bytes of this layer's outputs that no backward saved (a stage ending here still
+        holds them, to start its backward from); 0 where not measured."""
+        if self.saved_output_bytes is None:
+            return 0
+        return max(0, self.activation_bytes - self.saved_output_bytes)
+
+    @property
+    def released(self) -> int:
+        """Bytes of this layer's outputs that only later layers saved: their backward has freed
+        them when this layer's runs (0 where the profile did not measure it)."""
+        return self.released_bytes or 0
+
 
 @dataclass
 class Block:
@@ -68,7 +91,12 @@ class Block:
 
     ``cut_bytes`` is the total size of the tensors that cross from this block and everything
     before it to the layers after it (0 for the last block); ``cut_tensors`` names their
-    producers.
+    producers. The memory model's terms (memory_model.py): ``saved_bytes``, what the block's
+    layers leave for the backward; ``unsaved_cut_bytes``, the part of the cut no layer saved;
+    ``working_bytes``, the largest output + inputs of one of its layers, and ``released_bytes``
+    what of that layer's output later layers' backward has freed by its own;
+    ``largest_parameter_bytes``, the parameters of its largest layer; ``saves_measured``, whether
+    the profile measured what its layers save (not PipeDream's files nor the reference profiles).
     """
 
     layers: list[str]
@@ -78,11 +106,26 @@ class Block:
     cut_bytes: int
     cut_tensors: list[str] = field(default_factory=list)
     optimizer_ms: float = 0.0
+    saved_bytes: int = 0
+    unsaved_cut_bytes: int = 0
+    working_bytes: int = 0
+    released_bytes: int = 0
+    largest_parameter_bytes: int = 0
+    saves_measured: bool = False
 
     @property
     def compute_ms(self) -> float:
         """Forward + backward + optimizer step: the block's share of a stage's time per minibatch."""
         return self.forward_ms + self.backward_ms + self.optimizer_ms
+
+    @classmethod
+    def join(cls, run: Sequence["Block"]) -> "Block":
+        """One block made of consecutive blocks ``run`` (the cut after the last one)."""
+        return cls([n for b in run for n in b.layers], sum(b.forward_ms for b in run), sum(b.backward_ms for b in run),
+                   sum(b.parameter_bytes for b in run), run[-1].cut_bytes, list(run[-1].cut_tensors),
+                   sum(b.optimizer_ms for b in run), sum(b.saved_bytes for b in run), run[-1].unsaved_cut_bytes,
+                   *max(((b.working_bytes, b.released_bytes) for b in run), key=lambda wr: wr[0] - wr[1]),
+                   max(b.largest_parameter_bytes for b in run), all(b.saves_measured for b in run))
 
 
 @dataclass
@@ -277,8 +320,10 @@ class LayerGraph:
         order = self.topological_order()
         pos = {name: i for i, name in enumerate(order)}
         last_use: dict[str, int] = {}
+        inputs: dict[str, int] = {}  # bytes of the activations each layer reads
         for a, b in self.edges:
             last_use[a] = max(last_use.get(a, -1), pos[b])
+            inputs[b] = inputs.get(b, 0) + self._by_name[a].activation_bytes
         # live[i]: producers at or before i whose output is consumed after i.
         blocks: list[Block] = []
         leading: list[str] = []
@@ -291,10 +336,12 @@ class LayerGraph:
                 del open_producers[producer]
             crossing = sorted(open_producers, key=pos.__getitem__)
             cut_bytes = sum(self._by_name[p].activation_bytes for p in crossing)
+            unsaved = sum(self._by_name[p].unsaved_output_bytes for p in crossing)
             fwd = 0.0 if layer.is_input else layer.forward_ms
             bwd = 0.0 if layer.is_input else layer.backward_ms
             opt = 0.0 if layer.is_input else layer.optimizer_ms
             free = merge_free_cuts and fwd == 0.0 and bwd == 0.0 and opt == 0.0 and layer.parameter_bytes == 0
+            working = 0 if layer.is_input else layer.activation_bytes + inputs.get(name, 0)
             if free and not blocks:
                 leading.append(name)  # inputs and shape arithmetic before any real layer
             elif free:
@@ -302,11 +349,19 @@ class LayerGraph:
                 prev.layers.append(name)
                 prev.cut_bytes = cut_bytes
                 prev.cut_tensors = crossing
+                prev.saved_bytes += layer.stash_bytes
+                prev.unsaved_cut_bytes = unsaved
+                if working - layer.released > prev.working_bytes - prev.released_bytes:
+                    prev.working_bytes, prev.released_bytes = working, layer.released
+                prev.saves_measured = prev.saves_measured and layer.saved_bytes is not None
             else:
-                blocks.append(Block(leading + [name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing, opt))
+                saved = sum(self._by_name[n].stash_bytes for n in leading) + layer.stash_bytes
+                measured = all(self._by_name[n].saved_bytes is not None for n in leading + [name])
+                blocks.append(Block(leading + [name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing, opt,
+                                    saved, unsaved, working, layer.released, layer.parameter_bytes, measured))
                 leading = []
         if leading:  # a graph of free layers only
-            blocks.append(Block(leading, 0.0, 0.0, 0, 0, []))
+            blocks.append(Block(leading, 0.0, 0.0, 0, 0, [], 0.0, sum(self._by_name[n].stash_bytes for n in leading)))
         return blocks
 
     # -------------------------------------------------------------- JSON I/O
@@ -314,7 +369,8 @@ class LayerGraph:
         layers = []
         for layer in self.layers:
             d = asdict(layer)
-            for key in ("output_shapes", "output_dtypes", "stage_id"):
+            for key in ("output_shapes", "output_dtypes", "stage_id", "saved_bytes", "saved_output_bytes",
+                        "released_bytes"):
                 if d[key] is None:
                     del d[key]
             if not d["is_input"]:

@@ -25,10 +25,12 @@ stage, in order). With B(X) the slowest link inside a rank set X (``Topology.spa
 
 Memory per worker of a stage, with d = ceil(workers from this stage to the end / m) minibatches
 in flight and ``f`` = ``optimizer_state_factor`` extra weight copies (gradient, momentum):
-``w·(versions + f) + stashed input activations`` with versions/stash per schedule
-(pipedream: d versions, d inputs; 2bw: 2 versions, d microbatch inputs; flush: 1 version,
-min(d, μ) microbatch inputs; gpipe: 1 version, all μ microbatch inputs; naive: 1 version,
-d inputs). A stage that does not fit is never chosen.
+``w·(versions + f)`` + the activations each in-flight microbatch holds (what autograd saved in
+the stage, its inputs and outputs, message buffers) + the backward's working memory
+(memory_model.py), with versions and in-flight microbatches per schedule (pipedream: d
+versions, d minibatches; 2bw: 2 versions, d microbatches; flush: 1 version, min(d, μ)
+microbatches; gpipe: 1 version, all μ microbatches; naive: 1 version, d minibatches). A stage
+that does not fit is never chosen.
 
 Algorithms
 ----------
@@ -57,6 +59,7 @@ import numpy as np
 
 from .graph import Block, LayerGraph, SharedParameter
 from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from .memory_model import WORKING_FACTOR, StageActivations, memory_terms, stage_activations, stage_memory_bytes
 from .plans import Plan, PlanError, Stage, TiedParameter
 from .topology import Topology, format_bytes
 
@@ -69,7 +72,6 @@ __all__ = [
     "stage_time_ms",
     "replicas_share_microbatches",
     "replica_count_allowed",
-    "stage_memory_bytes",
     "in_flight",
     "fill_drain_factor",
     "Evaluation",
@@ -146,16 +148,6 @@ def in_flight(workers_to_end: int, replicas: int) -> int:
     return -(-workers_to_end // replicas)
 
 
-def stage_memory_bytes(schedule: str | ScheduleKind, parameter_bytes: float, input_bytes: float, depth: int,
-                       microbatches: int = 1,
-                       optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR) -> float:
-    """Peak bytes on one worker of a stage: weight versions + optimizer state + stashed inputs
-    (``ScheduleKind.memory_terms``)."""
-    base, per, cap = schedule_kind(schedule).memory_terms(parameter_bytes, input_bytes, microbatches,
-                                                          optimizer_state_factor)
-    return base + per * min(depth, cap)
-
-
 # ------------------------------------------------------------------ evaluation
 @dataclass
 class Evaluation:
@@ -190,8 +182,11 @@ def tied_holders(blocks: Sequence[Block], stages: Sequence[tuple[int, int, int]]
 def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple[int, int, int]],
              schedule: str = "pipedream", microbatches: int = 1,
              optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
-             tied: Sequence[SharedParameter] = ()) -> Evaluation:
+             tied: Sequence[SharedParameter] = (), recompute: bool = False) -> Evaluation:
     """Apply the cost model to stages given as (first block, last block, replicas), ranks in order.
+
+    Memory per worker is ``memory_model.stage_memory_bytes`` (with ``recompute``, what a
+    recomputing stage holds).
 
     A shared parameter (``tied``) that the stages split costs every holding stage a copy (its
     weights, versions and optimizer state: the profile counts it once, in its first layer) and
@@ -222,9 +217,9 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         bw = topology.allreduce_bandwidth(ranks[s])
         ar_ms.append(allreduce_ms(own, m, bw) + exchange[s])
         stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches) + exchange[s])
-        input_bytes = blocks[i - 1].cut_bytes if i > 0 else 0
         depth = in_flight(workers - ranks[s][0], m)
-        mem.append(stage_memory_bytes(schedule, params, input_bytes, depth, microbatches, optimizer_state_factor))
+        mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
+                                      optimizer_state_factor, recompute, replicas=m))
         if s + 1 < len(stages):
             cut_ms.append(2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth(ranks[s] + ranks[s + 1])))
     worst_stage = max(range(len(stages)), key=lambda s: stage_ms[s])
@@ -241,7 +236,8 @@ class _Problem:
     """Arrays of one planning problem, shared by every feasibility test."""
 
     def __init__(self, blocks: Sequence[Block], topology: Topology, schedule: str, microbatches: int,
-                 memory: float | None, f: float, num_stages: int | None, straight: bool) -> None:
+                 memory: float | None, f: float, num_stages: int | None, straight: bool,
+                 recompute: bool = False) -> None:
         self.blocks = list(blocks)
         self.N = len(blocks)
         self.topology = topology
@@ -250,6 +246,13 @@ class _Problem:
         self.Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
         self.a = np.array([float(b.cut_bytes) for b in blocks])
         self.a_in = np.concatenate([[0.0], self.a[:-1]])  # input bytes of a stage starting at i
+        # the memory model's terms (memory_model.py): prefix sums and per-block maxima
+        self.Sp = np.concatenate([[0.0], np.cumsum([float(b.saved_bytes) for b in blocks])])
+        self.unsaved = np.array([float(b.unsaved_cut_bytes) for b in blocks])
+        self.working = np.array([WORKING_FACTOR * b.working_bytes - b.released_bytes for b in blocks], dtype=float)
+        self.largest = np.array([float(b.largest_parameter_bytes) for b in blocks])
+        self.recompute = recompute
+        self.measured = all(b.saves_measured for b in blocks)  # else the older model (memory_model.py)
         self.sizes = topology.sizes
         self.beff = topology.effective_bandwidths  # links: cuts
         self.bar = topology.allreduce_bandwidths  # all-reduces
@@ -294,10 +297,24 @@ class _Problem:
         m = np.maximum(m, 2.0).astype(np.int64)
         return np.where(single, np.where(comp <= T, 1, _INF_M), m)
 
-    def max_depth(self, i: np.ndarray, j1: int) -> np.ndarray:
+    def activations(self, i: np.ndarray, j1: int) -> StageActivations:
+        """The memory model's activation terms of stages i..j1-1 (arrays over i)."""
+        end = j1 == self.N
+        if not self.measured:
+            return StageActivations(inputs=self.a_in[i], measured=False)
+        return StageActivations(
+            saved=self.Sp[j1] - self.Sp[i], inputs=self.a_in[i],
+            outputs=0.0 if end else self.a[j1 - 1], unsaved_outputs=0.0 if end else self.unsaved[j1 - 1],
+            # max over k in i..j1-1 of (factor · working_k − saved after k): a suffix maximum
+            working=np.maximum.accumulate((self.working[:j1] + self.Sp[1:j1 + 1])[::-1])[::-1][i]
+            - self.Sp[j1],
+            largest_parameter=np.maximum.accumulate(self.largest[:j1][::-1])[::-1][i])
+
+    def max_depth(self, i: np.ndarray, j1: int, replicated: bool = False) -> np.ndarray:
         """Largest in-flight count d whose memory fits, for stages i..j1-1 (huge if any d fits)."""
         w = self.Wp[j1] - self.Wp[i]
-        base, per, cap = self.kind.memory_terms(w, self.a_in[i], self.mu, self.f)
+        base, per, cap = memory_terms(self.kind, w, self.activations(i, j1), self.mu, self.f, self.recompute,
+                                      replicated)
         M = self.memory
         big = float(_INF_M)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -431,25 +448,39 @@ class _Problem:
         I = np.nonzero(reach[:j1].any(axis=(1, 2)))[0]
         comp = self.Cp[j1] - self.Cp[I]
         w = self.Wp[j1] - self.Wp[I]
-        dmax = self.max_depth(I, j1)  # (nI,)
         togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
-        with np.errstate(divide="ignore"):
-            mmem = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
+
+        def replicas_for_memory(replicated: bool) -> np.ndarray:
+            """Fewest replicas whose depth fits the budget, per start block and start rank."""
+            dmax = self.max_depth(I, j1, replicated)  # (nI,)
+            with np.errstate(divide="ignore"):
+                return np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
+
+        # a replicated stage accumulates into persistent gradients (one more parameter's worth)
+        mmem1, mmem = replicas_for_memory(False), replicas_for_memory(True)
         reach_i = reach[I][:, :, :Wu]
         for ki, k in enumerate(self.classes):
             if k > 0 and self.shared:
                 continue  # enumerated by size in _shared_ends
-            mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem)  # (nI, Wu)
+            mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem1 if k == 0 else mmem)  # (nI, Wu)
             cand = np.where(reach_i & inok[ki, I][:, None, None], mreq[:, None, :], _INF_M)
             arg = np.argmin(cand, axis=0)  # (C, Wu)
             best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
             besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
 
+        acts = self.activations(I, j1)
+
+        def memory_fits(m: int) -> np.ndarray:
+            """(nI, Wu): a stage of ``m`` replicas (sharing each minibatch's microbatches) fits."""
+            base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, True, m)
+            d = np.minimum(-(-togo // m), cap)  # (1, Wu)
+            return np.broadcast_to(base, w.shape)[:, None] + np.broadcast_to(per, w.shape)[:, None] * d <= self.memory
+
         def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
             fits = inok[ki, I][None] & (self._shared_stage_ms(self.classes[ki], comp[None], w[None],
                                                               ms[:, None]) <= T)  # (M, nI)
-            ok = (reach_i[None] & fits[:, :, None, None]
-                  & (mmem[None] <= ms[:, None, None])[:, :, None, :])  # (M, nI, C, Wu)
+            mem_ok = np.stack([memory_fits(int(m)) for m in ms])  # (M, nI, Wu)
+            ok = reach_i[None] & fits[:, :, None, None] & mem_ok[:, :, None, :]  # (M, nI, C, Wu)
             return ok.any(axis=1), I[np.argmax(ok, axis=1)]
 
         return best, besti, shared_starts
@@ -761,7 +792,8 @@ def plan(
             return _hierarchical(chain, topo, allow_fewer_workers), 0
 
         def problem(depth: int | None) -> _Problem:
-            return _Problem(chain, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight_only)
+            return _Problem(chain, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight_only,
+                            recompute)
 
         return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer_workers,
                               memory is not None, rtol)
@@ -880,7 +912,7 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
     for Wu in Wus:
         ok, st = prob.feasible(math.inf, Wu, True, True)
         if ok:
-            ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f)
+            ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f, recompute=prob.recompute)
             peaks.append(max(ev.memory_bytes))
     hi = min(peaks)
     prob.memory = memory
@@ -910,10 +942,7 @@ def _merge_shared(blocks: Sequence[Block], tied: Sequence[SharedParameter]) -> l
         for a, b in spans:
             if a <= end and b > end and a >= k:
                 end = b
-        run = blocks[k:end + 1]
-        merged.append(Block([n for b in run for n in b.layers], sum(b.forward_ms for b in run),
-                            sum(b.backward_ms for b in run), sum(b.parameter_bytes for b in run), run[-1].cut_bytes,
-                            list(run[-1].cut_tensors), sum(b.optimizer_ms for b in run)))
+        merged.append(Block.join(blocks[k:end + 1]))
         k = end + 1
     return merged
 
@@ -968,8 +997,8 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
 def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stages: list[tuple[int, int, int]],
                 schedule: str, microbatches: int, f: float, memory: float | None, elapsed: float, checks: int,
                 options: dict[str, Any]) -> Plan:
-    ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied)
     recompute = bool(options.get("recompute"))
+    ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied, recompute)
     out: list[Stage] = []
     for s, (i, j, m) in enumerate(stages):
         bl = blocks[i:j + 1]
@@ -984,6 +1013,7 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
             backward_ms=sum(b.backward_ms - (b.forward_ms if recompute else 0.0) for b in bl), recompute=recompute,
             optimizer_ms=sum(b.optimizer_ms for b in bl), parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
             comm_ms=comm, memory_bytes=int(math.ceil(ev.memory_bytes[s])),
+            activations=stage_activations(blocks, i, j),
         ))
     workers = sum(m for _, _, m in stages)
     dp = evaluate(blocks, topo, [(0, len(blocks) - 1, topo.num_workers)], schedule, microbatches, f)
@@ -1003,6 +1033,8 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
         "planning_time_s": elapsed,
         "feasibility_checks": checks,
         "graph_source": graph.meta.get("source", ""),
+        # the profile traced one microbatch of this many (the runtime traces the same size)
+        "profile_microbatches": graph.meta.get("microbatches", 1),
         "model": graph.meta.get("model", graph.meta.get("name", "")),
         "blocks": [[i, j] for i, j, _ in stages],
         "stage_time_ms": ev.stage_ms,

@@ -17,6 +17,8 @@ from typing import Any, Iterable
 
 from .jsonio import read_json, write_json
 from .kinds import UnknownKindError, schedule_kind
+from .memory_model import StageActivations
+from .memory_model import stage_memory_bytes as model_memory_bytes
 
 __all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION"]
 
@@ -48,6 +50,9 @@ class Stage:
         recompute: activation recomputation: the forward keeps only the stage's inputs and the
             backward runs the forward again (same weight version, same dropout masks) before
             differentiating it; ``backward_ms`` does not include that second forward.
+        activations: the memory model's activation terms of the stage (memory_model.py), so
+            that its memory can be predicted again for another schedule, microbatch count or
+            recomputation; None in plans written before they existed.
     """
 
     layers: list[str]
@@ -61,6 +66,7 @@ class Stage:
     memory_bytes: int = 0
     optimizer_ms: float = 0.0
     recompute: bool = False
+    activations: StageActivations | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -286,7 +292,16 @@ class Plan:
             unknown = set(raw) - known - _LEGACY_STAGE_FIELDS
             if unknown:
                 raise PlanError(f"{source}: stages[{i}]: unknown field(s) {sorted(unknown)}")
-            stages.append(Stage(**{k: v for k, v in raw.items() if k in known}))
+            fields = {k: v for k, v in raw.items() if k in known}
+            acts = fields.get("activations")
+            if acts is not None:
+                if not isinstance(acts, dict) or set(acts) - set(StageActivations.__dataclass_fields__) or not all(
+                        isinstance(v, bool) if k == "measured" else
+                        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for k, v in acts.items()):
+                    raise PlanError(f"{source}: stages[{len(stages)}].activations must map the memory model's "
+                                    f"terms ({', '.join(StageActivations.__dataclass_fields__)}) to bytes >= 0")
+                fields["activations"] = StageActivations(**acts)
+            stages.append(Stage(**fields))
         for key, types in (("schedule", str), ("batch_size", (int, type(None))), ("microbatches", int),
                            ("topology", str), ("predicted", (dict, type(None))), ("meta", (dict, type(None))),
                            ("tied", list)):
@@ -385,7 +400,29 @@ class Plan:
         plan = copy.deepcopy(self)
         for s, st in enumerate(plan.stages):
             st.recompute = s in chosen
+            memory = plan.stage_memory_bytes(s)
+            if memory is not None:
+                st.memory_bytes = int(math.ceil(memory))
+        if plan.stages and all(st.activations is not None for st in plan.stages):
+            plan.predicted["peak_memory_bytes"] = max(st.memory_bytes for st in plan.stages)
         return plan
+
+    def stage_memory_bytes(self, s: int, schedule: str | None = None, microbatches: int | None = None) -> float | None:
+        """The memory model's peak for one worker of stage ``s`` under ``schedule`` and
+        ``microbatches`` (the plan's own by default), with the stage's recomputation; None for
+        a plan without the model's activation terms (written before they existed)."""
+        st = self.stages[s]
+        if st.activations is None:
+            return None
+        options = self.meta.get("planner", {}) if isinstance(self.meta, dict) else {}
+        kind = schedule or self.schedule
+        mu = microbatches or self.microbatches or options.get("microbatches") or 1
+        f = options.get("optimizer_state_factor", 2.0)
+        depth = -(-(self.num_workers - st.ranks[0]) // st.replicas)
+        # a copy of a shared parameter is held by every holding stage but the first (planner.evaluate)
+        copies = sum(t.bytes for t in self.tied if s in t.stages[1:])
+        return model_memory_bytes(kind, st.parameter_bytes + copies, st.activations, depth, mu, f, st.recompute,
+                                  st.replicas)
 
     @classmethod
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":

@@ -26,6 +26,14 @@ How each number is measured (times are medians over ``iters`` runs after ``warmu
   :meth:`LayerGraph.linearize` merge them into the block before them.
 * activation_bytes: exact bytes of the node's output tensors (summed over tuples, lists and
   dicts; views count their full size, since that is what crosses a stage boundary).
+* saved_bytes: bytes a layer's forward leaves alive for the backward, from one more (untimed)
+  forward whose saved tensors are recorded with ``torch.autograd.graph.saved_tensors_hooks``:
+  each distinct storage that autograd saves (a parameter or buffer excepted) is charged once,
+  to the layer that produced it (the layer whose output it is, or during whose call it was
+  made); the loss's saved tensors are charged the same way (the output layer's, or the one
+  that produced them). ``saved_output_bytes`` is the part that is the layer's own output, and
+  ``released_bytes`` the part of that only later layers saved (freed by their backward before
+  this layer's runs). The planner's memory model adds these up per stage (docs/planner.md).
 * parameter_bytes: bytes of a ``call_module`` node's module parameters (recursively), plus
   the parameters it reads through ``get_attr``; each parameter is counted once, at its first
   user, so the total equals ``sum(p.numel() * p.element_size() for p in module.parameters())``.
@@ -55,7 +63,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate, map_arg
 
 from .graph import Layer, LayerGraph, SharedParameter
-from .tracing import TraceError, as_call, canonical_names, mutates_first_input, trace
+from .tracing import TraceError, as_call, first_samples, canonical_names, mutates_first_input, trace
 
 __all__ = ["profile", "ProfilerError"]
 
@@ -479,6 +487,7 @@ def profile(
         with _model_state_kept(traced):
             with torch.enable_grad():
                 graph = _measure(program, flat, loss_fn, target, _Timer(dev), warmup, iters, batch_size)
+                _measure_saved(program, flat, loss_fn, target, graph)
             if optimizer is not None:
                 _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
         graph.tied = _shared(program, root if root is not None else traced)
@@ -487,6 +496,10 @@ def profile(
                 layer.forward_ms *= microbatches
                 layer.backward_ms *= microbatches
                 layer.activation_bytes *= microbatches
+                layer.saved_bytes = None if layer.saved_bytes is None else layer.saved_bytes * microbatches
+                layer.saved_output_bytes = (None if layer.saved_output_bytes is None
+                                            else layer.saved_output_bytes * microbatches)
+                layer.released_bytes = None if layer.released_bytes is None else layer.released_bytes * microbatches
             graph.batch_size = batch_size
         graph.meta.update(
             microbatches=microbatches,
@@ -524,7 +537,7 @@ def _timed_inputs(sample_input: Any, target: Any, dev: torch.device, microbatche
                 f"profile: a minibatch of {batch_size} samples cannot be split into {microbatches} "
                 "microbatches; give a sample input whose first dimension is the minibatch")
         # The largest microbatch of the split (sizes differ by at most one sample).
-        args, kwargs, target = _first_samples((args, kwargs, target), batch_size, -(-batch_size // microbatches))
+        args, kwargs, target = first_samples((args, kwargs, target), batch_size, -(-batch_size // microbatches))
     return tuple(args), dict(kwargs), target, batch_size
 
 
@@ -557,12 +570,6 @@ def _shared(program: _Program, model: nn.Module) -> list[SharedParameter]:
             sizes[id(p)] = p.numel() * p.element_size()
     return [SharedParameter(names.get(pid, f"parameter_{pid}"), layers, sizes[pid])
             for pid, layers in users.items() if len(layers) > 1]
-
-
-def _first_samples(values: Any, batch: int, keep: int) -> Any:
-    """``values`` with every tensor whose first dimension is the batch cut to ``keep`` samples."""
-    return map_aggregate(values, lambda v: v[:keep] if isinstance(v, Tensor) and v.dim() > 0
-                         and v.shape[0] == batch else v)
 
 
 def _measure(
@@ -627,6 +634,75 @@ def _measure(
         layer.backward_ms += statistics.median(loss_bwd)
         meta["loss_layer"] = last
     return LayerGraph(layers, edges, batch_size=batch_size, meta=meta)
+
+
+def _storage(t: Tensor) -> tuple[int, int]:
+    """(address, bytes) of a tensor's storage; address 0 for none (empty or meta)."""
+    if t.device.type == "meta":
+        return 0, 0
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def _measure_saved(program: _Program, args: tuple, loss_fn: Callable[..., Tensor] | None, target: Any,
+                   graph: LayerGraph) -> None:
+    """Fill every layer's ``saved_bytes`` and ``saved_output_bytes`` from one forward (and the
+    loss) run with autograd's saved-tensor hooks (see the module doc)."""
+    fixed = {_storage(t)[0] for s in program.steps for t in s.params}
+    fixed |= {_storage(t)[0] for t in _tensors(list(program.constants.values()))}
+    producer: dict[int, str] = {}  # storage address -> layer that produced it
+    outputs: dict[int, str] = {}  # storage address -> layer whose output it is
+    charged: dict[int, tuple[str, int]] = {}  # saved storage -> (layer charged, bytes)
+    first_saver: dict[int, str] = {}  # saved storage -> the first layer that saved it
+    packed: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        packed.append(t)
+        return t
+
+    def charge(name: str) -> None:
+        for t in packed:
+            ptr, nbytes = _storage(t)
+            if ptr and ptr not in fixed and ptr not in charged:
+                charged[ptr] = (producer.setdefault(ptr, name), nbytes)
+                first_saver[ptr] = name
+        packed.clear()
+
+    def produced(name: str, value: Any) -> None:
+        for t in _tensors(value):
+            ptr, _ = _storage(t)
+            if ptr and ptr not in fixed and ptr not in producer:
+                producer[ptr] = outputs[ptr] = name
+
+    # copies: a sample cut to one microbatch is a view of the whole batch's storage
+    run_args = _detached(args, clone=True)
+    target = map_aggregate(target, lambda v: v.clone() if isinstance(v, Tensor) else v)
+    env = _bind_inputs(program, run_args)
+    for name, _ in program.inputs:
+        produced(name, env.get(name))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for step in program.steps:
+            a, k = step.resolve(env)
+            env[step.name] = out = step.invoke(a, k)
+            produced(step.name, out)
+            charge(step.name)
+        if loss_fn is not None and graph.meta.get("loss_layer"):
+            output = program.finish(program.output(env))
+            loss_fn(output, target) if target is not None else loss_fn(output)
+            charge(graph.meta["loss_layer"])
+    totals = {layer.name: [0, 0, 0] for layer in graph.layers}
+    first = program.steps[0].name if program.steps else None
+    for ptr, (name, nbytes) in charged.items():
+        name = name if name in totals else first  # an input that is not a layer (Sequential split)
+        if name is None:
+            continue
+        totals[name][0] += nbytes
+        if outputs.get(ptr) == name:
+            totals[name][1] += nbytes
+            if first_saver[ptr] != name:
+                totals[name][2] += nbytes
+    for layer in graph.layers:
+        layer.saved_bytes, layer.saved_output_bytes, layer.released_bytes = totals[layer.name]
 
 
 _DISTURBANCE: list[Tensor] = []

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actions import Action, Kind, Schedule
+from .memory_model import once_bytes
 from .plans import Plan
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
@@ -81,6 +82,8 @@ class Costs:
         output_bytes: bytes stage s sends to s+1 per microbatch (the gradient back is the same size).
         parameter_bytes: weights of one replica of each stage (all-reduce size, memory).
         activation_bytes: bytes stashed per in-flight microbatch on each stage (for memory).
+        working_bytes: bytes a worker of each stage needs once besides its weights and
+            in-flight microbatches (``memory_model.once_bytes``; for memory).
         step_s: seconds of one optimizer step (U): one number for every stage, or one per stage
             (``from_plan`` takes each stage's measured ``optimizer_ms``).
         bandwidth_Bps: link bandwidth when ``bandwidth_fn`` is None (bytes/s).
@@ -108,6 +111,7 @@ class Costs:
     output_bytes: list[float] = field(default_factory=list)
     parameter_bytes: list[float] = field(default_factory=list)
     activation_bytes: list[float] = field(default_factory=list)
+    working_bytes: list[float] = field(default_factory=list)
     step_s: float | list[float] = 0.0
     bandwidth_Bps: float = DEFAULT_BANDWIDTH_BPS
     latency_s: float = 0.0
@@ -138,6 +142,12 @@ class Costs:
             activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],
             step_s=[st.optimizer_ms / 1e3 for st in plan.stages],  # once per update, not per microbatch
         )
+        if plan.stages and all(st.activations is not None for st in plan.stages):  # the memory model's terms
+            kw["activation_bytes"] = [st.activations.held(st.recompute) / m for st in plan.stages]
+            kw["working_bytes"] = [once_bytes(st.activations, m, st.recompute, st.replicas > 1) for st in plan.stages]
+        options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
+        if isinstance(options, dict) and isinstance(options.get("optimizer_state_factor"), (int, float)):
+            kw["optimizer_state_factor"] = float(options["optimizer_state_factor"])
         if plan.topology:
             try:
                 from .topology import Topology
@@ -160,7 +170,8 @@ class Costs:
 
     def check(self, plan: Plan) -> None:
         n = plan.num_stages
-        for name in ("forward_s", "backward_s", "output_bytes", "parameter_bytes", "activation_bytes"):
+        for name in ("forward_s", "backward_s", "output_bytes", "parameter_bytes", "activation_bytes",
+                     "working_bytes"):
             v = getattr(self, name)
             if name in ("forward_s", "backward_s") or v:
                 if len(v) != n:
@@ -539,7 +550,8 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     max_a = [max(stats.max_inflight[r] for r in st.ranks) for st in plan.stages]
     params = costs.parameter_bytes or [0.0] * n
     acts = costs.activation_bytes or [0.0] * n
-    mem = [params[s] * (max_v[s] + costs.optimizer_state_factor) + acts[s] * max_a[s] for s in range(n)]
+    once = costs.working_bytes or [0.0] * n
+    mem = [params[s] * (max_v[s] + costs.optimizer_state_factor) + acts[s] * max_a[s] + once[s] for s in range(n)]
     return SimResult(
         trace=trace,
         makespan_s=span,

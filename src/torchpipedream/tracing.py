@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Traced", "TraceError", "trace", "as_call", "model_loss", "mutates_first_input",
+__all__ = ["Traced", "TraceError", "trace", "as_call", "first_samples", "microbatch_sample", "model_loss", "mutates_first_input",
            "canonical_names", "parameter_aliases", "with_aliases", "draws_random_numbers"]
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,26 @@ log = logging.getLogger(__name__)
 
 class TraceError(ValueError):
     """Neither torch.fx nor torch.export could trace the model; the message says what each said."""
+
+
+def first_samples(values: Any, batch: int, keep: int) -> Any:
+    """``values`` with every tensor whose first dimension is the batch cut to ``keep`` samples."""
+    return pytree.tree_map(lambda v: v[:keep] if isinstance(v, torch.Tensor) and v.dim() > 0
+                           and v.shape[0] == batch else v, values)
+
+
+def microbatch_sample(sample: Any, microbatches: int) -> Any:
+    """A sample minibatch cut to its largest microbatch (ceil(batch / microbatches) samples; the
+    batch is dim 0 of its first tensor), as the profiler times it: ``torch.export`` specialises a
+    graph to the sizes it sees, so the stages are traced at the size the profile was
+    (``Plan.meta["profile_microbatches"]``)."""
+    if microbatches <= 1:
+        return sample
+    first = next((v for v in pytree.tree_leaves(sample) if isinstance(v, torch.Tensor)), None)
+    if first is None or first.dim() == 0 or first.shape[0] < microbatches:
+        return sample
+    batch = int(first.shape[0])
+    return first_samples(sample, batch, -(-batch // microbatches))
 
 
 def as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

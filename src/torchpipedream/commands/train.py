@@ -57,6 +57,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage: keep only each stage's inputs between a forward "
                         "and its backward, and run the forward again in the backward (less memory, more compute)")
+    p.add_argument("--memory", default=None, metavar="BYTES",
+                   help="per-worker memory budget, such as 512MB: every stage's predicted peak must fit "
+                        "(memory_model.py); with --schedule auto, activation recomputation is tried too and "
+                        "the report says what the budget gave up")
+    p.add_argument("--measure-memory", action="store_true",
+                   help="record each worker's peak tensor memory (every allocation, through PyTorch's "
+                        "profiler: slower) and report it per stage beside the prediction")
     p.add_argument("--precision", default=d.precision, choices=["fp32", "bf16"],
                    help="bf16: forwards and losses under bfloat16 autocast, activations cross the cuts in "
                         "bfloat16; weights and optimizer state stay float32 (default: %(default)s)")

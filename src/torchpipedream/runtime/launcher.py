@@ -122,6 +122,9 @@ def init_from_env(backend: str, timeout_s: float) -> None:
 def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, timeout_s: float, outdir: str,
             threads: int, huge_pages: bool, keep_freed: bool, marks: Any) -> None:
     tune_own_process(huge_pages=huge_pages, keep_freed=keep_freed)  # before the first tensor
+    # Pipeline(measure_memory=True) runs PyTorch's profiler, whose Kineto library otherwise prints
+    # two lines to stderr per run; this process is ours (a user's own setting is kept).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     liveness.attach(marks, rank)
     fn, args = pickle.loads(payload)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

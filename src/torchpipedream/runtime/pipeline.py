@@ -53,12 +53,13 @@ from ..placement import tied_support_problem
 from ..plans import Plan, PlanError, TiedParameter
 from ..schedules import build_schedule
 from ..trace import Event, Trace
-from ..tracing import as_call, draws_random_numbers, model_loss, parameter_aliases, with_aliases
+from ..tracing import as_call, draws_random_numbers, microbatch_sample, model_loss, parameter_aliases, with_aliases
 from ..validate import validate_schedule
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .comm import P2P
 from .engine import Engine, MicrobatchResult, TiedCopy, as_tuple
+from .memory_probe import allocation_peak, held_bytes
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
 from .stage_split import model_state_names, split_stages
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means
@@ -87,6 +88,21 @@ def forward_only(schedule: Schedule) -> dict[int, list[Action]]:
     """
     keep = (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT)
     return {r: [a for a in acts if a.kind in keep] for r, acts in schedule.actions.items()}
+
+
+def outstanding_sends(actions: Sequence[Action]) -> int:
+    """How many sends a rank keeps outstanding (``P2P.max_sends``): one more than the most
+    microbatches it holds between their forward and backward (all of a batch for GPipe), so
+    that a send is waited for only once its receiver has long had it; 2 for a forward-only
+    schedule (evaluation)."""
+    live = most = 0
+    for a in actions:
+        if a.kind == Kind.FORWARD:
+            live += 1
+        elif a.kind == Kind.BACKWARD:
+            live -= 1
+        most = max(most, live)
+    return (most + 1) if any(a.kind == Kind.BACKWARD for a in actions) else 2
 
 
 def _default_backend() -> str:
@@ -172,6 +188,7 @@ class Pipeline:
         sample: Any = None,
         recompute: bool | Sequence[int] | None = None,
         precision: str = "fp32",
+        measure_memory: bool = False,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -184,6 +201,9 @@ class Pipeline:
             hint = " (fp16 needs loss scaling, not supported yet; bf16 needs none)" if precision == "fp16" else ""
             raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}{hint}")
         self.precision = precision
+        # Peak tensor bytes of this rank's training runs (memory_probe.py), when measured.
+        self.measure_memory = bool(measure_memory)
+        self.memory_peak_bytes: int | None = None
         if recompute is not None:
             try:
                 plan = plan.with_recompute(recompute)
@@ -218,7 +238,10 @@ class Pipeline:
                      "`export %s=1` before torchrun makes weight-heavy models train faster "
                      "(torchpipedream.launch sets it; see torchpipedream/huge_pages.py)", HUGE_PAGES_ENV, HUGE_PAGES_ENV)
         self.loss_fn = loss_fn
-        call = as_call(sample) if sample is not None else None
+        # traced at the size the profile was (torch.export specialises a graph to the sizes it sees)
+        profiled = plan.meta.get("profile_microbatches") if isinstance(plan.meta, dict) else None
+        m = profiled if isinstance(profiled, int) and profiled > 1 else 1
+        call = as_call(microbatch_sample(sample, m)) if sample is not None else None
         split = split_stages(module_or_stages, plan, sample=call, train=True)
         self.plan = plan = self._with_shared_parameters(plan, split)
         # parameters the model knows by several names (tied): canonical name -> every name
@@ -515,17 +538,30 @@ class Pipeline:
                 elif a.kind == Kind.RECV_GRAD:
                     grad_order.setdefault(a.peer, []).append(a.id)
             comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s,
-                       sizes=self._message_sizes)
+                       sizes=self._message_sizes, max_sends=outstanding_sends(actions))
             self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(iter(batches), m) if (self.stage == 0 and batches is not None) else None
         t0 = time.perf_counter()
-        with self._mode(train):
+        with self._mode(train), self._memory_measured(train):
             results, events = self.engine.run(actions, comm, source, train=train, version_base=base, t0=t0)
         for weights in self._all_weights():
             weights.reset_versions()
         self._events = events
         self.last_schedule = sched
         return self._reduce_results(results, n_minibatches, m)
+
+    @contextlib.contextmanager
+    def _memory_measured(self, train: bool) -> Iterator[None]:
+        """With ``measure_memory``, the peak of a training run: what the stage held when it
+        started (weights, gradients, optimizer state, stashes) plus the most it allocated."""
+        if not (train and self.measure_memory):
+            yield
+            return
+        held = held_bytes(list(self.module.parameters()), list(self.module.buffers()),
+                          *(w.tensors_held() for w in self._all_weights()))
+        with allocation_peak(self.device) as peak:
+            yield
+        self.memory_peak_bytes = max(self.memory_peak_bytes or 0, held + peak.peak_bytes)
 
     def _all_weights(self) -> list[WeightVersions]:
         return [self.weights] + [copy.weights for copy in self.tied.values()]

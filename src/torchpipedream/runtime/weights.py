@@ -133,6 +133,12 @@ class WeightVersions:
         self.max_versions_alive = 1
         self._posted: list[tuple[Any, torch.Tensor, int]] = []  # all-reduces posted, not yet waited for
 
+    def tensors_held(self) -> list[object]:
+        """Every tensor this holder keeps between actions: gradient buffers and pending
+        gradients, stashed versions, spare storage and the optimizer's state."""
+        state = list(self.optimizer.state.values()) if self.optimizer is not None else []
+        return [self._flat, self._grads, self._pending, self._spare, list(self._views.values()), state]
+
     # ------------------------------------------------------------------ versions
     def expect(self, uses: dict[int, int]) -> None:
         """Declare how many F/B actions of the coming schedule use each (absolute) version."""

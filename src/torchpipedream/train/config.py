@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from ..kinds import AUTO, KIND_NAMES, schedule_kind
 from ..plans import Plan
 
-__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
+__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+#: Copies of the weights each optimizer keeps besides the weights (the gradient included): the
+#: memory model's ``optimizer_state_factor`` (memory_model.py).
+OPTIMIZER_STATE = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
 
 #: Resident memory of one worker process before its model (Python, torch, gloo): about 300 MB
 #: measured on the development machine (benchmarks/results/soak.json, "start_rss_mib"); the
@@ -55,6 +58,8 @@ class TrainConfig:
     stages: int | None = None  # planner: exactly this many stages
     straight: bool = False  # planner: no replication
     recompute: bool = False  # activation recomputation on every stage (Stage.recompute)
+    memory: str | None = None  # per-worker memory budget for the planner ("512MB")
+    measure_memory: bool = False  # record each worker's peak tensor memory (runtime/memory_probe.py)
     precision: str = "fp32"  # fp32, or bf16 (forwards under autocast; float32 master weights)
     allow_stale: bool = False  # --schedule auto may choose the asynchronous kinds (pipedream, 2bw)
     plan_file: str | None = None
@@ -159,6 +164,15 @@ def check_options(cfg: TrainConfig) -> None:
     _positive_seconds(cfg, "failure_timeout_s")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise TrainError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.memory is not None:
+        from ..topology import TopologyError, parse_bytes
+
+        try:
+            budget = parse_bytes(cfg.memory)
+        except (TopologyError, ValueError) as exc:
+            raise TrainError(f"--memory {cfg.memory!r}: {exc}") from None
+        if not budget > 0:
+            raise TrainError(f"--memory must be a positive size such as 512MB, got {cfg.memory!r}")
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume continues the run in --out and --overwrite replaces it: give one of them")
     from ..models import MODELS

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..trace import Trace
+from ..units import human_bytes
 from ..auto_schedule import auto_summary_lines
 from .resume import plan_side_text
 from .config import TrainError, schedule_of
@@ -109,6 +110,8 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         # every resumption onto another plan: when (epoch, minibatch), from, to and why
         "plan_changes": list(prep.plan_changes),
         "measured": {"time_per_minibatch_s": measured_t, "samples_per_s": last["samples_per_s"]},
+        # per stage: the memory model's peak per worker, and with --measure-memory the measured one
+        "memory": stage_memory(plan, result.get("memory_peak_bytes")),
         "predicted": prep.predicted,
         "final_test_accuracy": last["test_accuracy"],
         "final_test_loss": last["test_loss"],
@@ -117,6 +120,17 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
     })
     _write(paths["report"], (json.dumps(report, indent=1, allow_nan=False) + "\n").encode())
     return report
+
+
+def stage_memory(plan: Any, peaks: list[int | None] | None) -> list[dict[str, Any]]:
+    """Per stage: the predicted peak of one worker and, when measured (``--measure-memory``), the
+    largest measured peak among the stage's ranks."""
+    rows = []
+    for s, st in enumerate(plan.stages):
+        measured = [peaks[r] for r in st.ranks if peaks and r < len(peaks) and peaks[r] is not None]
+        rows.append({"stage": s, "ranks": list(st.ranks), "predicted_bytes": st.memory_bytes,
+                     "measured_bytes": max(measured) if measured else None})
+    return rows
 
 
 def _number(value: Any, scale: float = 1.0, spec: str = ".2f", missing: str = "-") -> str:
@@ -145,6 +159,11 @@ def format_report(report: dict[str, Any]) -> str:
                            "warm-up and drain included)"),
         ("throughput", f"measured {_number(m['samples_per_s'], 1, '.0f')} samples/s, predicted "
                        f"{_number(p.get('samples_per_s'), 1, '.0f')} samples/s"),
+        *[("memory", f"stage {m['stage']}: predicted {human_bytes(m['predicted_bytes'])}"
+                     + (f", measured {human_bytes(m['measured_bytes'])} "
+                        f"({m['measured_bytes'] / m['predicted_bytes']:.2f} of predicted)"
+                        if m.get("measured_bytes") and m["predicted_bytes"] else ""))
+          for m in report.get("memory", [])],
         ("test", f"accuracy {_number(acc, 1, '.2%')}, loss "
                  f"{_number(report['final_test_loss'], 1, '.4f', 'not a number (the run diverged)')}"),
     ]

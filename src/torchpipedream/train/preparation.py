@@ -11,7 +11,8 @@ from ..graph import LayerGraph
 from ..plans import Plan, PlanError
 from ..units import human_bytes
 from ..kinds import AUTO
-from .config import TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of, schedule_of
+from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
+                     schedule_of)
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .resume import ResumePoint, plan_side_text, resume_point
 
@@ -94,8 +95,14 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
         return plan.with_recompute(True) if cfg.recompute else plan
     from ..planner import plan as make_plan
 
-    return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
-                     num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute)
+    try:
+        return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
+                         num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
+                         optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer])
+    except PlanError as exc:
+        if cfg.memory is None:
+            raise
+        raise TrainError(f"--memory {cfg.memory}: {exc}") from None
 
 
 def _topology(cfg: TrainConfig, workers: int) -> Any:
@@ -105,6 +112,10 @@ def _topology(cfg: TrainConfig, workers: int) -> Any:
     topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
     if topo.num_workers != workers:
         raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
+    if cfg.memory is not None:
+        from ..topology import parse_bytes
+
+        topo.memory_bytes = parse_bytes(cfg.memory)
     return topo
 
 
@@ -138,7 +149,7 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostC
     try:
         return choose_schedule(profiled, topo, allow_stale=cfg.allow_stale, batch_size=cfg.batch_size,
                                num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
-                               host_costs=host_costs)
+                               optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], host_costs=host_costs)
     except PlanError as exc:
         raise TrainError(str(exc)) from None
 

@@ -43,7 +43,7 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
                     schedule=kind, microbatches=microbatches,
                     vertical_sync=cfg.vertical_sync,
                     timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s,
-                    precision=cfg.precision,
+                    precision=cfg.precision, measure_memory=cfg.measure_memory,
                     sample=x[: cfg.batch_size])  # for models that torch.export traces (--model gpt2)
     test = minibatches(xt, yt, 256, None, None)
     per_epoch = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
@@ -91,9 +91,21 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     if bar is not None:
         bar.close()
     state = pipe.state_dict(dst=0)
+    peaks = _memory_peaks(pipe) if cfg.measure_memory else None  # collective
     if rank != 0:
         return None
-    return {"history": history, "trace": trace, "state": state}
+    return {"history": history, "trace": trace, "state": state, "memory_peak_bytes": peaks}
+
+
+def _memory_peaks(pipe: Any) -> list[int | None]:
+    """Every rank's measured peak tensor bytes (``--measure-memory``), on every rank."""
+    if not pipe.distributed:
+        return [pipe.memory_peak_bytes]
+    import torch.distributed as dist
+
+    peaks: list[int | None] = [None] * pipe.world_size
+    dist.all_gather_object(peaks, pipe.memory_peak_bytes)
+    return peaks
 
 
 def _train_epoch(pipe: Any, cfg: Any, epoch: int, batches: list, first: int, losses: list[float], seconds: float,

@@ -1,0 +1,143 @@
+"""The memory model: the peak bytes one worker of a stage holds, term by term.
+
+A worker of a stage holding ``d`` minibatches in flight (``planner.in_flight``) holds
+
+* its weights: one copy per live version (``ScheduleKind.memory_terms``: pipedream one per
+  in-flight minibatch, 2bw two, the others one), the gradient buffer and the optimizer's state
+  (``optimizer_state_factor`` × weights together; 2 for SGD with momentum);
+* per in-flight microbatch, what the forward left for the backward: the tensors autograd saved
+  that the stage's layers produced (``Layer.saved_bytes``, measured by the profiler), the
+  received inputs, the outputs nothing saved (the backward starts from them), and two message
+  buffers of the outputs' size (the packed copy being sent, and the gradient receive posted as
+  soon as it is sent). A recomputing stage keeps its inputs and outputs only;
+* once: the backward's working memory (gradients arriving and leaving a layer and the kernels'
+  scratch: ``WORKING_FACTOR`` × the largest output + inputs of a layer of the stage, per
+  microbatch), the gradient a backward makes before adding it to an existing one (the largest
+  parameter of the stage, when a backward accumulates: several microbatches per update or a
+  replicated stage), a posted activation receive and an outstanding gradient send (the inputs'
+  size), and for a recomputing stage one microbatch's saved tensors while it recomputes.
+
+The planner (feasibility under a budget), ``Plan.stages[s].memory_bytes`` and the simulator
+(with the schedule's exact in-flight counts) all use these terms. benchmarks/memory_model.py
+measures the peak per stage (``Pipeline(measure_memory=True)``) beside them, on the benchmark
+models the constant was chosen on and on models it was not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .graph import Block
+from .kinds import ScheduleKind, schedule_kind
+
+__all__ = ["WORKING_FACTOR", "StageActivations", "stage_activations", "once_bytes", "memory_terms",
+           "stage_memory_bytes"]
+
+#: The backward's working memory in multiples of the largest (output + inputs) bytes of one of
+#: the stage's layers per microbatch: the gradient arriving at a layer, the one it sends on, and
+#: scratch (a convolution's backward allocates one more of that size). Chosen on the three
+#: benchmark models (benchmarks/memory_model.py --models fc_heavy,small_cnn,transformer_lm);
+#: judged on models it was not chosen on (the zoo rows of the same table).
+WORKING_FACTOR = 1.5
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes of one stage per minibatch (the planner divides by the microbatches).
+
+    Attributes:
+        saved: tensors autograd saved that the stage's layers produced.
+        inputs: the activations the stage receives (0 for the first stage).
+        outputs: the activations it sends (0 for the last stage).
+        unsaved_outputs: the part of ``outputs`` no layer saved (held for the backward).
+        working: the backward's working memory beyond what the stage holds: the most, over
+            its layers, of ``WORKING_FACTOR`` × (output + inputs) less what the backward of the
+            layers after it has freed by then (what they saved, and the layer's output if only
+            they saved it).
+        largest_parameter: the largest parameter bytes of one of its layers.
+        measured: whether the profile measured what the layers save. A profile that did not
+            (PipeDream's graph.txt, the bundled reference profiles, graphs written before)
+            gets the older model: weights and stashed inputs only, a lower bound.
+    """
+
+    saved: float = 0.0
+    inputs: float = 0.0
+    outputs: float = 0.0
+    unsaved_outputs: float = 0.0
+    working: float = 0.0
+    largest_parameter: float = 0.0
+    measured: bool = True
+
+    def held(self, recompute: bool) -> float:
+        """Bytes held per in-flight minibatch between its forward and its backward."""
+        if not self.measured:
+            return self.inputs
+        kept = self.inputs + self.unsaved_outputs if not recompute else self.inputs + self.outputs
+        return kept + (0.0 if recompute else self.saved) + 2 * self.outputs
+
+    def once(self, recompute: bool) -> float:
+        """Bytes a worker needs once, in minibatch terms (divide by the microbatches), beside
+        what it holds per in-flight microbatch."""
+        if not self.measured:
+            return 0.0
+        return self.working + 2 * self.inputs + (self.saved if recompute else 0.0)
+
+
+def stage_activations(blocks: Sequence[Block], first: int, last: int) -> StageActivations:
+    """The activation terms of a stage made of ``blocks[first..last]`` (a linearised graph)."""
+    inside = blocks[first:last + 1]
+    end = last == len(blocks) - 1
+    if not all(b.saves_measured for b in inside):
+        return StageActivations(inputs=float(blocks[first - 1].cut_bytes) if first > 0 else 0.0, measured=False)
+    return StageActivations(
+        saved=float(sum(b.saved_bytes for b in inside)),
+        inputs=float(blocks[first - 1].cut_bytes) if first > 0 else 0.0,
+        outputs=0.0 if end else float(blocks[last].cut_bytes),
+        unsaved_outputs=0.0 if end else float(blocks[last].unsaved_cut_bytes),
+        working=float(max((WORKING_FACTOR * b.working_bytes - b.released_bytes
+                           - sum(a.saved_bytes for a in inside[k + 1:]) for k, b in enumerate(inside)), default=0.0)),
+        largest_parameter=float(max((b.largest_parameter_bytes for b in inside), default=0)),
+    )
+
+
+def once_bytes(acts: StageActivations, microbatches: int, recompute: bool = False, replicated: bool = False) -> float:
+    """What a worker needs once besides its weights and in-flight microbatches: the working
+    memory of one microbatch's backward (and recomputation), message buffers, and the gradient
+    a backward makes before adding it to an existing one when backwards accumulate (several
+    microbatches per update, or a replicated stage's persistent gradients)."""
+    mu = max(1, int(microbatches))
+    accumulates = replicated or mu > 1
+    return acts.once(recompute) / mu + (acts.largest_parameter if accumulates and acts.measured else 0.0)
+
+
+def memory_terms(kind: str | ScheduleKind, weights: float, acts: StageActivations, microbatches: int,
+                 optimizer_factor: float, recompute: bool = False, replicated: bool = False, replicas: int = 1
+                 ) -> tuple[float, float, float]:
+    """``(base, per, cap)``: a worker holding ``d`` minibatches in flight needs
+    ``base + per · min(d, cap)`` bytes (the planner's vectorised search uses the same form).
+
+    ``replicas`` replicas of a flushing kind share each minibatch's microbatches (microbatch t
+    on replica t mod m), so one holds at most ⌈μ/m⌉ of them: GPipe's all-forwards-first phase and
+    flush's cap shrink with the replica count."""
+    k = schedule_kind(kind)
+    mu = max(1, int(microbatches)) if k.microbatched else 1
+    held = acts.held(recompute)
+    base, per, cap = k.memory_terms(weights, held, mu, optimizer_factor)
+    local = -(-mu // max(1, int(replicas)))
+    if k.flushes and local < mu:
+        if k.forwards_first:
+            base = base - held + held * local / mu
+        else:
+            cap = min(cap, float(local))
+    return base + once_bytes(acts, mu, recompute, replicated or replicas > 1), per, cap
+
+
+def stage_memory_bytes(kind: str | ScheduleKind, weights: float, acts: StageActivations, depth: int,
+                       microbatches: int, optimizer_factor: float, recompute: bool = False,
+                       replicas: int = 1) -> float:
+    """Predicted peak bytes of one worker of a stage of ``replicas`` replicas with ``depth``
+    minibatches in flight."""
+    base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas > 1,
+                                  replicas)
+    return base + per * min(depth, cap)
