@@ -43,7 +43,7 @@ def test_saved_bytes_are_charged_to_the_layer_that_produced_them() -> None:
     by = {layer.name: layer for layer in g.layers}
     names = [layer.name for layer in g.layers]
     data, lin1, relu, lin2, gelu, lin3 = names
-    assert by[data].saved_bytes == 5 * 4 * F32  # the first Linear keeps the data
+    assert by[data].saved_bytes == 0  # the first Linear keeps the data: the caller's batch, not charged
     assert by[lin1].saved_bytes == 0  # ReLU keeps its output, not its input
     assert by[relu].saved_bytes == 5 * 8 * F32  # kept by ReLU itself and by the next Linear
     assert by[relu].released_bytes == 0  # ReLU needs it in its own backward

@@ -31,7 +31,8 @@ How each number is measured (times are medians over ``iters`` runs after ``warmu
   each distinct storage that autograd saves (a parameter or buffer excepted) is charged once,
   to the layer that produced it (the layer whose output it is, or during whose call it was
   made); the loss's saved tensors are charged the same way (the output layer's, or the one
-  that produced them). ``saved_output_bytes`` is the part that is the layer's own output, and
+  that produced them); the model's inputs are the caller's batch and are not charged (a
+  microbatch is a view of it). ``saved_output_bytes`` is the part that is the layer's own output, and
   ``released_bytes`` the part of that only later layers saved (freed by their backward before
   this layer's runs). The planner's memory model adds these up per stage (docs/planner.md).
 * parameter_bytes: bytes of a ``call_module`` node's module parameters (recursively), plus
@@ -691,11 +692,10 @@ def _measure_saved(program: _Program, args: tuple, loss_fn: Callable[..., Tensor
             loss_fn(output, target) if target is not None else loss_fn(output)
             charge(graph.meta["loss_layer"])
     totals = {layer.name: [0, 0, 0] for layer in graph.layers}
-    first = program.steps[0].name if program.steps else None
+    inputs = {name for name, _ in program.inputs}
     for ptr, (name, nbytes) in charged.items():
-        name = name if name in totals else first  # an input that is not a layer (Sequential split)
-        if name is None:
-            continue
+        if name in inputs or name not in totals:
+            continue  # the model's inputs: the caller's batch, held whatever the pipeline does
         totals[name][0] += nbytes
         if outputs.get(ptr) == name:
             totals[name][1] += nbytes
