@@ -39,7 +39,6 @@ from doc_tables import memory_model as memory_table  # noqa: E402
 from peers import write_results  # noqa: E402
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import zoo_models as zoo  # noqa: E402
 from torchpipedream.memory_model import WORKING_FACTOR  # noqa: E402
@@ -95,9 +94,7 @@ def _worker(rank: int, name: str, plan, schedule: str, microbatches: int) -> lis
                     measure_memory=True, timeout_s=120, sample=batches[0] if loss is None else batches[0][0])
 
     pipe.train_minibatches(batches)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, pipe.memory_peak_bytes)
-    return peaks
+    return pipe.memory_peaks()
 
 
 def run_model(name: str, settings) -> list[dict]:

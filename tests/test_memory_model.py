@@ -134,15 +134,11 @@ def _mlp_plan(kind: str, m: int, recompute: bool = False) -> Plan:
 
 
 def _measured_peaks(rank: int, plan: Plan, kind: str, m: int, minibatches: int) -> list[int]:
-    import torch.distributed as dist
-
     pipe = Pipeline(_mlp(), plan, optimizer=functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
                     loss_fn=nn.CrossEntropyLoss(), schedule=kind, microbatches=m if m > 1 else None,
                     measure_memory=True, timeout_s=60)
     pipe.train_minibatches(_mlp_batches(minibatches))
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, pipe.memory_peak_bytes)
-    return peaks
+    return pipe.memory_peaks()
 
 
 def test_peak_memory_does_not_grow_with_the_schedule() -> None:

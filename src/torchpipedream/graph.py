@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .jsonio import read_json, write_json
+from .memory_model import working_key
 
 __all__ = ["SharedParameter", "Layer", "LayerGraph", "GraphError", "Block", "FORMAT_VERSION"]
 
@@ -124,7 +125,7 @@ class Block:
         return cls([n for b in run for n in b.layers], sum(b.forward_ms for b in run), sum(b.backward_ms for b in run),
                    sum(b.parameter_bytes for b in run), run[-1].cut_bytes, list(run[-1].cut_tensors),
                    sum(b.optimizer_ms for b in run), sum(b.saved_bytes for b in run), run[-1].unsaved_cut_bytes,
-                   *max(((b.working_bytes, b.released_bytes) for b in run), key=lambda wr: wr[0] - wr[1]),
+                   *max(((b.working_bytes, b.released_bytes) for b in run), key=lambda wr: working_key(*wr)),
                    max(b.largest_parameter_bytes for b in run), all(b.saves_measured for b in run))
 
 
@@ -351,7 +352,7 @@ class LayerGraph:
                 prev.cut_tensors = crossing
                 prev.saved_bytes += layer.stash_bytes
                 prev.unsaved_cut_bytes = unsaved
-                if working - layer.released > prev.working_bytes - prev.released_bytes:
+                if working_key(working, layer.released) > working_key(prev.working_bytes, prev.released_bytes):
                     prev.working_bytes, prev.released_bytes = working, layer.released
                 prev.saves_measured = prev.saves_measured and layer.saved_bytes is not None
             else:

@@ -111,12 +111,16 @@ class ScheduleKind:
         the others keep the pipeline full across minibatches."""
         return (microbatches + depth - 1) / microbatches if self.flushes else 1.0
 
-    def memory_terms(self, weights: Any, inputs: Any, microbatches: int, optimizer_factor: float) -> tuple[Any, Any, float]:
-        """The planner's memory model of one replica: ``base + per · min(d, cap)`` bytes for a
-        stage holding ``d`` minibatches in flight, with ``weights`` the stage's parameter bytes
-        and ``inputs`` the bytes of its input activations per minibatch (scalars or numpy
-        arrays alike). Optimizer state is ``optimizer_factor`` × the weights."""
-        w, a, mu, f = weights, inputs, microbatches, optimizer_factor
+    def memory_terms(self, weights: Any, held: Any, microbatches: int, optimizer_factor: float,
+                     replicas: int = 1) -> tuple[Any, Any, float]:
+        """The versions and in-flight part of the memory model of one replica:
+        ``base + per · min(d, cap)`` bytes for a stage holding ``d`` minibatches in flight, with
+        ``weights`` the stage's parameter bytes and ``held`` the bytes one in-flight minibatch
+        holds (scalars or numpy arrays alike). Optimizer state is ``optimizer_factor`` × the
+        weights. ``replicas`` replicas of a flushing kind share each minibatch's microbatches
+        (microbatch t on replica t mod m), so one holds at most ⌈μ/m⌉ of them."""
+        w, a, mu, f = weights, held, microbatches, optimizer_factor
+        local = -(-mu // max(1, int(replicas)))
         rule = self.version_rule
         if rule is VersionRule.STASHED:  # a weight stash and an input stash per in-flight minibatch
             return f * w, w + a, float("inf")
@@ -124,9 +128,9 @@ class ScheduleKind:
             return (1 + f) * w, a, float("inf")
         if rule is VersionRule.PREVIOUS_BATCH:
             return (2 + f) * w, a / mu, float("inf")
-        if self.forwards_first:  # all μ microbatches of a batch in flight
-            return (1 + f) * w + a, 0.0 * a, float("inf")
-        return (1 + f) * w, a / mu, float(mu)
+        if self.forwards_first:  # all of a batch's microbatches this replica runs in flight
+            return (1 + f) * w + a * local / mu, 0.0 * a, float("inf")
+        return (1 + f) * w, a / mu, float(local)
 
 
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (

@@ -26,12 +26,14 @@ models the constant was chosen on and on models it was not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from .graph import Block
 from .kinds import ScheduleKind, schedule_kind
 
-__all__ = ["WORKING_FACTOR", "StageActivations", "stage_activations", "once_bytes", "memory_terms",
+if TYPE_CHECKING:
+    from .graph import Block
+
+__all__ = ["WORKING_FACTOR", "StageActivations", "stage_activations", "working_key", "once_bytes", "memory_terms",
            "stage_memory_bytes"]
 
 #: The backward's working memory in multiples of the largest (output + inputs) bytes of one of
@@ -40,6 +42,13 @@ __all__ = ["WORKING_FACTOR", "StageActivations", "stage_activations", "once_byte
 #: benchmark models (benchmarks/memory_model.py --models fc_heavy,small_cnn,transformer_lm);
 #: judged on models it was not chosen on (the zoo rows of the same table).
 WORKING_FACTOR = 1.5
+
+
+def working_key(working_bytes: Any, released_bytes: Any) -> Any:
+    """A layer's (or block's) backward working memory beyond what it holds, before subtracting
+    what the later layers' backward freed: ``WORKING_FACTOR`` × (output + inputs) less its
+    output if only later layers saved it (scalars or numpy arrays alike)."""
+    return WORKING_FACTOR * working_bytes - released_bytes
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,16 @@ class StageActivations:
     largest_parameter: float = 0.0
     measured: bool = True
 
+    @classmethod
+    def from_dict(cls, raw: Any) -> "StageActivations":
+        """The terms as a plan file stores them; ValueError naming the terms if malformed."""
+        names = cls.__dataclass_fields__
+        if not isinstance(raw, dict) or set(raw) - set(names) or not all(
+                isinstance(v, bool) if k == "measured" else
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for k, v in raw.items()):
+            raise ValueError(f"must map the memory model's terms ({', '.join(names)}) to bytes >= 0")
+        return cls(**raw)
+
     def held(self, recompute: bool) -> float:
         """Bytes held per in-flight minibatch between its forward and its backward."""
         if not self.measured:
@@ -84,7 +103,7 @@ class StageActivations:
         return self.working + 2 * self.inputs + (self.saved if recompute else 0.0)
 
 
-def stage_activations(blocks: Sequence[Block], first: int, last: int) -> StageActivations:
+def stage_activations(blocks: Sequence["Block"], first: int, last: int) -> StageActivations:
     """The activation terms of a stage made of ``blocks[first..last]`` (a linearised graph)."""
     inside = blocks[first:last + 1]
     end = last == len(blocks) - 1
@@ -95,42 +114,32 @@ def stage_activations(blocks: Sequence[Block], first: int, last: int) -> StageAc
         inputs=float(blocks[first - 1].cut_bytes) if first > 0 else 0.0,
         outputs=0.0 if end else float(blocks[last].cut_bytes),
         unsaved_outputs=0.0 if end else float(blocks[last].unsaved_cut_bytes),
-        working=float(max((WORKING_FACTOR * b.working_bytes - b.released_bytes
-                           - sum(a.saved_bytes for a in inside[k + 1:]) for k, b in enumerate(inside)), default=0.0)),
+        working=float(max((working_key(b.working_bytes, b.released_bytes) - sum(a.saved_bytes for a in inside[k + 1:])
+                           for k, b in enumerate(inside)), default=0.0)),
         largest_parameter=float(max((b.largest_parameter_bytes for b in inside), default=0)),
     )
 
 
-def once_bytes(acts: StageActivations, microbatches: int, recompute: bool = False, replicated: bool = False) -> float:
+def once_bytes(acts: StageActivations, microbatches: int, recompute: bool = False, replicas: int = 1) -> float:
     """What a worker needs once besides its weights and in-flight microbatches: the working
     memory of one microbatch's backward (and recomputation), message buffers, and the gradient
     a backward makes before adding it to an existing one when backwards accumulate (several
     microbatches per update, or a replicated stage's persistent gradients)."""
     mu = max(1, int(microbatches))
-    accumulates = replicated or mu > 1
+    accumulates = replicas > 1 or mu > 1
     return acts.once(recompute) / mu + (acts.largest_parameter if accumulates and acts.measured else 0.0)
 
 
 def memory_terms(kind: str | ScheduleKind, weights: float, acts: StageActivations, microbatches: int,
-                 optimizer_factor: float, recompute: bool = False, replicated: bool = False, replicas: int = 1
-                 ) -> tuple[float, float, float]:
-    """``(base, per, cap)``: a worker holding ``d`` minibatches in flight needs
-    ``base + per · min(d, cap)`` bytes (the planner's vectorised search uses the same form).
-
-    ``replicas`` replicas of a flushing kind share each minibatch's microbatches (microbatch t
-    on replica t mod m), so one holds at most ⌈μ/m⌉ of them: GPipe's all-forwards-first phase and
-    flush's cap shrink with the replica count."""
+                 optimizer_factor: float, recompute: bool = False, replicas: int = 1) -> tuple[float, float, float]:
+    """``(base, per, cap)``: a worker of a stage of ``replicas`` replicas holding ``d``
+    minibatches in flight needs ``base + per · min(d, cap)`` bytes (the planner's vectorised
+    search uses the same form; versions and in-flight counts are the kind's,
+    ``ScheduleKind.memory_terms``)."""
     k = schedule_kind(kind)
     mu = max(1, int(microbatches)) if k.microbatched else 1
-    held = acts.held(recompute)
-    base, per, cap = k.memory_terms(weights, held, mu, optimizer_factor)
-    local = -(-mu // max(1, int(replicas)))
-    if k.flushes and local < mu:
-        if k.forwards_first:
-            base = base - held + held * local / mu
-        else:
-            cap = min(cap, float(local))
-    return base + once_bytes(acts, mu, recompute, replicated or replicas > 1), per, cap
+    base, per, cap = k.memory_terms(weights, acts.held(recompute), mu, optimizer_factor, replicas)
+    return base + once_bytes(acts, mu, recompute, replicas), per, cap
 
 
 def stage_memory_bytes(kind: str | ScheduleKind, weights: float, acts: StageActivations, depth: int,
@@ -138,6 +147,5 @@ def stage_memory_bytes(kind: str | ScheduleKind, weights: float, acts: StageActi
                        replicas: int = 1) -> float:
     """Predicted peak bytes of one worker of a stage of ``replicas`` replicas with ``depth``
     minibatches in flight."""
-    base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas > 1,
-                                  replicas)
+    base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas)
     return base + per * min(depth, cap)

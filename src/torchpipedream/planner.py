@@ -59,7 +59,7 @@ import numpy as np
 
 from .graph import Block, LayerGraph, SharedParameter
 from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .memory_model import WORKING_FACTOR, StageActivations, memory_terms, stage_activations, stage_memory_bytes
+from .memory_model import StageActivations, memory_terms, stage_activations, stage_memory_bytes, working_key
 from .plans import Plan, PlanError, Stage, TiedParameter
 from .topology import Topology, format_bytes
 
@@ -249,7 +249,7 @@ class _Problem:
         # the memory model's terms (memory_model.py): prefix sums and per-block maxima
         self.Sp = np.concatenate([[0.0], np.cumsum([float(b.saved_bytes) for b in blocks])])
         self.unsaved = np.array([float(b.unsaved_cut_bytes) for b in blocks])
-        self.working = np.array([WORKING_FACTOR * b.working_bytes - b.released_bytes for b in blocks], dtype=float)
+        self.working = np.array([working_key(b.working_bytes, b.released_bytes) for b in blocks], dtype=float)
         self.largest = np.array([float(b.largest_parameter_bytes) for b in blocks])
         self.recompute = recompute
         self.measured = all(b.saves_measured for b in blocks)  # else the older model (memory_model.py)
@@ -310,11 +310,11 @@ class _Problem:
             - self.Sp[j1],
             largest_parameter=np.maximum.accumulate(self.largest[:j1][::-1])[::-1][i])
 
-    def max_depth(self, i: np.ndarray, j1: int, replicated: bool = False) -> np.ndarray:
-        """Largest in-flight count d whose memory fits, for stages i..j1-1 (huge if any d fits)."""
+    def max_depth(self, i: np.ndarray, j1: int, acts: StageActivations, replicas: int = 1) -> np.ndarray:
+        """Largest in-flight count d whose memory fits, for stages i..j1-1 of ``replicas``
+        replicas with activation terms ``acts`` (huge if any d fits)."""
         w = self.Wp[j1] - self.Wp[i]
-        base, per, cap = memory_terms(self.kind, w, self.activations(i, j1), self.mu, self.f, self.recompute,
-                                      replicated)
+        base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, replicas)
         M = self.memory
         big = float(_INF_M)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -449,15 +449,18 @@ class _Problem:
         comp = self.Cp[j1] - self.Cp[I]
         w = self.Wp[j1] - self.Wp[I]
         togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
+        acts = self.activations(I, j1)
 
-        def replicas_for_memory(replicated: bool) -> np.ndarray:
+        def replicas_for_memory(replicas: int) -> np.ndarray:
             """Fewest replicas whose depth fits the budget, per start block and start rank."""
-            dmax = self.max_depth(I, j1, replicated)  # (nI,)
+            dmax = self.max_depth(I, j1, acts, replicas)  # (nI,)
             with np.errstate(divide="ignore"):
                 return np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
 
-        # a replicated stage accumulates into persistent gradients (one more parameter's worth)
-        mmem1, mmem = replicas_for_memory(False), replicas_for_memory(True)
+        # A replicated stage accumulates into persistent gradients (one more parameter's worth).
+        # Its replica count is not known here; 2 stands for any: only pipedream and naive
+        # replicate in this path, and their memory depends on the count only through d.
+        mmem1, mmem = replicas_for_memory(1), replicas_for_memory(2)
         reach_i = reach[I][:, :, :Wu]
         for ki, k in enumerate(self.classes):
             if k > 0 and self.shared:
@@ -468,13 +471,16 @@ class _Problem:
             best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
             besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
 
-        acts = self.activations(I, j1)
+        fitting: dict[int, np.ndarray] = {}
 
         def memory_fits(m: int) -> np.ndarray:
             """(nI, Wu): a stage of ``m`` replicas (sharing each minibatch's microbatches) fits."""
-            base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, True, m)
-            d = np.minimum(-(-togo // m), cap)  # (1, Wu)
-            return np.broadcast_to(base, w.shape)[:, None] + np.broadcast_to(per, w.shape)[:, None] * d <= self.memory
+            if m not in fitting:
+                base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m)
+                d = np.minimum(-(-togo // m), cap)  # (1, Wu)
+                fitting[m] = (np.broadcast_to(base, w.shape)[:, None] + np.broadcast_to(per, w.shape)[:, None] * d
+                              <= self.memory)
+            return fitting[m]
 
         def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
             fits = inok[ki, I][None] & (self._shared_stage_ms(self.classes[ki], comp[None], w[None],

@@ -293,14 +293,11 @@ class Plan:
             if unknown:
                 raise PlanError(f"{source}: stages[{i}]: unknown field(s) {sorted(unknown)}")
             fields = {k: v for k, v in raw.items() if k in known}
-            acts = fields.get("activations")
-            if acts is not None:
-                if not isinstance(acts, dict) or set(acts) - set(StageActivations.__dataclass_fields__) or not all(
-                        isinstance(v, bool) if k == "measured" else
-                        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for k, v in acts.items()):
-                    raise PlanError(f"{source}: stages[{len(stages)}].activations must map the memory model's "
-                                    f"terms ({', '.join(StageActivations.__dataclass_fields__)}) to bytes >= 0")
-                fields["activations"] = StageActivations(**acts)
+            if fields.get("activations") is not None:
+                try:
+                    fields["activations"] = StageActivations.from_dict(fields["activations"])
+                except ValueError as exc:
+                    raise PlanError(f"{source}: stages[{i}].activations {exc}") from None
             stages.append(Stage(**fields))
         for key, types in (("schedule", str), ("batch_size", (int, type(None))), ("microbatches", int),
                            ("topology", str), ("predicted", (dict, type(None))), ("meta", (dict, type(None))),

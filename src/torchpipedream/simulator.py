@@ -144,7 +144,7 @@ class Costs:
         )
         if plan.stages and all(st.activations is not None for st in plan.stages):  # the memory model's terms
             kw["activation_bytes"] = [st.activations.held(st.recompute) / m for st in plan.stages]
-            kw["working_bytes"] = [once_bytes(st.activations, m, st.recompute, st.replicas > 1) for st in plan.stages]
+            kw["working_bytes"] = [once_bytes(st.activations, m, st.recompute, st.replicas) for st in plan.stages]
         options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
         if isinstance(options, dict) and isinstance(options.get("optimizer_state_factor"), (int, float)):
             kw["optimizer_state_factor"] = float(options["optimizer_state_factor"])

@@ -337,8 +337,7 @@ class P2P:
 
         gloo reports a send complete only once it has been waited for, so without a bound
         every buffer sent during a schedule would live until its end (memory growing with the
-        schedule's length: measured 24 activation buffers held at once over 6 minibatches of
-        4 microbatches). Beyond ``max_sends`` outstanding sends the oldest is waited for. That
+        schedule's length). Beyond ``max_sends`` outstanding sends the oldest is waited for. That
         cannot deadlock: a receiver takes its messages in order and needs nothing more from
         this rank to reach the one waited for, and this rank's own receives are posted first.
         """

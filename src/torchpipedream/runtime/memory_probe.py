@@ -14,15 +14,12 @@ in the runs that measure speed.
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 __all__ = ["AllocationPeak", "allocation_peak", "held_bytes"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

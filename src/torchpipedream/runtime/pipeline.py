@@ -563,6 +563,13 @@ class Pipeline:
             yield
         self.memory_peak_bytes = max(self.memory_peak_bytes or 0, held + peak.peak_bytes)
 
+    def memory_peaks(self) -> list[int | None]:
+        """Every rank's ``memory_peak_bytes`` (None where not measured), on every rank; a
+        collective when distributed (a deadline-bounded exchange through the store)."""
+        if not self.distributed:
+            return [self.memory_peak_bytes]
+        return self.agreement.exchange("the measured memory peaks", self.memory_peak_bytes)  # type: ignore[union-attr]
+
     def _all_weights(self) -> list[WeightVersions]:
         return [self.weights] + [copy.weights for copy in self.tied.values()]
 

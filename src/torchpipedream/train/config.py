@@ -168,11 +168,9 @@ def check_options(cfg: TrainConfig) -> None:
         from ..topology import TopologyError, parse_bytes
 
         try:
-            budget = parse_bytes(cfg.memory)
+            parse_bytes(cfg.memory)  # refuses sizes <= 0 too
         except (TopologyError, ValueError) as exc:
             raise TrainError(f"--memory {cfg.memory!r}: {exc}") from None
-        if not budget > 0:
-            raise TrainError(f"--memory must be a positive size such as 512MB, got {cfg.memory!r}")
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume continues the run in --out and --overwrite replaces it: give one of them")
     from ..models import MODELS

@@ -91,21 +91,11 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     if bar is not None:
         bar.close()
     state = pipe.state_dict(dst=0)
-    peaks = _memory_peaks(pipe) if cfg.measure_memory else None  # collective
+    peaks = pipe.memory_peaks() if cfg.measure_memory else None  # collective
     if rank != 0:
         return None
     return {"history": history, "trace": trace, "state": state, "memory_peak_bytes": peaks}
 
-
-def _memory_peaks(pipe: Any) -> list[int | None]:
-    """Every rank's measured peak tensor bytes (``--measure-memory``), on every rank."""
-    if not pipe.distributed:
-        return [pipe.memory_peak_bytes]
-    import torch.distributed as dist
-
-    peaks: list[int | None] = [None] * pipe.world_size
-    dist.all_gather_object(peaks, pipe.memory_peak_bytes)
-    return peaks
 
 
 def _train_epoch(pipe: Any, cfg: Any, epoch: int, batches: list, first: int, losses: list[float], seconds: float,
