@@ -88,6 +88,9 @@ def main() -> None:
     one = tpd.Plan.straight([graph.names], schedule="flush", microbatches=2)
     pipe = call("Pipeline", model, one, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss())
     assert isinstance(pipe.train_step((x, y)), float)
+    half = call("Pipeline", model, one, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                precision="fp16", loss_scaling=call("LossScaling", init_scale=2.0 ** 10))
+    assert isinstance(half.train_step((x, y)), float) and half.loss_scale in (2.0 ** 9, 2.0 ** 10)
     assert call("launch", operator.add, 1, 5) == 5
     call("keep_freed_memory")
 

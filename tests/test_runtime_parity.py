@@ -18,6 +18,7 @@ from torch.func import functional_call
 
 from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
+from torchpipedream.runtime.loss_scaling import LossScaling
 
 LR = 0.1
 N_PROCS = 3
@@ -174,7 +175,12 @@ SCENARIOS: dict[str, dict] = {
     "flush_skip_bf16": dict(model="skip", kind="flush", m=2, n=3, precision="bf16"),
     "pipedream_bf16": dict(model="mlp", kind="pipedream", n=12, precision="bf16"),
     "2bw_bf16_recompute": dict(model="mlp", kind="2bw", m=2, n=6, precision="bf16", recompute=True),
+    # float16 with dynamic loss scaling: a scale that overflows first (skipped updates), then grows.
+    "flush_skip_fp16": dict(model="skip", kind="flush", m=2, n=8, precision="fp16"),
+    "gpipe_2_1_fp16": dict(model="mlp", kind="gpipe", m=4, n=8, plan="2-1", precision="fp16"),
 }
+#: The loss scale's policy of the float16 scenarios: starts high enough to overflow.
+FP16_SCALING = dict(init_scale=2.0 ** 18, growth_interval=2)
 #: Each recomputing scenario and the scenario it repeats without recomputation.
 RECOMPUTED = {name: name.removesuffix("_recompute") for name in SCENARIOS
               if name.endswith("_recompute") and "precision" not in SCENARIOS[name]}
@@ -202,7 +208,8 @@ def run_scenario(name: str, profiled: dict | None = None) -> dict:
     pipe = Pipeline(MODELS[sc["model"]](), plan, optimizer=make_opt(sc.get("opt", "sgd"), sc.get("lr", LR)),
                     loss_fn=loss_fn, loss_reduction=reduction, vertical_sync=sc.get("vertical_sync", False),
                     microbatches=m if kind in ("flush", "gpipe", "2bw") else None, timeout_s=30,
-                    recompute=sc.get("recompute"), precision=sc.get("precision", "fp32"))
+                    recompute=sc.get("recompute"), precision=sc.get("precision", "fp32"),
+                    loss_scaling=LossScaling(**FP16_SCALING) if sc.get("precision") == "fp16" else None)
     batches = token_data(sc["n"]) if sc["model"] == "transformer" else data(sc["n"], last=sc.get("last"))
     calls = [0]  # forwards of the stage's modules with parameters (a recomputing stage runs each twice)
 
@@ -214,7 +221,8 @@ def run_scenario(name: str, profiled: dict | None = None) -> dict:
     for h in hooks:
         h.remove()
     out = {"losses": losses, "stage": pipe.stage_state_dict(), "full": pipe.state_dict(dst=0),
-           "copies": pipe.weights.copies, "versions": pipe.weights.max_versions_alive, "forwards": calls[0]}
+           "copies": pipe.weights.copies, "versions": pipe.weights.max_versions_alive, "forwards": calls[0],
+           "loss_scale": pipe.loss_scale, "skipped": pipe.skipped_updates}
     if name in ("pipedream", "pipedream_bf16"):
         out["trace"] = pipe.trace(dst=0)
         out["eval"] = pipe.evaluate(data(2, seed=7))
@@ -508,3 +516,43 @@ def test_bf16_activations_cross_the_cuts_in_half_the_bytes(results):
     # Every mlp cut carries 8 samples × 8 features: 256 payload bytes in float32, 128 in bfloat16
     # (the header words are the same).
     assert all(f - h == 8 * 8 * 2 for f, h in zip(full, half)), (full[:4], half[:4])
+
+
+# --------------------------------------------------------------------------- float16, loss scaling
+def reference_fp16(model: str, batches, m: int) -> tuple[dict, float, int]:
+    """Gradient accumulation under float16 autocast with torch's own GradScaler (same policy)
+    scaling each microbatch's summed loss, as the pipeline does: (weights, final scale, skipped
+    updates)."""
+    module = MODELS[model]()
+    optim = torch.optim.SGD(module.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", **FP16_SCALING)
+    skipped = 0
+    for x, y in batches:
+        optim.zero_grad()
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(module(xs), ys)
+            scaler.scale(loss * len(ys)).backward()
+        scaler.unscale_(optim)
+        for p in module.parameters():
+            p.grad /= len(y)
+        before = scaler.get_scale()
+        scaler.step(optim)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    return {k: v.detach() for k, v in module.state_dict().items()}, scaler.get_scale(), skipped
+
+
+@pytest.mark.parametrize("name", ["flush_skip_fp16", "gpipe_2_1_fp16"])
+def test_fp16_loss_scaling_skips_the_same_updates_on_every_stage_as_torch(results, name):
+    """Every rank skipped the updates torch's GradScaler skips and holds its scale; the weights
+    (float32 masters) equal the reference's."""
+    sc = SCENARIOS[name]
+    want, scale, skipped = reference_fp16(sc["model"], data(sc["n"]), sc["m"])
+    assert 0 < skipped < sc["n"], "the policy must overflow some updates and apply others"
+    assert [(r[name]["loss_scale"], r[name]["skipped"]) for r in results] == [(scale, skipped)] * N_PROCS
+    got = results[0][name]["full"]
+    assert all(v.dtype == torch.float32 for v in got.values())
+    assert_close(got, want, atol=1e-6)
+    # the float32 run of the same batches is measurably elsewhere: the test sees the precision
+    assert differs(got, reference_sync(sc["model"], data(sc["n"]))) > 1e-5

@@ -23,6 +23,7 @@ from torchpipedream.planner import plan as make_plan
 from torchpipedream.plans import Plan, PlanError, Stage, TiedParameter
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.engine import Engine
+from torchpipedream.runtime.loss_scaling import LossScaling
 from torchpipedream.runtime.pipeline import PipelineError
 from torchpipedream.runtime.weights import WeightVersions
 from torchpipedream.schedules import ScheduleBuildError, build_schedule
@@ -31,6 +32,7 @@ from torchpipedream.topology import Topology
 from torchpipedream.validate import validate_schedule
 
 V, D, LR = 11, 8, 0.5
+FP16_SCALING = dict(init_scale=2.0 ** 22, growth_interval=2)
 
 
 class TiedLM(nn.Module):
@@ -161,6 +163,12 @@ def worker(rank: int, checkpoint_dir: str) -> dict:
     again.load_checkpoint(checkpoint_dir)
     again.train_minibatches(data(4)[2:])
     out["resumed"] = {"straight": straight, "resumed": again.state_dict(dst=0)}
+    # float16 with loss scaling: an overflow in either copy's gradient skips the update everywhere.
+    pipe = _pipeline(Plan.straight(THREE, schedule="flush", microbatches=2), precision="fp16",
+                     loss_scaling=LossScaling(**FP16_SCALING))
+    pipe.train_minibatches(data(8))
+    out["fp16"] = {"full": pipe.state_dict(dst=0), "stage": pipe.stage_state_dict(), "scale": pipe.loss_scale,
+                   "skipped": pipe.skipped_updates}
     return out
 
 
@@ -193,6 +201,34 @@ def test_flush_with_tied_weights_equals_plain_training(results):
     assert_close(got, reference_sync(data(8)))
     assert results[0]["flush"]["tied"] == [("emb.weight", [0, 2], V * D * 4)]
     assert torch.equal(got["emb.weight"], got["head.weight"])
+
+
+def test_fp16_with_tied_weights_skips_what_torchs_grad_scaler_skips(results):
+    """Gradient accumulation under float16 autocast with torch's GradScaler (the same policy,
+    scaling each microbatch's summed loss as the pipeline does) against the pipeline with the
+    tied matrix split over stages 0 and 2: same skipped updates and scale on every rank, same
+    weights, and both copies of the matrix identical."""
+    model = tied_lm()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **FP16_SCALING)
+    skipped = 0
+    for x, y in data(8):
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = lm_loss(model(xs), ys)
+            scaler.scale(loss * len(ys)).backward()
+        scaler.unscale_(opt)
+        for p in model.parameters():
+            p.grad /= len(y)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    assert 0 < skipped < 8
+    assert [(r["fp16"]["scale"], r["fp16"]["skipped"]) for r in results] == [(scaler.get_scale(), skipped)] * 3
+    assert_close(results[0]["fp16"]["full"], {k: v.detach() for k, v in model.state_dict().items()}, atol=1e-6)
+    assert torch.equal(results[0]["fp16"]["stage"]["emb.weight"], results[2]["fp16"]["stage"]["head.weight"])
 
 
 def test_copies_stay_bit_identical_under_every_schedule(results):

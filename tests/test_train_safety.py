@@ -219,6 +219,8 @@ def test_resume_refuses_an_option_outside_the_plan_and_names_it(two_runs, tmp_pa
     (["--resume", "--overwrite"], "give one of them"),
     (["--schedule", "auto", "--vertical-sync"], "--vertical-sync applies to pipedream only"),
     (["--allow-stale"], "--allow-stale lets --schedule auto choose"),
+    (["--precision", "fp16"], "(flush, gpipe, or auto without --allow-stale), not --schedule pipedream"),
+    (["--precision", "fp16", "--schedule", "auto", "--allow-stale"], "not --schedule auto --allow-stale"),
     (["--memory", "lots"], "--memory 'lots'"),
     (["--memory", "0MB"], "--memory '0MB': memory size must be > 0"),
 ])

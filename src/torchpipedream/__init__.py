@@ -45,6 +45,7 @@ _EXPORTS = {
     "Event": "trace",
     "draw_timeline": "viz",
     "Pipeline": "runtime",
+    "LossScaling": "runtime",
     "PipelineFailure": "runtime",
     "launch": "runtime",
     "share_plan": "runtime",

@@ -64,9 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measure-memory", action="store_true",
                    help="record each worker's peak tensor memory (every allocation, through PyTorch's "
                         "profiler: slower) and report it per stage beside the prediction")
-    p.add_argument("--precision", default=d.precision, choices=["fp32", "bf16"],
+    p.add_argument("--precision", default=d.precision, choices=["fp32", "bf16", "fp16"],
                    help="bf16: forwards and losses under bfloat16 autocast, activations cross the cuts in "
-                        "bfloat16; weights and optimizer state stay float32 (default: %(default)s)")
+                        "bfloat16; weights and optimizer state stay float32. fp16: the same in float16 with "
+                        "dynamic loss scaling (synchronous schedules: flush, gpipe, auto) (default: %(default)s)")
     p.add_argument("--plan", dest="plan_file", default=None, help="use this plan.json instead of planning")
     p.add_argument("--topology", default=None, help="topology spec for the planner (default: local, one level)")
     p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")

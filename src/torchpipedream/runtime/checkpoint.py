@@ -509,6 +509,8 @@ def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Pa
             # the model's names: any plan reads what its stages need (module docstring).
             "index": {name: f"stage{stage}.pt" for name, stage in sorted(owner.items())},
             "aliases": dict(sorted(pipe._aliases.items())),
+            # float16's loss scale (the same on every rank), so a resumed run skips what it would have
+            "loss_scaler": pipe.engine.scaler.state_dict() if pipe.engine.scaler is not None else None,
         }
         try:
             write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -629,7 +631,10 @@ def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
             weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
             if weights.optimizer is not None:
                 load_state_by_name(weights.optimizer, loaded.optimizer, _name_of_parameters(pipe, weights))
-    except OptimizerStateError as exc:
+        scaler_state = loaded.manifest.raw.get("loss_scaler")
+        if pipe.engine.scaler is not None and isinstance(scaler_state, dict):
+            pipe.engine.scaler.load_state_dict(scaler_state)
+    except (OptimizerStateError, ValueError) as exc:
         error = f"checkpoint {directory}: {exc}"
     _agree(pipe, "the loading of the optimizer states", error)
     if loaded.rng is not None:

@@ -40,6 +40,7 @@ from ..trace import Event
 from . import liveness
 from .buffers import ReplicaBuffers
 from .comm import P2P
+from .loss_scaling import LossScaler
 from .weights import WeightVersions
 
 __all__ = ["Engine", "MicrobatchResult", "as_tuple"]
@@ -155,7 +156,8 @@ class Engine:
         # recomputed forward the same, and a run with the same seed the same (see ``_seeded``).
         self.draws_random = False
         self.recompute = False  # activation recomputation (Stage.recompute)
-        self.compute_dtype: torch.dtype | None = None  # torch.bfloat16: forwards under autocast (precision="bf16")
+        self.compute_dtype: torch.dtype | None = None  # bf16/fp16: forwards under autocast (Pipeline(precision=))
+        self.scaler: LossScaler | None = None  # float16's loss scale (loss_scaling.py)
         self.rng_seed = 0
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
@@ -180,6 +182,7 @@ class Engine:
         self._to_send: dict[int, tuple[int, list[torch.Tensor], list[Any]]] = {}
         self._out_grads: dict[int, list[torch.Tensor]] = {}
         self._in_grads: dict[int, list[torch.Tensor]] = {}
+        self._updates: dict[int, tuple[bool, float]] = {}  # update -> (apply it?, 1 / its loss scale)
         results: dict[int, MicrobatchResult] = {}
         events: list[Event] = []
         for action in actions:
@@ -209,13 +212,14 @@ class Engine:
                 if self.buffers is not None:
                     nbytes += self.buffers.sync(self.timeout_s)
             elif kind == Kind.OPTIMIZER_STEP:
-                self.weights.step()
+                self.weights.step(*self._update(action.id))
                 version = self.weights.version
             elif kind == Kind.TIED_POST:
                 copy = self.tied[action.tie]
                 nbytes = copy.weights.post_allreduce(copy.group, copy.holders)
             elif kind == Kind.TIED_REDUCE:
-                self.tied[action.tie].weights.step_posted(self.timeout_s)
+                unscale, apply = self._update(action.id)
+                self.tied[action.tie].weights.step_posted(self.timeout_s, unscale, apply)
                 version = self.tied[action.tie].weights.version
             else:  # pragma: no cover - Kind is closed
                 raise RuntimeError(f"unknown action {action}")
@@ -235,6 +239,23 @@ class Engine:
         if leftover and train:
             log.warning("rank %d: schedule ended with %s still held", self.rank, ", ".join(leftover))
         return results, events
+
+    def _update(self, update: int) -> tuple[float, bool]:
+        """(unscale, apply) for this rank's steps of ``update``: (1, True) without a loss
+        scaler; with one, decided once per update (at the first of its TR and U actions, when
+        every gradient of the update is here) and agreed with every rank."""
+        if self.scaler is None:
+            return 1.0, True
+        if update not in self._updates:
+            overflow = self.weights.gradient_overflowed() or any(
+                copy.weights.gradient_overflowed(self.timeout_s) for copy in self.tied.values())
+            apply, used = self.scaler.decide(overflow)
+            if not apply:
+                log.info("rank %d: update %d skipped: the float16 gradients overflowed at loss scale %g",
+                         self.rank, update, used)
+            self._updates[update] = (apply, 1.0 / used)
+        apply, unscale = self._updates[update]
+        return unscale, apply
 
     # ------------------------------------------------------------------ compute
     def _inputs(self, microbatch: int, get_microbatch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], int, list[torch.Tensor]]:
@@ -399,6 +420,8 @@ class Engine:
                 # or of the minibatch's mean when every update applies one whole minibatch
                 summed = self.loss_reduction == "mean" and not self.weights.grads_are_means
                 root = ctx.loss * ctx.samples if summed else ctx.loss
+                if self.scaler is not None:
+                    root = root * self.scaler.scale
                 roots, grad_outputs = [root], None
         else:
             grads = self._out_grads.pop(microbatch, None)

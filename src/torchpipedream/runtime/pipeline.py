@@ -49,6 +49,7 @@ from torch.utils import _pytree as pytree
 
 from ..actions import Action, Kind, Schedule
 from ..huge_pages import HUGE_PAGES_ENV
+from ..kinds import UnknownKindError, schedule_kind
 from ..placement import tied_support_problem
 from ..plans import Plan, PlanError, TiedParameter
 from ..schedules import build_schedule
@@ -59,10 +60,11 @@ from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .comm import P2P
 from .engine import Engine, MicrobatchResult, TiedCopy, as_tuple
+from .loss_scaling import LossScaler, LossScaling
 from .memory_probe import allocation_peak, held_bytes
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
 from .stage_split import model_state_names, split_stages
-from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means
+from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means, wait_for
 
 __all__ = ["Pipeline", "PipelineError", "PipelineFailure", "forward_only"]
 
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 
 
 #: ``Pipeline(precision=)``: the dtype forwards compute in under autocast (None: float32, no autocast).
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: How many minibatch losses ``Pipeline.history`` keeps (the newest).
 HISTORY_LIMIT = 10_000
@@ -148,7 +150,14 @@ class Pipeline:
         precision: "fp32" (default) or "bf16": every forward and loss runs under
             ``torch.autocast`` with bfloat16 (CPU and CUDA), so activations and their gradients
             cross the cuts in bfloat16 (half the bytes); weights, gradients and optimizer state
-            stay float32 (the master copy). fp16 needs loss scaling and is not supported.
+            stay float32 (the master copy). "fp16": the same with float16 and dynamic loss
+            scaling (``loss_scaling``), for the synchronous schedules (flush, gpipe): an
+            update whose gradients overflowed on any stage is skipped by every stage
+            (``runtime/loss_scaling.py``; ``loss_scale`` and ``skipped_updates`` say where
+            it stands).
+        loss_scaling: the loss scale's policy with ``precision="fp16"`` (default
+            :class:`~torchpipedream.runtime.loss_scaling.LossScaling`: torch's GradScaler
+            defaults).
 
     Example, in one process (the same code runs on every rank under ``torchrun`` or
     :func:`~torchpipedream.launch` with a plan of more workers, e.g.
@@ -189,6 +198,7 @@ class Pipeline:
         recompute: bool | Sequence[int] | None = None,
         precision: str = "fp32",
         measure_memory: bool = False,
+        loss_scaling: LossScaling | None = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -198,8 +208,8 @@ class Pipeline:
                 "(each rank builds it on its own stage's parameters), not an optimizer instance"
             )
         if precision not in PRECISIONS:
-            hint = " (fp16 needs loss scaling, not supported yet; bf16 needs none)" if precision == "fp16" else ""
-            raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}{hint}")
+            raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self._check_loss_scaling(precision, loss_scaling, schedule or plan.schedule)
         self.precision = precision
         # Peak tensor bytes of this rank's training runs (memory_probe.py), when measured.
         self.measure_memory = bool(measure_memory)
@@ -290,6 +300,12 @@ class Pipeline:
         self.engine.draws_random = draws_random_numbers(self.module)
         self.engine.recompute = plan.stages[self.stage].recompute
         self.engine.compute_dtype = PRECISIONS[precision]
+        if precision == "fp16":
+            # every rank's overflow flag, MAX-reduced at each update (a group of its own, made
+            # here on every rank like the groups above)
+            group = dist.new_group(list(range(self.world_size)), timeout=datetime.timedelta(seconds=self.timeout_s)) \
+                if self.distributed else None
+            self.engine.scaler = LossScaler(loss_scaling or LossScaling(), self._overflow_agreement(group))
         # Dropout masks come from (this seed, stage, microbatch): distinct on every replica and
         # reproducible; without a seed, the process's (what torch.manual_seed set, if anything).
         self.engine.rng_seed = seed if seed is not None else torch.initial_seed()
@@ -569,6 +585,48 @@ class Pipeline:
         if not self.distributed:
             return [self.memory_peak_bytes]
         return self.agreement.exchange("the measured memory peaks", self.memory_peak_bytes)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _check_loss_scaling(precision: str, loss_scaling: Any, kind: str) -> None:
+        """float16 needs a loss scale every stage applies to the same updates: refuse what
+        cannot (another precision given a policy, an asynchronous schedule)."""
+        if loss_scaling is not None and not isinstance(loss_scaling, LossScaling):
+            raise PipelineError(f"loss_scaling must be a LossScaling, got {type(loss_scaling).__name__}")
+        if loss_scaling is not None and precision != "fp16":
+            raise PipelineError(f"loss_scaling applies to precision='fp16' only (precision is {precision!r})")
+        if precision != "fp16":
+            return
+        try:
+            asynchronous = schedule_kind(kind).asynchronous
+        except UnknownKindError:
+            return  # the schedule's own check names it
+        if asynchronous:
+            raise PipelineError(
+                f"precision='fp16' needs a synchronous schedule (flush or gpipe), not {kind!r}: an update "
+                "whose float16 gradients overflowed must be skipped by every stage, and with "
+                f"{kind!r} the stages apply different minibatches' updates at a time; use precision='bf16' "
+                "(no loss scaling needed)")
+
+    def _overflow_agreement(self, group: Any) -> Callable[[bool], bool]:
+        """``agree(found_here) -> found_anywhere`` over every rank (deadline-bounded)."""
+        def agree(found: bool) -> bool:
+            if group is None:
+                return found
+            flag = torch.tensor([1.0 if found else 0.0], device=self.device)
+            wait_for(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), self.timeout_s,
+                     "the loss scaler's overflow check")
+            return bool(flag.item())
+        return agree
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current float16 loss scale (None unless ``precision="fp16"``); the same on every rank."""
+        return self.engine.scaler.scale if self.engine.scaler is not None else None
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped because float16 gradients overflowed (every stage skips the same)."""
+        return self.engine.scaler.skipped_updates if self.engine.scaler is not None else 0
 
     def _all_weights(self) -> list[WeightVersions]:
         return [self.weights] + [copy.weights for copy in self.tied.values()]

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..actions import Kind, Schedule
+from .loss_scaling import has_nonfinite
 
 __all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means", "wait_for"]
 
@@ -255,14 +256,33 @@ class WeightVersions:
         self._posted.append((work, posted, holders))
         return posted.numel() * posted.element_size()
 
-    def step_posted(self, timeout_s: float) -> bool:
+    def step_posted(self, timeout_s: float, unscale: float = 1.0, apply: bool = True) -> bool:
         """Wait for the oldest posted all-reduce and apply its sum as one update (the step every
-        copy of a shared parameter takes); returns whether it copied a stashed version."""
+        copy of a shared parameter takes); returns whether it copied a stashed version.
+        ``unscale`` and ``apply`` as in :meth:`step`."""
+        posted = self._oldest_posted(timeout_s)
+        _, _, holders = self._posted.pop(0)
+        return self._apply(self._views_of(posted), float(posted[-1].item()) / holders, unscale, apply)
+
+    def _oldest_posted(self, timeout_s: float) -> torch.Tensor:
+        """The oldest posted all-reduce's sum, waited for (waiting again is a no-op)."""
         if not self._posted:
             raise RuntimeError("a shared parameter's step (TR) without its posted gradient (TP) before it")
-        work, posted, holders = self._posted.pop(0)
+        work, posted, _ = self._posted[0]
         wait_for(work, timeout_s, "shared parameter all-reduce")
-        return self._apply(self._views_of(posted), float(posted[-1].item()) / holders)
+        return posted
+
+    def gradient_overflowed(self, timeout_s: float | None = None) -> bool:
+        """Whether the gradient of the coming update holds an inf or NaN (a float16 backward
+        overflowed): the accumulated one, or with ``timeout_s`` the oldest posted sum (a
+        shared parameter's, waited for)."""
+        if timeout_s is not None:
+            return has_nonfinite([self._oldest_posted(timeout_s)])
+        if self._flat is not None:
+            return has_nonfinite([self._flat])
+        for views in self._views.values():
+            self._take_grads(views)
+        return has_nonfinite(self._grads if self._grads is not None else self._pending)
 
     def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         out, pos = [], 0
@@ -274,13 +294,17 @@ class WeightVersions:
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
-    def step(self) -> bool:
-        """Apply the accumulated gradient to the latest weights; returns whether it copied."""
+    def step(self, unscale: float = 1.0, apply: bool = True) -> bool:
+        """Apply the accumulated gradient to the latest weights; returns whether it copied.
+
+        ``unscale`` multiplies the gradient first (1 / the loss scale of float16 training);
+        ``apply=False`` skips the optimizer (an overflowed update: the gradient is dropped,
+        the weights stay, the version still advances so the schedule's versions hold)."""
         if self.params and self.optimizer is not None:
             for views in self._views.values():
                 self._take_grads(views)
         grads = self._grads if self._grads is not None else self._pending
-        copied = self._apply(grads, self._samples)
+        copied = self._apply(grads, self._samples, unscale, apply)
         if self.params and self.optimizer is not None:
             with torch.no_grad():
                 if self._flat is not None:
@@ -292,7 +316,8 @@ class WeightVersions:
         self._samples = 0.0
         return copied
 
-    def _apply(self, grads: list[torch.Tensor | None], samples: float) -> bool:
+    def _apply(self, grads: list[torch.Tensor | None], samples: float, unscale: float = 1.0,
+               apply: bool = True) -> bool:
         """One optimizer step with ``grads``, the sum over ``samples`` samples (copying the
         current version first when a stash still needs it); the version counter advances."""
         copied = False
@@ -314,21 +339,22 @@ class WeightVersions:
                 copied = True
             else:
                 self._views.pop(self.version, None)
-            scale = 1.0
+            scale = unscale
             if self.loss_reduction == "mean":
                 if samples <= 0:
                     raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
                 if not self.grads_are_means:
-                    scale = 1.0 / samples
+                    scale /= samples
             present = [g for g in grads if g is not None]
-            with torch.no_grad():
-                if present and scale != 1.0:
-                    torch._foreach_mul_(present, scale)
-            for p, g in zip(self.params, grads):
-                p.grad = g
-            self.optimizer.step()
-            for p in self.params:
-                p.grad = None
+            if apply:
+                with torch.no_grad():
+                    if present and scale != 1.0:
+                        torch._foreach_mul_(present, scale)
+                for p, g in zip(self.params, grads):
+                    p.grad = g
+                self.optimizer.step()
+                for p in self.params:
+                    p.grad = None
         self.version += 1
         self.max_versions_alive = max(self.max_versions_alive, len(self._views) + 1)
         return copied

@@ -60,7 +60,7 @@ class TrainConfig:
     recompute: bool = False  # activation recomputation on every stage (Stage.recompute)
     memory: str | None = None  # per-worker memory budget for the planner ("512MB")
     measure_memory: bool = False  # record each worker's peak tensor memory (runtime/memory_probe.py)
-    precision: str = "fp32"  # fp32, or bf16 (forwards under autocast; float32 master weights)
+    precision: str = "fp32"  # fp32, bf16 or fp16 (forwards under autocast; float32 master weights)
     allow_stale: bool = False  # --schedule auto may choose the asynchronous kinds (pipedream, 2bw)
     plan_file: str | None = None
     topology: str | None = None
@@ -151,6 +151,11 @@ def check_options(cfg: TrainConfig) -> None:
     if cfg.allow_stale and cfg.schedule != AUTO:
         raise TrainError(f"--allow-stale lets --schedule auto choose an asynchronous kind; with --schedule "
                          f"{cfg.schedule} it does nothing (drop it, or use --schedule auto)")
+    if cfg.precision == "fp16" and (cfg.allow_stale or (cfg.schedule != AUTO and schedule_kind(cfg.schedule).asynchronous)):
+        chosen = "--schedule auto --allow-stale" if cfg.schedule == AUTO else f"--schedule {cfg.schedule}"
+        raise TrainError(f"--precision fp16 needs a synchronous schedule (flush, gpipe, or auto without --allow-stale), "
+                         f"not {chosen}: an update whose float16 gradients overflowed is skipped by every stage at "
+                         "once; --precision bf16 needs no loss scaling and works with every schedule")
     if cfg.optimizer not in OPTIMIZERS:
         raise TrainError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     for name in ("epochs", "batch_size", "microbatches"):

@@ -112,6 +112,8 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         "measured": {"time_per_minibatch_s": measured_t, "samples_per_s": last["samples_per_s"]},
         # per stage: the memory model's peak per worker, and with --measure-memory the measured one
         "memory": stage_memory(plan, result.get("memory_peak_bytes")),
+        # --precision fp16: the loss scale at the end and the updates skipped (float16 overflowed)
+        "loss_scaling": result.get("loss_scaling"),
         "predicted": prep.predicted,
         "final_test_accuracy": last["test_accuracy"],
         "final_test_loss": last["test_loss"],
@@ -164,6 +166,8 @@ def format_report(report: dict[str, Any]) -> str:
                         f"({m['measured_bytes'] / m['predicted_bytes']:.2f} of predicted)"
                         if m.get("measured_bytes") and m["predicted_bytes"] else ""))
           for m in report.get("memory", [])],
+        *[("loss scale", f"{s['scale']:g} at the end; {s['skipped_updates']} update(s) skipped because "
+                         "float16 gradients overflowed") for s in [report.get("loss_scaling")] if s],
         ("test", f"accuracy {_number(acc, 1, '.2%')}, loss "
                  f"{_number(report['final_test_loss'], 1, '.4f', 'not a number (the run diverged)')}"),
     ]

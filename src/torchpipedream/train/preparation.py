@@ -165,6 +165,7 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     import torch
 
     from ..profiler import profile
+    from ..runtime.pipeline import PRECISIONS
     from ..schedules import build_schedule
     from ..simulator import Costs, simulate
     check_options(cfg)
@@ -178,9 +179,10 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
 
     def profiled(microbatches: int) -> LayerGraph:
         """The model profiled as a schedule of ``microbatches`` runs it, and under autocast for
-        bf16 (its compute, and activations of half the bytes); once per count."""
+        bf16 and fp16 (its compute, and activations of half the bytes); once per count."""
         if microbatches not in profiles:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            half = PRECISIONS[cfg.precision]
+            with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
                 profiles[microbatches] = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg),
                                                  target=y[: cfg.batch_size], name=cfg.model,
                                                  optimizer=optimizer_factory(cfg), microbatches=microbatches)

@@ -94,7 +94,8 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     peaks = pipe.memory_peaks() if cfg.measure_memory else None  # collective
     if rank != 0:
         return None
-    return {"history": history, "trace": trace, "state": state, "memory_peak_bytes": peaks}
+    scaling = {"scale": pipe.loss_scale, "skipped_updates": pipe.skipped_updates} if cfg.precision == "fp16" else None
+    return {"history": history, "trace": trace, "state": state, "memory_peak_bytes": peaks, "loss_scaling": scaling}
 
 
 
