@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
-           "compare_targets", "main", "memory_budget", "memory_model", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "main", "memory_budget", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -359,6 +359,31 @@ def memory_model(data: Data) -> str:
     return "\n".join(lines) + "\n\n" + _table(head, body)
 
 
+def memory_optimizer(data: Data) -> str:
+    """memory_model_adam.json (benchmarks/memory_model.py --optimizers ...) → the prediction with
+    the optimizer step's temporaries beside the measured peak, per optimizer and stage."""
+    rows = data["rows"]
+    lines = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        mine = [r for r in rows if r["optimizer"] == opt]
+        ratios = [r["measured_vs_predicted"] for r in mine]
+        first = [r["measured_vs_predicted"] for r in mine if r["model"] == "fc_heavy"]
+        rest = [r["measured_vs_predicted"] for r in mine if r["model"] != "fc_heavy"]
+        a, b = data["optimizer_scratch"][opt]
+        lines.append(
+            f"{opt} (step temporaries {a:g} × the largest layer's parameters + {b:g} × the stage's weights): "
+            f"{sum(abs(x - 1) <= 0.15 for x in ratios)} of {len(ratios)} stages within ±15%, measured/predicted "
+            f"{min(ratios):.2f}–{max(ratios):.2f}"
+            + (f" (fc_heavy, where the term was first seen: {sum(abs(x - 1) <= 0.15 for x in first)} of {len(first)}; "
+               f"the other models: {sum(abs(x - 1) <= 0.15 for x in rest)} of {len(rest)})." if first and rest else "."))
+    head = ["model", "optimizer", "schedule", "μ", "recompute", "stage", "predicted MiB", "measured MiB",
+            "measured/predicted"]
+    body = [[r["model"], r["optimizer"], r["schedule"], r["microbatches"], "yes" if r["recompute"] else "no", r["stage"],
+             f"{r['predicted_bytes'] / 2**20:.2f}", f"{r['measured_bytes'] / 2**20:.2f}",
+             f"{r['measured_vs_predicted']:.3f}"] for r in rows]
+    return "\n".join(lines) + "\n\n" + _table(head, body)
+
+
 def memory_budget(data: Data) -> str:
     """memory_model.json → ``--schedule auto`` without and with a memory budget: the plans chosen,
     predicted and measured peaks per stage, and what the budget gave up."""
@@ -518,6 +543,7 @@ TABLES: dict[str, Table] = {
     "auto_choice": Table(("auto_choice.json",), auto_choice),
     "memory_model": Table(("memory_model.json",), memory_model),
     "memory_budget": Table(("memory_model.json",), memory_budget),
+    "memory_optimizer": Table(("memory_model_adam.json",), memory_optimizer),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).

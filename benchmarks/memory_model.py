@@ -20,7 +20,17 @@ Then ``--schedule auto`` with a memory budget (``--budget-fraction`` of the unbo
 predicted peak) on the budget models: both choices run with their peaks measured, and the
 bounded one's must stay under the budget; the table says what the budget gave up.
 
-Writes benchmarks/results/memory_model.json and memory_model.md.
+With ``--optimizers adam,adam-foreach`` the runs train with torch's Adam (its per-parameter
+loop, CPU's default, and its ``foreach`` form, CUDA's default) and are planned with the memory
+model's optimizer step temporaries (``optimizer_scratch``); the scratch terms come from the
+two forms' arithmetic (the loop's ``exp_avg_sq.sqrt() / c`` holds two tensors of one
+parameter's size; foreach's ``_foreach_sqrt`` one of every parameter's) and were first seen
+on fc_heavy (no committed data); the other models were not looked at before this run:
+
+    .venv/bin/python benchmarks/memory_model.py --optimizers adam,adam-foreach --schedules flush,pipedream \
+        --models fc_heavy,transformer_lm,small_cnn,bert,vit --budget-models '' --out benchmarks/results/memory_model_adam
+
+Writes benchmarks/results/memory_model.json and memory_model.md (or ``--out``).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the zoo is the tests' own
 from compare import WORKLOADS, tpd_model  # noqa: E402  (tunes the allocator)
 from doc_tables import memory_budget as budget_table  # noqa: E402  (the docs render them the same way)
 from doc_tables import memory_model as memory_table  # noqa: E402
+from doc_tables import memory_optimizer as optimizer_table  # noqa: E402
 from peers import write_results  # noqa: E402
 
 import torch  # noqa: E402
@@ -86,10 +97,18 @@ def _profile(name: str, microbatches: int):
     return profile(_model(name), inputs, microbatches=microbatches, warmup=0, iters=1, **extra)
 
 
-def _worker(rank: int, name: str, plan, schedule: str, microbatches: int) -> list[int]:
+#: --optimizer: (factory, optimizer_state_factor, optimizer_scratch) of each (memory_model.py)
+OPTIMIZERS = {
+    "momentum": (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9), 2.0, (0.0, 0.0)),
+    "adam": (functools.partial(torch.optim.Adam, lr=1e-3, foreach=False), 3.0, (2.0, 0.0)),
+    "adam-foreach": (functools.partial(torch.optim.Adam, lr=1e-3, foreach=True), 3.0, (0.0, 1.0)),
+}
+
+
+def _worker(rank: int, name: str, plan, schedule: str, microbatches: int, optimizer: str = "momentum") -> list[int]:
     batches = _batches(name, MINIBATCHES)
     loss = _loss(name)
-    pipe = Pipeline(_model(name), plan, optimizer=functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+    pipe = Pipeline(_model(name), plan, optimizer=OPTIMIZERS[optimizer][0],
                     loss_fn=loss, schedule=schedule, microbatches=microbatches if microbatches > 1 else None,
                     measure_memory=True, timeout_s=120, sample=batches[0] if loss is None else batches[0][0])
 
@@ -97,21 +116,23 @@ def _worker(rank: int, name: str, plan, schedule: str, microbatches: int) -> lis
     return pipe.memory_peaks()
 
 
-def run_model(name: str, settings) -> list[dict]:
+def run_model(name: str, settings, optimizer: str = "momentum") -> list[dict]:
     rows = []
+    _, state, scratch = OPTIMIZERS[optimizer]
     for schedule, m, recompute in settings:
         graph = _profile(name, m)
         plan = make_plan(graph, Topology.local(2), schedule=schedule, microbatches=m, straight=True, num_stages=2,
-                         recompute=recompute)
+                         recompute=recompute, optimizer_state_factor=state, optimizer_scratch=scratch)
         sim = simulate(build_schedule(plan, schedule, minibatches=MINIBATCHES, microbatches=m), Costs.from_plan(plan, m))
-        measured = launch(_worker, 2, name, plan, schedule, m, timeout_s=600)
+        measured = launch(_worker, 2, name, plan, schedule, m, optimizer, timeout_s=600)
         for s, st in enumerate(plan.stages):
-            row = {"model": name, "held_out": name not in CHOSEN_ON, "schedule": schedule, "microbatches": m,
+            row = {"model": name, "held_out": name not in CHOSEN_ON, "optimizer": optimizer,
+                   "schedule": schedule, "microbatches": m,
                    "recompute": recompute, "plan": plan.summary, "stage": s, "parameter_bytes": st.parameter_bytes,
                    "predicted_bytes": st.memory_bytes, "simulated_bytes": int(sim.peak_memory_bytes[s]),
                    "measured_bytes": measured[s], "measured_vs_predicted": measured[s] / st.memory_bytes}
             rows.append(row)
-            print(f"  {name:<15} {schedule:<9} m={m} recompute={'yes' if recompute else 'no ':<3} stage {s}: "
+            print(f"  {name:<15} {optimizer:<12} {schedule:<9} m={m} recompute={'yes' if recompute else 'no ':<3} stage {s}: "
                   f"measured {measured[s] / 2**20:8.2f} MiB, predicted {st.memory_bytes / 2**20:8.2f} "
                   f"({row['measured_vs_predicted']:.3f})", flush=True)
     return rows
@@ -168,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-fractions", default="0.5,0.7,0.85",
                     help="budgets to try, as fractions of the unbounded choice's predicted peak; the first "
                          "that some plan fits is used")
+    ap.add_argument("--optimizers", default="momentum",
+                    help=f"comma-separated, of {', '.join(OPTIMIZERS)} (each run's plan is made for its optimizer)")
     ap.add_argument("--out", default="benchmarks/results/memory_model")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -177,12 +200,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown model(s) {unknown}; choose from {', '.join(list(WORKLOADS) + list(zoo.FACTORIES))}")
     wanted = set(args.schedules.split(",")) if args.schedules else None
     settings = [s for s in SETTINGS if wanted is None or s[0] in wanted]
-    rows = [row for name in names for row in run_model(name, settings)]
+    optimizers = args.optimizers.split(",")
+    if set(optimizers) - set(OPTIMIZERS):
+        ap.error(f"unknown optimizer(s) {sorted(set(optimizers) - set(OPTIMIZERS))}; choose from {', '.join(OPTIMIZERS)}")
+    rows = [row for optimizer in optimizers for name in names for row in run_model(name, settings, optimizer)]
     budget = [row for name in filter(None, args.budget_models.split(",")) for row in
               budget_rows(name, [float(f) for f in args.budget_fractions.split(",")])]
-    result = {"args": vars(args), "working_factor": WORKING_FACTOR, "minibatches": MINIBATCHES,
+    result = {"args": vars(args), "working_factor": WORKING_FACTOR,
+              "optimizer_scratch": {k: list(v[2]) for k, v in OPTIMIZERS.items()}, "minibatches": MINIBATCHES,
               "zoo_batch_size": ZOO_BATCH, "chosen_on": list(CHOSEN_ON), "rows": rows, "budget_rows": budget}
-    write_results(args.out, result, memory_table(result) + "\n\n" + budget_table(result))
+    tables = memory_table(result) + "\n\n" + budget_table(result) if optimizers == ["momentum"] \
+        else optimizer_table(result)
+    write_results(args.out, result, tables)
     return 0
 
 

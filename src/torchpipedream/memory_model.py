@@ -15,7 +15,10 @@ A worker of a stage holding ``d`` minibatches in flight (``planner.in_flight``) 
   microbatch), the gradient a backward makes before adding it to an existing one (the largest
   parameter of the stage, when a backward accumulates: several microbatches per update or a
   replicated stage), a posted activation receive and an outstanding gradient send (the inputs'
-  size), and for a recomputing stage one microbatch's saved tensors while it recomputes.
+  size), and for a recomputing stage one microbatch's saved tensors while it recomputes;
+  or the optimizer step's temporaries when they are larger (``optimizer_scratch``: torch's
+  Adam on a CPU, a per-parameter loop, holds two of one parameter's size at once; with
+  ``foreach`` it holds one of the stage's weights; SGD steps in place).
 
 The planner (feasibility under a budget), ``Plan.stages[s].memory_bytes`` and the simulator
 (with the schedule's exact in-flight counts) all use these terms. benchmarks/memory_model.py
@@ -28,12 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
+
 from .kinds import ScheduleKind, schedule_kind
 
 if TYPE_CHECKING:
     from .graph import Block
 
-__all__ = ["WORKING_FACTOR", "StageActivations", "stage_activations", "working_key", "once_bytes", "memory_terms",
+__all__ = ["WORKING_FACTOR", "NO_SCRATCH", "optimizer_scratch", "StageActivations", "stage_activations", "working_key", "once_bytes", "memory_terms",
            "stage_memory_bytes"]
 
 #: The backward's working memory in multiples of the largest (output + inputs) bytes of one of
@@ -120,18 +125,40 @@ def stage_activations(blocks: Sequence["Block"], first: int, last: int) -> Stage
     )
 
 
-def once_bytes(acts: StageActivations, microbatches: int, recompute: bool = False, replicas: int = 1) -> float:
+#: ``optimizer_scratch`` of an optimizer whose step works in place (SGD, with or without momentum).
+NO_SCRATCH: tuple[float, float] = (0.0, 0.0)
+
+
+def optimizer_scratch(options: Any) -> tuple[float, float]:
+    """The ``optimizer_scratch`` a plan was made with (its ``meta["planner"]`` options);
+    ``NO_SCRATCH`` for plans made without one."""
+    raw = options.get("optimizer_scratch") if isinstance(options, dict) else None
+    if isinstance(raw, (list, tuple)) and len(raw) == 2 and all(isinstance(v, (int, float)) for v in raw):
+        return float(raw[0]), float(raw[1])
+    return NO_SCRATCH
+
+
+def once_bytes(acts: StageActivations, microbatches: int, recompute: bool = False, replicas: int = 1,
+               scratch: tuple[float, float] = NO_SCRATCH, weights: Any = 0.0) -> Any:
     """What a worker needs once besides its weights and in-flight microbatches: the working
     memory of one microbatch's backward (and recomputation), message buffers, and the gradient
     a backward makes before adding it to an existing one when backwards accumulate (several
-    microbatches per update, or a replicated stage's persistent gradients)."""
+    microbatches per update, or a replicated stage's persistent gradients); or, when larger,
+    the optimizer step's temporaries (``scratch`` = (a, b): a × the largest layer's parameters
+    + b × the stage's ``weights``), which come after the backward has freed its own."""
     mu = max(1, int(microbatches))
     accumulates = replicas > 1 or mu > 1
-    return acts.once(recompute) / mu + (acts.largest_parameter if accumulates and acts.measured else 0.0)
+    backward = acts.once(recompute) / mu + (acts.largest_parameter if accumulates and acts.measured else 0.0)
+    if not acts.measured or scratch == NO_SCRATCH:
+        return backward
+    step = scratch[0] * acts.largest_parameter + scratch[1] * weights
+    both = np.maximum(backward, step)
+    return float(both) if np.ndim(both) == 0 else both
 
 
 def memory_terms(kind: str | ScheduleKind, weights: float, acts: StageActivations, microbatches: int,
-                 optimizer_factor: float, recompute: bool = False, replicas: int = 1) -> tuple[float, float, float]:
+                 optimizer_factor: float, recompute: bool = False, replicas: int = 1,
+                 scratch: tuple[float, float] = NO_SCRATCH) -> tuple[float, float, float]:
     """``(base, per, cap)``: a worker of a stage of ``replicas`` replicas holding ``d``
     minibatches in flight needs ``base + per · min(d, cap)`` bytes (the planner's vectorised
     search uses the same form; versions and in-flight counts are the kind's,
@@ -139,13 +166,13 @@ def memory_terms(kind: str | ScheduleKind, weights: float, acts: StageActivation
     k = schedule_kind(kind)
     mu = max(1, int(microbatches)) if k.microbatched else 1
     base, per, cap = k.memory_terms(weights, acts.held(recompute), mu, optimizer_factor, replicas)
-    return base + once_bytes(acts, mu, recompute, replicas), per, cap
+    return base + once_bytes(acts, mu, recompute, replicas, scratch, weights), per, cap
 
 
 def stage_memory_bytes(kind: str | ScheduleKind, weights: float, acts: StageActivations, depth: int,
                        microbatches: int, optimizer_factor: float, recompute: bool = False,
-                       replicas: int = 1) -> float:
+                       replicas: int = 1, scratch: tuple[float, float] = NO_SCRATCH) -> float:
     """Predicted peak bytes of one worker of a stage of ``replicas`` replicas with ``depth``
     minibatches in flight."""
-    base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas)
+    base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas, scratch)
     return base + per * min(depth, cap)

@@ -59,7 +59,8 @@ import numpy as np
 
 from .graph import Block, LayerGraph, SharedParameter
 from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .memory_model import StageActivations, memory_terms, stage_activations, stage_memory_bytes, working_key
+from .memory_model import (NO_SCRATCH, StageActivations, memory_terms, stage_activations, stage_memory_bytes,
+                           working_key)
 from .plans import Plan, PlanError, Stage, TiedParameter
 from .topology import Topology, format_bytes
 
@@ -182,7 +183,8 @@ def tied_holders(blocks: Sequence[Block], stages: Sequence[tuple[int, int, int]]
 def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple[int, int, int]],
              schedule: str = "pipedream", microbatches: int = 1,
              optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
-             tied: Sequence[SharedParameter] = (), recompute: bool = False) -> Evaluation:
+             tied: Sequence[SharedParameter] = (), recompute: bool = False,
+             optimizer_scratch: tuple[float, float] = NO_SCRATCH) -> Evaluation:
     """Apply the cost model to stages given as (first block, last block, replicas), ranks in order.
 
     Memory per worker is ``memory_model.stage_memory_bytes`` (with ``recompute``, what a
@@ -219,7 +221,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches) + exchange[s])
         depth = in_flight(workers - ranks[s][0], m)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
-                                      optimizer_state_factor, recompute, replicas=m))
+                                      optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch))
         if s + 1 < len(stages):
             cut_ms.append(2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth(ranks[s] + ranks[s + 1])))
     worst_stage = max(range(len(stages)), key=lambda s: stage_ms[s])
@@ -237,7 +239,7 @@ class _Problem:
 
     def __init__(self, blocks: Sequence[Block], topology: Topology, schedule: str, microbatches: int,
                  memory: float | None, f: float, num_stages: int | None, straight: bool,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, scratch: tuple[float, float] = NO_SCRATCH) -> None:
         self.blocks = list(blocks)
         self.N = len(blocks)
         self.topology = topology
@@ -252,6 +254,7 @@ class _Problem:
         self.working = np.array([working_key(b.working_bytes, b.released_bytes) for b in blocks], dtype=float)
         self.largest = np.array([float(b.largest_parameter_bytes) for b in blocks])
         self.recompute = recompute
+        self.scratch = scratch  # the optimizer step's temporaries (memory_model.once_bytes)
         self.measured = all(b.saves_measured for b in blocks)  # else the older model (memory_model.py)
         self.sizes = topology.sizes
         self.beff = topology.effective_bandwidths  # links: cuts
@@ -314,7 +317,7 @@ class _Problem:
         """Largest in-flight count d whose memory fits, for stages i..j1-1 of ``replicas``
         replicas with activation terms ``acts`` (huge if any d fits)."""
         w = self.Wp[j1] - self.Wp[i]
-        base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, replicas)
+        base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, replicas, self.scratch)
         M = self.memory
         big = float(_INF_M)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -476,7 +479,7 @@ class _Problem:
         def memory_fits(m: int) -> np.ndarray:
             """(nI, Wu): a stage of ``m`` replicas (sharing each minibatch's microbatches) fits."""
             if m not in fitting:
-                base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m)
+                base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m, self.scratch)
                 d = np.minimum(-(-togo // m), cap)  # (1, Wu)
                 fitting[m] = (np.broadcast_to(base, w.shape)[:, None] + np.broadcast_to(per, w.shape)[:, None] * d
                               <= self.memory)
@@ -734,6 +737,7 @@ def plan(
     memory_bytes: int | None = None,
     microbatches: int = 1,
     optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
+    optimizer_scratch: tuple[float, float] = NO_SCRATCH,
     method: str = "fast",
     rtol: float = 1e-10,
     recompute: bool = False,
@@ -753,6 +757,10 @@ def plan(
         memory_bytes: per-worker budget; None takes the topology's (None there = unlimited).
         microbatches: microbatches per minibatch (2bw, flush, gpipe memory model).
         optimizer_state_factor: extra weight-sized buffers per worker (gradient, momentum).
+        optimizer_scratch: the optimizer step's temporaries, (a, b): a × the stage's largest
+            layer's parameters + b × its weights (``memory_model.once_bytes``): (0, 0) for SGD,
+            (2, 0) for torch's Adam/AdamW on a CPU (a per-parameter loop), (0, 1) for their
+            ``foreach`` form (CUDA's default).
         method: "fast" (exact bisection, default) or "hierarchical" (the paper's DP).
         rtol: the bisection stops when the bracket is within this relative width.
         recompute: activation recomputation on every stage (``Stage.recompute``): each
@@ -778,6 +786,11 @@ def plan(
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:
         raise PlanError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}")
+    if not (isinstance(optimizer_scratch, (tuple, list)) and len(optimizer_scratch) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in optimizer_scratch)):
+        raise PlanError("optimizer_scratch must be two numbers >= 0 (× the largest layer's parameters, × the "
+                        f"stage's weights), got {optimizer_scratch!r}")
+    optimizer_scratch = (float(optimizer_scratch[0]), float(optimizer_scratch[1]))
     if not isinstance(recompute, bool):
         raise PlanError(f"recompute must be True or False, got {recompute!r}")
     blocks = graph.linearize()
@@ -799,7 +812,7 @@ def plan(
 
         def problem(depth: int | None) -> _Problem:
             return _Problem(chain, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight_only,
-                            recompute)
+                            recompute, optimizer_scratch)
 
         return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer_workers,
                               memory is not None, rtol)
@@ -814,7 +827,9 @@ def plan(
                        elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
                                              allow_fewer_workers=allow_fewer_workers, memory_bytes=memory,
                                              microbatches=microbatches,
-                                             optimizer_state_factor=optimizer_state_factor, recompute=recompute))
+                                             optimizer_state_factor=optimizer_state_factor, recompute=recompute,
+                                             **({"optimizer_scratch": list(optimizer_scratch)}
+                                                if optimizer_scratch != NO_SCRATCH else {})))
 
 
 def _check_shape_request(layers: int, N: int, W: int, microbatches: int, num_stages: int | None, straight: bool,
@@ -918,7 +933,8 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
     for Wu in Wus:
         ok, st = prob.feasible(math.inf, Wu, True, True)
         if ok:
-            ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f, recompute=prob.recompute)
+            ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f, recompute=prob.recompute,
+                          optimizer_scratch=prob.scratch)
             peaks.append(max(ev.memory_bytes))
     hi = min(peaks)
     prob.memory = memory
@@ -1004,7 +1020,8 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
                 schedule: str, microbatches: int, f: float, memory: float | None, elapsed: float, checks: int,
                 options: dict[str, Any]) -> Plan:
     recompute = bool(options.get("recompute"))
-    ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied, recompute)
+    ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied, recompute,
+                  tuple(options.get("optimizer_scratch", NO_SCRATCH)))
     out: list[Stage] = []
     for s, (i, j, m) in enumerate(stages):
         bl = blocks[i:j + 1]

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from .jsonio import read_json, write_json
 from .kinds import UnknownKindError, schedule_kind
-from .memory_model import StageActivations
+from .memory_model import StageActivations, optimizer_scratch
 from .memory_model import stage_memory_bytes as model_memory_bytes
 
 __all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION"]
@@ -419,7 +419,7 @@ class Plan:
         # a copy of a shared parameter is held by every holding stage but the first (planner.evaluate)
         copies = sum(t.bytes for t in self.tied if s in t.stages[1:])
         return model_memory_bytes(kind, st.parameter_bytes + copies, st.activations, depth, mu, f, st.recompute,
-                                  st.replicas)
+                                  st.replicas, optimizer_scratch(options))
 
     @classmethod
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actions import Action, Kind, Schedule
-from .memory_model import once_bytes
+from .memory_model import once_bytes, optimizer_scratch
 from .plans import Plan
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
@@ -144,8 +144,12 @@ class Costs:
         )
         if plan.stages and all(st.activations is not None for st in plan.stages):  # the memory model's terms
             kw["activation_bytes"] = [st.activations.held(st.recompute) / m for st in plan.stages]
-            kw["working_bytes"] = [once_bytes(st.activations, m, st.recompute, st.replicas) for st in plan.stages]
         options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
+        if plan.stages and all(st.activations is not None for st in plan.stages):
+            scratch = optimizer_scratch(options)
+            copies = [sum(t.bytes for t in plan.tied if s in t.stages[1:]) for s in range(n)]
+            kw["working_bytes"] = [once_bytes(st.activations, m, st.recompute, st.replicas, scratch,
+                                              st.parameter_bytes + copies[s]) for s, st in enumerate(plan.stages)]
         if isinstance(options, dict) and isinstance(options.get("optimizer_state_factor"), (int, float)):
             kw["optimizer_state_factor"] = float(options["optimizer_state_factor"])
         if plan.topology:

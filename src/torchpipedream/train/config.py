@@ -10,12 +10,21 @@ from dataclasses import dataclass
 from ..kinds import AUTO, KIND_NAMES, schedule_kind
 from ..plans import Plan
 
-__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
+__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "optimizer_scratch", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 #: Copies of the weights each optimizer keeps besides the weights (the gradient included): the
 #: memory model's ``optimizer_state_factor`` (memory_model.py).
 OPTIMIZER_STATE = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
+
+
+def optimizer_scratch(optimizer: str, cuda: bool) -> tuple[float, float]:
+    """The memory model's ``optimizer_scratch`` of ``--optimizer`` (memory_model.once_bytes):
+    SGD steps in place; torch's Adam runs a per-parameter loop on a CPU (two temporaries of the
+    largest parameter's size) and its ``foreach`` form on CUDA (one of the stage's weights)."""
+    if optimizer != "adam":
+        return (0.0, 0.0)
+    return (0.0, 1.0) if cuda else (2.0, 0.0)
 
 #: Resident memory of one worker process before its model (Python, torch, gloo): about 300 MB
 #: measured on the development machine (benchmarks/results/soak.json, "start_rss_mib"); the

@@ -12,7 +12,7 @@ from ..plans import Plan, PlanError
 from ..units import human_bytes
 from ..kinds import AUTO
 from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
-                     schedule_of)
+                     optimizer_scratch, schedule_of)
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .resume import ResumePoint, plan_side_text, resume_point
 
@@ -98,11 +98,19 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
     try:
         return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
                          num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
-                         optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer])
+                         optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer],
+                         optimizer_scratch=_scratch(cfg))
     except PlanError as exc:
         if cfg.memory is None:
             raise
         raise TrainError(f"--memory {cfg.memory}: {exc}") from None
+
+
+def _scratch(cfg: TrainConfig) -> tuple[float, float]:
+    """The optimizer step's temporaries for the memory model, on the device the workers train on."""
+    import torch
+
+    return optimizer_scratch(cfg.optimizer, torch.cuda.is_available())
 
 
 def _topology(cfg: TrainConfig, workers: int) -> Any:
@@ -149,7 +157,8 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostC
     try:
         return choose_schedule(profiled, topo, allow_stale=cfg.allow_stale, batch_size=cfg.batch_size,
                                num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
-                               optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], host_costs=host_costs)
+                               optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer],
+                               optimizer_scratch=_scratch(cfg), host_costs=host_costs)
     except PlanError as exc:
         raise TrainError(str(exc)) from None
 
