@@ -74,24 +74,13 @@ def test_an_overflowed_gradient_is_found_wherever_it_is() -> None:
 def fp16_reference(data: list, m: int, policy: LossScaling) -> tuple[nn.Module, float, int]:
     """Accumulation under float16 autocast with torch's GradScaler, scaling each microbatch's
     summed loss (as the pipeline does): the model, the final scale, the updates skipped."""
+    from fp16_reference import grad_scaler_training
+
     ref = mlp()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=policy.init_scale, growth_interval=policy.growth_interval)
-    skipped = 0
-    for x, y in data:
-        opt.zero_grad()
-        for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.cross_entropy(ref(xs), ys)
-            scaler.scale(loss * len(ys)).backward()
-        scaler.unscale_(opt)
-        for p in ref.parameters():
-            p.grad /= len(y)
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        skipped += scaler.get_scale() < before
-    return ref, scaler.get_scale(), skipped
+    scale, skipped = grad_scaler_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data, m,
+                                          nn.functional.cross_entropy, init_scale=policy.init_scale,
+                                          growth_interval=policy.growth_interval)
+    return ref, scale, skipped
 
 
 def test_single_stage_fp16_skips_and_scales_as_torch_and_a_checkpoint_keeps_the_scale(tmp_path: Path) -> None:

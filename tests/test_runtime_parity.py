@@ -523,24 +523,12 @@ def reference_fp16(model: str, batches, m: int) -> tuple[dict, float, int]:
     """Gradient accumulation under float16 autocast with torch's own GradScaler (same policy)
     scaling each microbatch's summed loss, as the pipeline does: (weights, final scale, skipped
     updates)."""
+    from fp16_reference import grad_scaler_training
+
     module = MODELS[model]()
-    optim = torch.optim.SGD(module.parameters(), lr=LR)
-    scaler = torch.amp.GradScaler("cpu", **FP16_SCALING)
-    skipped = 0
-    for x, y in batches:
-        optim.zero_grad()
-        for xs, ys in zip(x.chunk(m), y.chunk(m)):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.cross_entropy(module(xs), ys)
-            scaler.scale(loss * len(ys)).backward()
-        scaler.unscale_(optim)
-        for p in module.parameters():
-            p.grad /= len(y)
-        before = scaler.get_scale()
-        scaler.step(optim)
-        scaler.update()
-        skipped += scaler.get_scale() < before
-    return {k: v.detach() for k, v in module.state_dict().items()}, scaler.get_scale(), skipped
+    scale, skipped = grad_scaler_training(module, torch.optim.SGD(module.parameters(), lr=LR), batches, m,
+                                          nn.functional.cross_entropy, **FP16_SCALING)
+    return {k: v.detach() for k, v in module.state_dict().items()}, scale, skipped
 
 
 @pytest.mark.parametrize("name", ["flush_skip_fp16", "gpipe_2_1_fp16"])

@@ -208,25 +208,13 @@ def test_fp16_with_tied_weights_skips_what_torchs_grad_scaler_skips(results):
     scaling each microbatch's summed loss as the pipeline does) against the pipeline with the
     tied matrix split over stages 0 and 2: same skipped updates and scale on every rank, same
     weights, and both copies of the matrix identical."""
+    from fp16_reference import grad_scaler_training
+
     model = tied_lm()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", **FP16_SCALING)
-    skipped = 0
-    for x, y in data(8):
-        opt.zero_grad()
-        for xs, ys in zip(x.chunk(2), y.chunk(2)):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = lm_loss(model(xs), ys)
-            scaler.scale(loss * len(ys)).backward()
-        scaler.unscale_(opt)
-        for p in model.parameters():
-            p.grad /= len(y)
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        skipped += scaler.get_scale() < before
+    scale, skipped = grad_scaler_training(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), data(8), 2,
+                                          lm_loss, **FP16_SCALING)
     assert 0 < skipped < 8
-    assert [(r["fp16"]["scale"], r["fp16"]["skipped"]) for r in results] == [(scaler.get_scale(), skipped)] * 3
+    assert [(r["fp16"]["scale"], r["fp16"]["skipped"]) for r in results] == [(scale, skipped)] * 3
     assert_close(results[0]["fp16"]["full"], {k: v.detach() for k, v in model.state_dict().items()}, atol=1e-6)
     assert torch.equal(results[0]["fp16"]["stage"]["emb.weight"], results[2]["fp16"]["stage"]["head.weight"])
 
