@@ -1,9 +1,11 @@
 """Is ``--schedule auto``'s choice the fastest measured? Every candidate run side by side.
 
-For each model, ``choose_schedule`` plans every synchronous kind (flush, gpipe) at 1, 2, 4 and 8
-microbatches for ``--procs`` local workers, each from a profile at its own microbatch size and
-priced with this host's measured costs (as ``train --schedule auto`` does on local workers);
-then every candidate's plan runs (the same ``_tpd_worker`` as compare.py: warm-up, timed
+For each model, ``choose_layout`` plans every synchronous kind (flush, gpipe) at 1, 2, 4 and 8
+microbatches for every way of using the ``--procs`` cores (``--procs`` one-thread workers, ...,
+one worker with ``--procs`` threads: ``auto_schedule.local_layouts``), each from a profile at
+its own microbatch size and thread count and priced with this host's measured costs (as
+``train --schedule auto`` does on local workers); then every candidate's plan runs, on its
+layout's workers and threads (the same ``_tpd_worker`` as compare.py: warm-up, timed
 windows of ``--per-window`` minibatches), in ``--passes`` interleaved passes. For each model:
 the measured samples/s of every candidate beside its prediction, the auto choice's measured
 throughput over the best measured one (target ≥ 0.95), and the rank correlation (Spearman)
@@ -56,38 +58,39 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def run_model(name: str, procs: int, windows: int, per_window: int, passes: int, split_parts: int) -> dict:
-    from torchpipedream.auto_schedule import choose_schedule
+    from torchpipedream.auto_schedule import choose_layout, local_layouts, threads_per_worker
     from torchpipedream.runtime.measure import measure_local_costs
     from torchpipedream.topology import Topology
 
     work = WORKLOADS[name]
-    topo = Topology.local(procs)
-    graphs: dict[int, object] = {}
+    graphs: dict[tuple[int, int], object] = {}
 
-    def graph_for(m: int):
-        if m not in graphs:
-            graphs[m] = _profile(work, m, split_parts)
-        return graphs[m]
+    def graph_for(m: int, threads: int):
+        if (m, threads) not in graphs:
+            graphs[(m, threads)] = _profile(work, m, split_parts, threads)
+        return graphs[(m, threads)]
 
-    def host(plan, m: int) -> dict:
+    def host(plan, m: int) -> dict:  # as train's: a single worker sends and reduces nothing
+        if plan.num_workers < 2:
+            return {}
         return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
 
-    plans = {}  # every candidate's plan, as choose_schedule planned it
+    plans = {}  # every candidate's plan, as choose_layout planned it
 
     def keep(cand, plan) -> None:
         if plan is not None:
-            plans[(cand.schedule, cand.microbatches)] = plan
+            plans[(cand.schedule, cand.microbatches, cand.threads)] = plan
 
-    chosen = choose_schedule(graph_for, topo, batch_size=work.batch_size, host_costs=host, minibatches=per_window,
-                             progress=keep)
+    chosen = choose_layout(graph_for, local_layouts(procs, procs), Topology.local, batch_size=work.batch_size,
+                           host_costs=host, minibatches=per_window, progress=keep)
     cands = [c for c in chosen.meta["auto"]["candidates"] if not c["error"]]
-    measured: dict[tuple[str, int], list[float]] = {k: [] for k in plans}
+    measured: dict[tuple[str, int, int], list[float]] = {k: [] for k in plans}
     for pass_ in range(passes):
-        for (kind, m), plan in plans.items():
+        for (kind, m, threads), plan in plans.items():
             for attempt in (1, 2):  # a worker abort is retried once (seen rarely: "terminate called without
                 try:                 # an active exception" in a gloo worker at exit; not yet explained)
-                    res = launch(_tpd_worker, procs, work, plan, kind, m, 1, windows, per_window, split_parts,
-                                 timeout_s=900)
+                    res = launch(_tpd_worker, plan.num_workers, work, plan, kind, m, 1, windows, per_window,
+                                 split_parts, timeout_s=900, threads=threads)
                     break
                 except Exception as exc:
                     print(f"  {name:<15} {kind:<6} m={m}: FAILED (attempt {attempt}): {str(exc).splitlines()[0][:160]}",
@@ -95,23 +98,26 @@ def run_model(name: str, procs: int, windows: int, per_window: int, passes: int,
                     if attempt == 2:
                         raise
             torch.set_num_threads(1)
-            measured[(kind, m)].append(res["samples_per_s"])
-            print(f"  {name:<15} {kind:<6} m={m}  pass {pass_ + 1}: {res['samples_per_s']:8.1f} samples/s "
-                  f"[{plan.config}]", flush=True)
+            measured[(kind, m, threads)].append(res["samples_per_s"])
+            print(f"  {name:<15} {kind:<6} m={m} threads={threads}  pass {pass_ + 1}: {res['samples_per_s']:8.1f} "
+                  f"samples/s [{plan.config}]", flush=True)
     rows = []
     for c in cands:
-        key = (c["schedule"], c["microbatches"])
+        key = (c["schedule"], c["microbatches"], c["threads"])
         rows.append({"schedule": c["schedule"], "microbatches": c["microbatches"], "config": c["config"],
+                     "threads": c["threads"],
                      "predicted_samples_per_s": work.batch_size / c["time_per_minibatch_s"],
                      "samples_per_s": statistics.median(measured[key]), "passes_samples_per_s": measured[key],
-                     "chosen": key == (chosen.schedule, chosen.microbatches)})
+                     "chosen": key == (chosen.schedule, chosen.microbatches, threads_per_worker(chosen))})
     best = max(r["samples_per_s"] for r in rows)
     pick = next(r for r in rows if r["chosen"])
+    def label(r: dict) -> str:
+        return f"{r['schedule']}, {r['microbatches']} microbatches [{r['config']}, {r['threads']} thread(s) per worker]"
+
     return {"model": name, "batch_size": work.batch_size, "rows": rows,
-            "chosen": f"{pick['schedule']}, {pick['microbatches']} microbatches",
+            "chosen": label(pick),
             "chosen_vs_best_measured": pick["samples_per_s"] / best,
-            "best_measured": next(f"{r['schedule']}, {r['microbatches']} microbatches" for r in rows
-                                  if r["samples_per_s"] == best),
+            "best_measured": next(label(r) for r in rows if r["samples_per_s"] == best),
             "spearman": spearman([r["predicted_samples_per_s"] for r in rows], [r["samples_per_s"] for r in rows])}
 
 

@@ -128,15 +128,15 @@ def tpd_model(work: Workload, split_parts: int) -> nn.Module:
     return split_wide_layers(model, split_parts) if split_parts > 1 else model
 
 
-def _profile(work: Workload, m: int, split_parts: int):
-    """The model profiled in this process (1 thread) as the schedule runs it: in microbatches
-    of batch/m samples, with the SGD update timed."""
+def _profile(work: Workload, m: int, split_parts: int, threads: int = 1):
+    """The model profiled in this process (``threads`` torch threads) as the schedule runs it: in
+    microbatches of batch/m samples, with the SGD update timed."""
     from torchpipedream.profiler import profile
 
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
     return profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
-                   optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m)
+                   optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m, num_threads=threads)
 
 
 def schedule_microbatches(schedule: str, microbatches: int) -> int:

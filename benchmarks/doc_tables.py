@@ -307,12 +307,13 @@ def model_zoo(data: Data) -> str:
 def auto_choice(data: Data) -> str:
     """auto_choice.json (benchmarks/auto_choice.py) → every candidate of --schedule auto, measured
     beside predicted, per model; the choice against the best measured; rank correlation."""
-    head = ["model", "schedule", "microbatches", "plan", "predicted samples/s", "measured samples/s",
-            "measured/predicted", "auto's choice"]
+    head = ["model", "schedule", "microbatches", "plan", "threads per worker", "predicted samples/s",
+            "measured samples/s", "measured/predicted", "auto's choice"]
     body = []
     for m in data["models"]:
         for r in sorted(m["rows"], key=lambda r: -r["samples_per_s"]):
             body.append([f"{m['model']} (batch {m['batch_size']})", r["schedule"], str(r["microbatches"]), r["config"],
+                         str(r.get("threads", 1)),
                          f"{r['predicted_samples_per_s']:.1f}", f"{r['samples_per_s']:.1f}",
                          f"{r['samples_per_s'] / r['predicted_samples_per_s']:.2f}", "**chosen**" if r["chosen"] else ""])
     summary = "; ".join(f"{m['model']}: chose {m['chosen']}, {m['chosen_vs_best_measured']:.2f} of the best measured "

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import torchpipedream as tpd
-from torchpipedream.auto_schedule import auto_summary, candidate_kinds, choose_schedule
+from torchpipedream.auto_schedule import (auto_summary, candidate_kinds, choose_layout, choose_schedule, local_layouts,
+                                          threads_per_worker)
 from torchpipedream.kinds import schedule_kind
 from torchpipedream.planner import plan as make_plan
 from torchpipedream.plans import PlanError
@@ -116,9 +117,69 @@ def test_train_schedule_auto_trains_with_the_chosen_kind(tmp_path: Path, capsys)
     assert f"schedule {report['schedule']}" in console and "auto           chosen" in console
     trace = json.loads((out / "trace.json").read_text())
     assert trace  # it trained with that schedule: the measured trace exists
+    # on local cores it also tried one worker with two threads, and the workers ran as chosen
+    assert {(x["workers"], x["threads"]) for x in report["auto"]["layouts"]} == {(2, 1), (1, 2)}
+    assert report["threads_per_worker"] == chosen["threads"]
+    assert len(report["memory"]) == len(json.loads((out / "plan.json").read_text())["stages"])
+    # a resumption keeps the layout the checkpoint's plan was made for (maybe fewer workers than --workers)
+    assert main(["train", "--model", "mlp", "--workers", "2", "--no-progress", "--epochs", "2", "--max-minibatches", "6",
+                 "--timeout", "60", "--schedule", "auto", "--resume", "--out", str(out)]) == 0
+    again = json.loads((out / "report.json").read_text())
+    assert (again["plan_config"], again["threads_per_worker"]) == (report["plan_config"], report["threads_per_worker"])
+    assert len(again["history"]) == 2
     assert main(["train", "--model", "mlp", "--workers", "2", "--no-progress", "--allow-stale",
                  "--out", str(tmp_path / "x")]) == 2
     assert "--allow-stale lets --schedule auto choose" in capsys.readouterr().err
+
+
+def test_local_layouts_use_the_cores_with_fewer_workers() -> None:
+    assert local_layouts(2, 2) == [(2, 1), (1, 2)]
+    assert local_layouts(4, 2) == [(4, 1), (2, 1), (1, 2)]
+    assert local_layouts(3, 4) == [(3, 1), (1, 4)]
+    assert local_layouts(1, 8) == [(1, 8)]
+
+
+def _threaded_chain(speedup: float):
+    """graph_for(m, threads) of a balanced 4-layer chain whose layers run ``speedup``× faster
+    on two threads (small activations and weights: two workers pipeline it almost perfectly)."""
+    from torchpipedream.graph import Layer, LayerGraph
+
+    def graph_for(m: int, threads: int) -> LayerGraph:
+        scale = 1.0 / speedup if threads == 2 else 1.0
+        names = [f"l{i}" for i in range(4)]
+        layers = [Layer(n, forward_ms=1.0 * scale, backward_ms=2.0 * scale, activation_bytes=1 << 10,
+                        parameter_bytes=1 << 10) for n in names]
+        return LayerGraph(layers, list(zip(names, names[1:])), batch_size=8)
+
+    return graph_for
+
+
+@pytest.mark.parametrize("speedup, workers", [(1.3, 2), (3.0, 1)])
+def test_auto_chooses_workers_and_threads_by_prediction(speedup: float, workers: int) -> None:
+    """Two threads 1.3× faster: two one-thread workers win (they pipeline the chain); 3×
+    faster: one worker with two threads wins. Every layout's candidates are kept, and the
+    runner-up may be the other layout's choice."""
+    from torchpipedream.topology import Topology
+
+    chosen = choose_layout(_threaded_chain(speedup), [(2, 1), (1, 2)], Topology.local, microbatches=(1, 4))
+    auto = chosen.meta["auto"]
+    assert chosen.num_workers == workers and threads_per_worker(chosen) == 3 - workers
+    assert auto["chosen"]["threads"] == 3 - workers
+    assert {c["threads"] for c in auto["candidates"]} == {1, 2}
+    best_other = min(c["time_per_minibatch_s"] for c in auto["candidates"] if c["threads"] != auto["chosen"]["threads"])
+    assert auto["runner_up"]["time_per_minibatch_s"] <= best_other
+    assert auto["chosen"]["time_per_minibatch_s"] <= min(c["time_per_minibatch_s"] for c in auto["candidates"])
+    assert "2 workers × 1 threads, 1 workers × 2 threads" in auto_summary(chosen)[2]
+
+
+def test_layouts_that_cannot_be_planned_are_skipped_and_all_failing_names_each() -> None:
+    from torchpipedream.topology import Topology
+
+    two_stages = choose_layout(_threaded_chain(3.0), [(2, 1), (1, 2)], Topology.local, num_stages=2)
+    assert two_stages.num_workers == 2 and threads_per_worker(two_stages) == 1  # one worker cannot hold 2 stages
+    with pytest.raises(PlanError, match="2 workers × 1 threads: .*; 1 workers × 2 threads: "):
+        choose_layout(_threaded_chain(3.0), [(2, 1), (1, 2)], Topology.local, num_stages=3)
+    assert threads_per_worker(make_plan(_threaded_chain(1.0)(1, 1), "2:10GB/s")) == 1
 
 
 def _activation_heavy_chain():

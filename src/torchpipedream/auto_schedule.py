@@ -36,7 +36,7 @@ from .plans import Plan, PlanError
 from .topology import Topology
 from .units import human_bytes
 
-__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "candidate_kinds", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
+__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,13 @@ class Candidate:
     time_per_minibatch_s: float | None = None
     peak_memory_bytes: int | None = None
     error: str = ""
+    threads: int = 1  # torch threads per worker (choose_layout)
 
     @property
     def label(self) -> str:
         text = self.schedule if self.microbatches == 1 else f"{self.schedule}, {self.microbatches} microbatches"
-        return text + (", recompute" if self.recompute else "")
+        return text + (", recompute" if self.recompute else "") + (
+            f", {self.threads} threads per worker" if self.threads != 1 else "")
 
 
 def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedream", allow_stale: bool = False,
@@ -209,6 +211,77 @@ def choose_schedule(
     return best
 
 
+def local_layouts(workers: int, cores: int) -> list[tuple[int, int]]:
+    """(workers, torch threads per worker) that use a host's ``cores`` with at most ``workers``
+    processes: every divisor w of ``workers``, each with ``cores // w`` threads (at least one),
+    most workers first."""
+    return [(w, max(1, cores // w)) for w in range(workers, 0, -1) if workers % w == 0]
+
+
+def threads_per_worker(plan: Plan) -> int:
+    """The torch threads each worker of ``plan`` runs with: what :func:`choose_layout` chose, else 1."""
+    value = plan.meta.get("threads_per_worker") if isinstance(plan.meta, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+def choose_layout(
+    graph_for: Callable[[int, int], LayerGraph],
+    layouts: Sequence[tuple[int, int]],
+    topology_for: Callable[[int], Topology],
+    *,
+    host_costs: Callable[[Plan, int], dict[str, Any]] | None = None,
+    progress: Callable[[Candidate, Plan | None], None] | None = None,
+    **options: Any,
+) -> Plan:
+    """:func:`choose_schedule` over several ways of using one host's cores: for each
+    ``(workers, threads)`` of ``layouts``, the candidates are planned for ``topology_for(workers)``
+    from ``graph_for(m, threads)`` (the model profiled with that many torch threads: one process
+    with two threads runs a layer faster than one with one), and the fastest predicted over all
+    layouts wins. The chosen plan records the threads (``meta["threads_per_worker"]``, read by
+    :func:`threads_per_worker`) and every layout's candidates in ``meta["auto"]``.
+
+    Raises:
+        PlanError: no layout has a candidate that can be planned (every layout's reason).
+    """
+    if not layouts:
+        raise PlanError("schedule auto: no (workers, threads) layout to try")
+    chosen: list[tuple[Plan, int]] = []
+    reasons = []
+    for workers, threads in layouts:
+        def tagged(cand: Candidate, plan: Plan | None, t: int = threads) -> None:
+            cand.threads = t
+            if progress is not None:
+                progress(cand, plan)
+
+        try:
+            best = choose_schedule(lambda m, t=threads: graph_for(m, t), topology_for(workers), host_costs=host_costs,
+                                   progress=tagged, **options)
+        except PlanError as exc:
+            reasons.append(f"{workers} workers × {threads} threads: {exc}")
+            continue
+        auto = best.meta["auto"]
+        for record in [auto["chosen"], auto["runner_up"], auto["without_budget"], *auto["candidates"]]:
+            if record is not None:
+                record["threads"] = threads
+        chosen.append((best, threads))
+    if not chosen:
+        raise PlanError("; ".join(reasons))
+    chosen.sort(key=lambda pt: pt[0].meta["auto"]["chosen"]["time_per_minibatch_s"])
+    best, threads = chosen[0]
+    auto = best.meta["auto"]
+    every = [c for p, _ in chosen for c in p.meta["auto"]["candidates"]]
+    for p, _ in chosen[1:]:  # the runner-up may be another layout's choice
+        theirs = p.meta["auto"]["chosen"]
+        mine = auto["runner_up"]
+        if mine is None or theirs["time_per_minibatch_s"] < mine["time_per_minibatch_s"]:
+            auto["runner_up"] = theirs
+    auto["candidates"] = every
+    auto["layouts"] = [{"workers": w, "threads": t} for w, t in layouts]
+    best.meta["threads_per_worker"] = threads
+    log.info("schedule auto: %d workers × %d threads", best.num_workers, threads)
+    return best
+
+
 def auto_summary(plan: Plan) -> list[str]:
     """Lines saying what ``schedule="auto"`` chose and the runner-up, with predicted time and
     memory (empty for a plan that was not chosen that way)."""
@@ -230,8 +303,11 @@ def auto_summary_lines(auto: Any) -> list[str]:
     lines = [f"chosen {text(auto['chosen'])}"]
     if auto.get("runner_up"):
         lines.append(f"runner-up {text(auto['runner_up'])}")
-    lines.append(f"{len(tried)} candidates ({'with' if auto.get('allow_stale') else 'without'} stale kinds)"
-                 + (f", {failed} did not fit" if failed else ""))
+    layouts = auto.get("layouts") or []
+    lines.append(f"{len(tried)} candidates ({'with' if auto.get('allow_stale') else 'without'} stale kinds"
+                 + (", over " + ", ".join(f"{x['workers']} workers × {x['threads']} threads" for x in layouts)
+                    if len(layouts) > 1 else "")
+                 + ")" + (f", {failed} did not fit" if failed else ""))
     free, budget = auto.get("without_budget"), auto.get("memory_budget_bytes")
     if budget is not None:
         if not free:
@@ -255,10 +331,11 @@ def auto_candidates_table(plan: Plan) -> str:
     rows = [("schedule", "microbatches", "recompute", "config", "ms per minibatch", "peak memory")]
     for c in cands:
         again = "yes" if c.recompute else "no"
+        config = c.config + (f" ×{c.threads} threads" if c.threads != 1 else "")
         if c.error:
             rows.append((c.schedule, str(c.microbatches), again, "-", "does not fit", c.error[:60]))
         else:
-            rows.append((c.schedule, str(c.microbatches), again, c.config, f"{c.time_per_minibatch_s * 1e3:.3f}",
+            rows.append((c.schedule, str(c.microbatches), again, config, f"{c.time_per_minibatch_s * 1e3:.3f}",
                          human_bytes(c.peak_memory_bytes or 0)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))

@@ -47,6 +47,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg)
+    from ..auto_schedule import threads_per_worker
     from ..runtime import launch
 
     check_options(cfg)
@@ -58,7 +59,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         log.warning("resuming from %s", prep.resume_from)
     log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
     result = launch(train_rank, prep.plan.num_workers, prep, stall_timeout_s=stall_timeout_s(cfg),
-                    comm_timeout_s=cfg.timeout_s)
+                    comm_timeout_s=cfg.timeout_s, threads=threads_per_worker(prep.plan))
     return write_outputs(prep, result, Path(cfg.out))
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ..trace import Trace
 from ..units import human_bytes
-from ..auto_schedule import auto_summary_lines
+from ..auto_schedule import auto_summary_lines, threads_per_worker
 from .resume import plan_side_text
 from .config import TrainError, schedule_of
 from .preparation import Prepared
@@ -101,6 +101,8 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         # what trained (--schedule auto: the chosen kind and microbatches)
         "schedule": schedule_of(cfg, plan)[0],
         "microbatches": schedule_of(cfg, plan)[1],
+        # torch threads each worker ran with (--schedule auto on local cores may choose several)
+        "threads_per_worker": result.get("threads") or threads_per_worker(plan),
         # --schedule auto: the choice, the runner-up and every candidate with its prediction
         "auto": plan.meta.get("auto"),
         "why": prep.why,
@@ -147,7 +149,9 @@ def format_report(report: dict[str, Any]) -> str:
     ratio = predicted_t / measured_t if measured_t and predicted_t is not None else None
     rows = [
         ("plan", f"{report['plan']} ({report['plan_config']}), schedule {report.get('schedule', report['config']['schedule'])}"
-                 + (f", {report['microbatches']} microbatches" if report.get("microbatches", 1) > 1 else "")),
+                 + (f", {report['microbatches']} microbatches" if report.get("microbatches", 1) > 1 else "")
+                 + (f", {report['threads_per_worker']} threads per worker" if report.get("threads_per_worker", 1) > 1
+                    else "")),
         *[("auto", line) for line in auto_summary_lines(report.get("auto"))],
         ("why", report["why"]),
         *[("shared", f"{t['name']} (layers {', '.join(t['layers']) or '-'}): a copy in stages "

@@ -4,6 +4,7 @@ checked) and its time predicted."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -113,12 +114,13 @@ def _scratch(cfg: TrainConfig) -> tuple[float, float]:
     return optimizer_scratch(cfg.optimizer, torch.cuda.is_available())
 
 
-def _topology(cfg: TrainConfig, workers: int) -> Any:
-    """``--topology``, else this computer's ``workers``; checked against ``--workers``."""
+def _topology(cfg: TrainConfig, workers: int, check: bool = True) -> Any:
+    """``--topology``, else this computer's ``workers``; checked against ``--workers`` (unless
+    ``check``: a local layout of fewer workers than ``--workers``)."""
     from ..topology import Topology
 
     topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
-    if topo.num_workers != workers:
+    if check and topo.num_workers != workers:
         raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
     if cfg.memory is not None:
         from ..topology import parse_bytes
@@ -149,16 +151,23 @@ class _HostCosts:
 def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostCosts | None) -> Plan:
     """``--schedule auto``: the fastest predicted kind and microbatch count (auto_schedule.py),
     each candidate planned from a profile at its own microbatch size, and on this machine's
-    workers priced with its measured host costs (as the run's own prediction is)."""
-    from ..auto_schedule import choose_schedule
+    workers priced with its measured host costs (as the run's own prediction is). A local run
+    (this machine's cores, no --topology) also tries fewer workers with more torch threads each
+    (``auto_schedule.local_layouts``), each from a profile at that thread count."""
+    from ..auto_schedule import choose_layout, choose_schedule, local_layouts
 
-    topo = _topology(cfg, workers)
-    log.info("--schedule auto: planning every schedule kind and microbatch count")
+    options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
+                   straight=cfg.straight, recompute=cfg.recompute,
+                   optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], optimizer_scratch=_scratch(cfg),
+                   host_costs=host_costs)
     try:
-        return choose_schedule(profiled, topo, allow_stale=cfg.allow_stale, batch_size=cfg.batch_size,
-                               num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
-                               optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer],
-                               optimizer_scratch=_scratch(cfg), host_costs=host_costs)
+        if host_costs is not None:
+            layouts = local_layouts(workers, os.cpu_count() or 1)
+            log.info("--schedule auto: planning every schedule kind and microbatch count for %s",
+                     ", ".join(f"{w} workers × {t} threads" for w, t in layouts))
+            return choose_layout(profiled, layouts, lambda w: _topology(cfg, w, check=False), **options)
+        log.info("--schedule auto: planning every schedule kind and microbatch count")
+        return choose_schedule(lambda m: profiled(m, 1), _topology(cfg, workers), **options)
     except PlanError as exc:
         raise TrainError(str(exc)) from None
 
@@ -173,6 +182,7 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     """
     import torch
 
+    from ..auto_schedule import threads_per_worker
     from ..profiler import profile
     from ..runtime.pipeline import PRECISIONS
     from ..schedules import build_schedule
@@ -184,18 +194,19 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     x, y, _, _ = load_data(cfg)
     if measure_host:  # a local run: its workers must fit in this machine's memory
         check_workers_fit(workers, sum(p.numel() * p.element_size() for p in model.parameters()))
-    profiles: dict[int, LayerGraph] = {}
+    profiles: dict[tuple[int, int], LayerGraph] = {}
 
-    def profiled(microbatches: int) -> LayerGraph:
-        """The model profiled as a schedule of ``microbatches`` runs it, and under autocast for
-        bf16 and fp16 (its compute, and activations of half the bytes); once per count."""
-        if microbatches not in profiles:
+    def profiled(microbatches: int, threads: int = 1) -> LayerGraph:
+        """The model profiled as a schedule of ``microbatches`` runs it, on a worker of
+        ``threads`` torch threads, and under autocast for bf16 and fp16 (its compute, and
+        activations of half the bytes); once per count."""
+        if (microbatches, threads) not in profiles:
             half = PRECISIONS[cfg.precision]
             with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
-                profiles[microbatches] = profile(model, x[: cfg.batch_size], loss_fn=loss_for(cfg),
-                                                 target=y[: cfg.batch_size], name=cfg.model,
-                                                 optimizer=optimizer_factory(cfg), microbatches=microbatches)
-        return profiles[microbatches]
+                profiles[(microbatches, threads)] = profile(
+                    model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size], name=cfg.model,
+                    optimizer=optimizer_factory(cfg), microbatches=microbatches, num_threads=threads)
+        return profiles[(microbatches, threads)]
 
     host_costs = _HostCosts() if measure_host and not cfg.topology else None  # a local run on this host
     saved = point.plan if point is not None and not point.replan else None
@@ -205,9 +216,12 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
         # auto with a checkpoint's or a file's plan: that plan's microbatches
         given = (saved or Plan.load(cfg.plan_file)) if cfg.schedule == AUTO else None
         m = schedule_of(cfg, given)[1] if given is not None else microbatches_of(cfg)
-        plan = _choose_plan(cfg, profiled(m), workers, saved)
+        # a checkpoint's plan that auto laid out on fewer workers with more threads keeps them
+        laid_out = saved is not None and isinstance(saved.meta, dict) and "threads_per_worker" in saved.meta
+        plan = _choose_plan(cfg, profiled(m, threads_per_worker(saved) if laid_out else 1),
+                            saved.num_workers if laid_out else workers, saved)
     kind, m = schedule_of(cfg, plan)
-    graph = profiled(m)
+    graph = profiled(m, threads_per_worker(plan))
     changes = list(point.extra.get("plan_changes", [])) if point is not None else []
     if point is not None and point.replan and not point.complete:
         change = {"epoch": int(point.extra.get("epoch", 0)), "minibatch": int(point.extra.get("minibatch", 0)),

@@ -33,6 +33,8 @@ def _progress_bar(rank: int, prep: Prepared, per_epoch: int) -> Any:
 
 def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     """Train as rank ``rank`` of the plan; rank 0 returns history, trace and full state."""
+    import torch
+
     from ..runtime import Pipeline
 
     cfg = prep.config
@@ -95,7 +97,8 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     if rank != 0:
         return None
     scaling = {"scale": pipe.loss_scale, "skipped_updates": pipe.skipped_updates} if cfg.precision == "fp16" else None
-    return {"history": history, "trace": trace, "state": state, "memory_peak_bytes": peaks, "loss_scaling": scaling}
+    return {"history": history, "trace": trace, "state": state, "memory_peak_bytes": peaks, "loss_scaling": scaling,
+            "threads": torch.get_num_threads()}
 
 
 
