@@ -109,9 +109,10 @@ def test_held_bytes_counts_each_storage_once() -> None:
 def test_outstanding_sends_follow_the_schedule() -> None:
     plan = Plan.straight([["a"], ["b"]], schedule="gpipe", microbatches=4)
     gpipe = build_schedule(plan, "gpipe", minibatches=3, microbatches=4)
-    assert outstanding_sends(gpipe.actions[0]) == 5  # all four microbatches in flight, plus one
+    assert outstanding_sends(gpipe.actions[0]) == 4  # all four microbatches in flight
     pipedream = build_schedule(dataclasses.replace(plan, schedule="pipedream"), "pipedream", minibatches=6)
-    assert outstanding_sends(pipedream.actions[0]) == 3  # two in flight on the first of two stages
+    assert outstanding_sends(pipedream.actions[0]) == 2  # two in flight on the first of two stages
+    assert outstanding_sends(pipedream.actions[1]) == 1  # the last stage: one
     forward_only = [a for a in pipedream.actions[0] if a.kind.value != "B"]
     assert outstanding_sends(forward_only) == 2
 
@@ -142,7 +143,7 @@ def _measured_peaks(rank: int, plan: Plan, kind: str, m: int, minibatches: int) 
 
 
 def test_peak_memory_does_not_grow_with_the_schedule() -> None:
-    """Sends are waited for once more are outstanding than the schedule keeps in flight: a
+    """Sends are waited for once more are outstanding than the microbatches the rank holds in flight: a
     schedule of 12 minibatches peaks where one of 2 does (gloo reports a send complete only when
     waited for, so before the bound every send buffer lived until the end of the schedule)."""
     plan = _mlp_plan("flush", 4)
