@@ -96,6 +96,7 @@ def choose_schedule(
     minibatches: int = 32,
     progress: Callable[[Candidate, Plan | None], None] | None = None,
     host_costs: Callable[[Plan, int], dict[str, Any]] | None = None,
+    threads: int = 1,
     **plan_options: Any,
 ) -> Plan:
     """The fastest predicted plan over schedule kinds and microbatch counts.
@@ -113,6 +114,8 @@ def choose_schedule(
         host_costs: ``host_costs(plan, microbatches)`` -> overrides for ``Costs.from_plan``
             (``runtime.measure.measure_local_costs`` on local CPU workers, whose messages and
             all-reduces the link model prices too cheaply); default: the plan's link model.
+        threads: the torch threads per worker the profiles were taken with (recorded on every
+            candidate; :func:`choose_layout` compares several).
         plan_options: passed to the planner (straight, num_stages, memory_bytes, ...).
 
     Raises:
@@ -158,7 +161,7 @@ def choose_schedule(
                 if batch and m > batch:
                     continue
                 for recompute in recomputes:
-                    cand = Candidate(name, m, recompute)
+                    cand = Candidate(name, m, recompute, threads=threads)
                     plan: Plan | None = None
                     try:
                         plan = make_plan(graph(m), topo, schedule=name, microbatches=m, recompute=recompute,
@@ -248,21 +251,12 @@ def choose_layout(
     chosen: list[tuple[Plan, int]] = []
     reasons = []
     for workers, threads in layouts:
-        def tagged(cand: Candidate, plan: Plan | None, t: int = threads) -> None:
-            cand.threads = t
-            if progress is not None:
-                progress(cand, plan)
-
         try:
             best = choose_schedule(lambda m, t=threads: graph_for(m, t), topology_for(workers), host_costs=host_costs,
-                                   progress=tagged, **options)
+                                   progress=progress, threads=threads, **options)
         except PlanError as exc:
             reasons.append(f"{workers} workers × {threads} threads: {exc}")
             continue
-        auto = best.meta["auto"]
-        for record in [auto["chosen"], auto["runner_up"], auto["without_budget"], *auto["candidates"]]:
-            if record is not None:
-                record["threads"] = threads
         chosen.append((best, threads))
     if not chosen:
         raise PlanError("; ".join(reasons))

@@ -38,7 +38,7 @@ from .kinds import ScheduleKind, schedule_kind
 if TYPE_CHECKING:
     from .graph import Block
 
-__all__ = ["WORKING_FACTOR", "NO_SCRATCH", "optimizer_scratch", "StageActivations", "stage_activations", "working_key", "once_bytes", "memory_terms",
+__all__ = ["WORKING_FACTOR", "NO_SCRATCH", "scratch_of_options", "StageActivations", "stage_activations", "working_key", "once_bytes", "memory_terms",
            "stage_memory_bytes"]
 
 #: The backward's working memory in multiples of the largest (output + inputs) bytes of one of
@@ -129,7 +129,7 @@ def stage_activations(blocks: Sequence["Block"], first: int, last: int) -> Stage
 NO_SCRATCH: tuple[float, float] = (0.0, 0.0)
 
 
-def optimizer_scratch(options: Any) -> tuple[float, float]:
+def scratch_of_options(options: Any) -> tuple[float, float]:
     """The ``optimizer_scratch`` a plan was made with (its ``meta["planner"]`` options);
     ``NO_SCRATCH`` for plans made without one."""
     raw = options.get("optimizer_scratch") if isinstance(options, dict) else None

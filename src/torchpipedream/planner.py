@@ -59,8 +59,8 @@ import numpy as np
 
 from .graph import Block, LayerGraph, SharedParameter
 from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .memory_model import (NO_SCRATCH, StageActivations, memory_terms, stage_activations, stage_memory_bytes,
-                           working_key)
+from .memory_model import (NO_SCRATCH, StageActivations, memory_terms, scratch_of_options, stage_activations,
+                           stage_memory_bytes, working_key)
 from .plans import Plan, PlanError, Stage, TiedParameter
 from .topology import Topology, format_bytes
 
@@ -1021,7 +1021,7 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
                 options: dict[str, Any]) -> Plan:
     recompute = bool(options.get("recompute"))
     ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied, recompute,
-                  tuple(options.get("optimizer_scratch", NO_SCRATCH)))
+                  scratch_of_options(options))
     out: list[Stage] = []
     for s, (i, j, m) in enumerate(stages):
         bl = blocks[i:j + 1]

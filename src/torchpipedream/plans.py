@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from .jsonio import read_json, write_json
 from .kinds import UnknownKindError, schedule_kind
-from .memory_model import StageActivations, optimizer_scratch
+from .memory_model import StageActivations, scratch_of_options
 from .memory_model import stage_memory_bytes as model_memory_bytes
 
 __all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION"]
@@ -416,10 +416,13 @@ class Plan:
         mu = microbatches or self.microbatches or options.get("microbatches") or 1
         f = options.get("optimizer_state_factor", 2.0)
         depth = -(-(self.num_workers - st.ranks[0]) // st.replicas)
-        # a copy of a shared parameter is held by every holding stage but the first (planner.evaluate)
-        copies = sum(t.bytes for t in self.tied if s in t.stages[1:])
-        return model_memory_bytes(kind, st.parameter_bytes + copies, st.activations, depth, mu, f, st.recompute,
-                                  st.replicas, optimizer_scratch(options))
+        return model_memory_bytes(kind, self.held_parameter_bytes(s), st.activations, depth, mu, f, st.recompute,
+                                  st.replicas, scratch_of_options(options))
+
+    def held_parameter_bytes(self, s: int) -> int:
+        """Parameter bytes a worker of stage ``s`` holds: its own, and a copy of each shared
+        parameter it holds but does not own (every holding stage but the first: planner.evaluate)."""
+        return self.stages[s].parameter_bytes + sum(t.bytes for t in self.tied if s in t.stages[1:])
 
     @classmethod
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":

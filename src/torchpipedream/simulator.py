@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actions import Action, Kind, Schedule
-from .memory_model import once_bytes, optimizer_scratch
+from .memory_model import once_bytes, scratch_of_options
 from .plans import Plan
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
@@ -142,14 +142,12 @@ class Costs:
             activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],
             step_s=[st.optimizer_ms / 1e3 for st in plan.stages],  # once per update, not per microbatch
         )
+        options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
         if plan.stages and all(st.activations is not None for st in plan.stages):  # the memory model's terms
             kw["activation_bytes"] = [st.activations.held(st.recompute) / m for st in plan.stages]
-        options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
-        if plan.stages and all(st.activations is not None for st in plan.stages):
-            scratch = optimizer_scratch(options)
-            copies = [sum(t.bytes for t in plan.tied if s in t.stages[1:]) for s in range(n)]
+            scratch = scratch_of_options(options)
             kw["working_bytes"] = [once_bytes(st.activations, m, st.recompute, st.replicas, scratch,
-                                              st.parameter_bytes + copies[s]) for s, st in enumerate(plan.stages)]
+                                              plan.held_parameter_bytes(s)) for s, st in enumerate(plan.stages)]
         if isinstance(options, dict) and isinstance(options.get("optimizer_state_factor"), (int, float)):
             kw["optimizer_state_factor"] = float(options["optimizer_state_factor"])
         if plan.topology:

@@ -182,7 +182,7 @@ class Engine:
         self._to_send: dict[int, tuple[int, list[torch.Tensor], list[Any]]] = {}
         self._out_grads: dict[int, list[torch.Tensor]] = {}
         self._in_grads: dict[int, list[torch.Tensor]] = {}
-        self._updates: dict[int, tuple[bool, float]] = {}  # update -> (apply it?, 1 / its loss scale)
+        self._updates: dict[int, tuple[float, bool]] = {}  # update -> (1 / its loss scale, apply it?)
         results: dict[int, MicrobatchResult] = {}
         events: list[Event] = []
         for action in actions:
@@ -248,14 +248,13 @@ class Engine:
             return 1.0, True
         if update not in self._updates:
             overflow = self.weights.gradient_overflowed() or any(
-                copy.weights.gradient_overflowed(self.timeout_s) for copy in self.tied.values())
+                copy.weights.posted_gradient_overflowed(self.timeout_s) for copy in self.tied.values())
             apply, used = self.scaler.decide(overflow)
             if not apply:
                 log.info("rank %d: update %d skipped: the float16 gradients overflowed at loss scale %g",
                          self.rank, update, used)
-            self._updates[update] = (apply, 1.0 / used)
-        apply, unscale = self._updates[update]
-        return unscale, apply
+            self._updates[update] = (1.0 / used, apply)
+        return self._updates[update]
 
     # ------------------------------------------------------------------ compute
     def _inputs(self, microbatch: int, get_microbatch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], int, list[torch.Tensor]]:

@@ -272,12 +272,14 @@ class WeightVersions:
         wait_for(work, timeout_s, "shared parameter all-reduce")
         return posted
 
-    def gradient_overflowed(self, timeout_s: float | None = None) -> bool:
-        """Whether the gradient of the coming update holds an inf or NaN (a float16 backward
-        overflowed): the accumulated one, or with ``timeout_s`` the oldest posted sum (a
-        shared parameter's, waited for)."""
-        if timeout_s is not None:
-            return has_nonfinite([self._oldest_posted(timeout_s)])
+    def posted_gradient_overflowed(self, timeout_s: float) -> bool:
+        """Whether the oldest posted sum (a shared parameter's gradient, waited for) holds an
+        inf or NaN."""
+        return has_nonfinite([self._oldest_posted(timeout_s)])
+
+    def gradient_overflowed(self) -> bool:
+        """Whether the accumulated gradient of the coming update holds an inf or NaN (a float16
+        backward overflowed)."""
         if self._flat is not None:
             return has_nonfinite([self._flat])
         for views in self._views.values():

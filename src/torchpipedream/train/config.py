@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..kinds import AUTO, KIND_NAMES, schedule_kind
 from ..plans import Plan
 
-__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "optimizer_scratch", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
+__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "optimizer_scratch_of", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 #: Copies of the weights each optimizer keeps besides the weights (the gradient included): the
@@ -18,7 +18,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 OPTIMIZER_STATE = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
 
 
-def optimizer_scratch(optimizer: str, cuda: bool) -> tuple[float, float]:
+def optimizer_scratch_of(optimizer: str, cuda: bool) -> tuple[float, float]:
     """The memory model's ``optimizer_scratch`` of ``--optimizer`` (memory_model.once_bytes):
     SGD steps in place; torch's Adam runs a per-parameter loop on a CPU (two temporaries of the
     largest parameter's size) and its ``foreach`` form on CUDA (one of the stage's weights)."""

@@ -13,7 +13,7 @@ from ..plans import Plan, PlanError
 from ..units import human_bytes
 from ..kinds import AUTO
 from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
-                     optimizer_scratch, schedule_of)
+                     optimizer_scratch_of, schedule_of)
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .resume import ResumePoint, plan_side_text, resume_point
 
@@ -111,7 +111,7 @@ def _scratch(cfg: TrainConfig) -> tuple[float, float]:
     """The optimizer step's temporaries for the memory model, on the device the workers train on."""
     import torch
 
-    return optimizer_scratch(cfg.optimizer, torch.cuda.is_available())
+    return optimizer_scratch_of(cfg.optimizer, torch.cuda.is_available())
 
 
 def _topology(cfg: TrainConfig, workers: int, check: bool = True) -> Any:
