@@ -1,5 +1,6 @@
 """Side by side on the same machine: torchpipedream against a single process, torch DDP and
-torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleZBVZeroBubble).
+torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleInterleavedZeroBubble with one
+stage per rank (torch's ZB-H1), ScheduleZBVZeroBubble).
 
 Same model, global batch, optimizer (SGD) and number of processes (2 by default, 1 thread
 each, gloo) for every row; the rows of one model run in ``--passes`` interleaved passes (row 1,
@@ -22,6 +23,7 @@ this process): ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` runs every row on glibc's 
 
     .venv/bin/python benchmarks/compare.py                       # all models
     .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
+    .venv/bin/python benchmarks/compare.py --rows "single, 1 thread,torch DDP,1F1B,ZeroBubble,flush,zb-h1"
 
 Writes benchmarks/results/compare.json, compare.md and compare.png.
 """
@@ -53,8 +55,13 @@ from doc_tables import compare_results  # noqa: E402  (the docs render compare.m
 
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
-TORCH_SCHEDULES = ("GPipe", "1F1B", "ZBVZeroBubble")
-TPD_SCHEDULES = ("pipedream", "2bw", "flush")
+TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+#: torchpipedream's rows: name -> (schedule kind, straight plan): "flush straight" runs flush on a
+#: one-worker-per-stage plan, the cut zb-h1 runs (the planner may prefer data parallelism for flush)
+TPD_ROWS = {"pipedream": ("pipedream", False), "2bw": ("2bw", False), "flush": ("flush", False),
+            "flush straight": ("flush", True), "zb-h1": ("zb-h1", False)}
+#: The rows every table needs (the ratios are to them): kept by --rows whatever it names.
+BASE_ROWS = ("single, 1 thread", "torch DDP")
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -141,19 +148,23 @@ def _profile(work: Workload, m: int, split_parts: int, threads: int = 1):
 
 def schedule_microbatches(schedule: str, microbatches: int) -> int:
     """Microbatches per minibatch as torchpipedream runs ``schedule`` (pipedream: whole minibatches)."""
-    return microbatches if schedule in ("2bw", "flush", "gpipe") else 1
+    from torchpipedream.kinds import schedule_kind
+
+    return microbatches if schedule_kind(schedule).microbatched else 1
 
 
 def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1,
-                minibatches: int = 32):
-    """The planner's plan for ``workers`` local workers from one profile, and its schedule of
-    ``minibatches`` minibatches (the length one timed window runs)."""
+                minibatches: int = 32, straight: bool = False):
+    """The planner's plan for ``workers`` local workers from one profile (one worker per stage
+    with ``straight``), and its schedule of ``minibatches`` minibatches (the length one timed
+    window runs)."""
     from torchpipedream.planner import plan as make_plan
     from torchpipedream.schedules import build_schedule
     from torchpipedream.topology import Topology
 
     m = schedule_microbatches(schedule, microbatches)
-    plan = make_plan(_profile(work, m, split_parts), Topology.local(workers), schedule=schedule, microbatches=m)
+    plan = make_plan(_profile(work, m, split_parts), Topology.local(workers), schedule=schedule, microbatches=m,
+                     straight=straight)
     return plan, build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
 
 
@@ -188,7 +199,7 @@ def predict(work: Workload, plan, sched, split_parts: int = 1):
 
 def _median_compute(trace, stages: int) -> dict[str, list[float]]:
     """Each stage's median F, B and U seconds in ``trace`` (measured or simulated)."""
-    return {k: [trace.median_duration_s(s, k) for s in range(stages)] for k in ("F", "B", "U")}
+    return {k: [trace.median_duration_s(s, k) for s in range(stages)] for k in ("F", "B", "W", "U")}
 
 
 def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: int, per_window: int,
@@ -211,18 +222,22 @@ def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: in
                  split_parts, timeout_s=900)
     run = _median_compute(res.pop("trace"), plan.num_stages)
     simulated = _median_compute(sim.trace, plan.num_stages)
-    got = dataclasses.replace(costs, forward_s=run["F"], backward_s=run["B"], step_s=run["U"], compute_slowdown=1.0,
+    split = any(w for w in run["W"])  # a split backward: B and W each measured
+    got = dataclasses.replace(costs, forward_s=run["F"], step_s=run["U"], compute_slowdown=1.0,
+                              backward_s=[b + (w if split else 0.0) for b, w in zip(run["B"], run["W"])],
+                              weight_grad_s=run["W"] if split else costs.weight_grad_s,
                               copy_Bps=float("inf"), accumulate_Bps=float("inf"))
     return {**res, "predicted_samples_per_s": predicted, "slowdown": costs.compute_slowdown,
             "predicted_with_run_compute": sched.minibatches * work.batch_size / simulate(sched, got).makespan_s,
-            "run_compute_vs_profile": sum(run["F"] + run["B"]) / sum(simulated["F"] + simulated["B"])}
+            "run_compute_vs_profile": sum(run["F"] + run["B"] + run["W"])
+            / sum(simulated["F"] + simulated["B"] + simulated["W"])}
 
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
                 per_window: int, split_parts: int) -> dict:
     pipe = Pipeline(tpd_model(work, split_parts), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
                     loss_fn=work.loss_fn, schedule=schedule,
-                    microbatches=microbatches if schedule in ("2bw", "flush", "gpipe") else None, timeout_s=120)
+                    microbatches=microbatches if schedule_microbatches(schedule, 2) > 1 else None, timeout_s=120)
     g = torch.Generator().manual_seed(0)
     data = [work.make_batch(work.batch_size, g) for _ in range(per_window)]
     for _ in range(warmup):
@@ -249,11 +264,12 @@ def _peer_worker(rank: int, work: Workload, which: str, microbatches: int, warmu
 
 # ----------------------------------------------------------------------------- the run
 def compare_model(work: Workload, procs: int, microbatches: int, windows: int, per_window: int,
-                  split_parts: int = 1, passes: int = 3) -> list[dict]:
+                  split_parts: int = 1, passes: int = 3, rows: tuple[str, ...] = ()) -> list[dict]:
     """Every row of one model, measured in ``passes`` interleaved passes (row 1, row 2, ...,
     row 1, row 2, ...): the machine's speed drifts by 20-30% within minutes, and interleaving
     spreads a slow spell over every row instead of the rows that happened to run in it. A
-    row's samples/s is the median over its passes of each pass's median window."""
+    row's samples/s is the median over its passes of each pass's median window. ``rows``, when
+    given, keeps the rows whose name contains one of them (and ``BASE_ROWS``)."""
     torch.set_num_threads(1)
     jobs: list[tuple[str, Any, str]] = [  # (row, run one pass, plan)
         ("single, 1 thread", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), ""),
@@ -264,10 +280,14 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     for s in TORCH_SCHEDULES:
         jobs.append((f"torch.pipelining {s}", lambda s=s: launch(_peer_worker, procs, work, s, microbatches, 2,
                                                                  windows, 3, timeout_s=900), ""))
-    for s in TPD_SCHEDULES:
-        plan, sched = choose_plan(work, procs, s, microbatches, split_parts, minibatches=per_window)
-        jobs.append((f"torchpipedream {s}", functools.partial(_predict_and_run, work, plan, sched, microbatches,
+    for row, (s, straight) in TPD_ROWS.items():
+        if rows and not any(r in f"torchpipedream {row}" for r in rows):
+            continue
+        plan, sched = choose_plan(work, procs, s, microbatches, split_parts, minibatches=per_window, straight=straight)
+        jobs.append((f"torchpipedream {row}", functools.partial(_predict_and_run, work, plan, sched, microbatches,
                                                               windows, per_window, split_parts), plan.summary))
+    if rows:
+        jobs = [j for j in jobs if j[0] in BASE_ROWS or any(r in j[0] for r in rows)]
     results: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
     failed: dict[str, str] = {}
     for pass_ in range(passes):
@@ -375,13 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-wide", type=int, default=4, metavar="PARTS",
                     help="torchpipedream rows: split linear layers with >= 1024 outputs into PARTS column parts so "
                          "stages can balance (1 = off; default 4)")
+    ap.add_argument("--rows", default="",
+                    help="comma-separated parts of row names to run (e.g. 'flush,zb-h1,ZeroBubble'); the single "
+                         "1-thread and DDP rows always run (default: every row)")
     ap.add_argument("--out", default="benchmarks/results/compare")
     args = ap.parse_args(argv)
     for name in args.models.split(","):
         if name not in WORKLOADS:
             ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
     rows, probes, _ = probed(lambda: [row for name in args.models.split(",") for row in compare_model(
-        WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window, args.split_wide, args.passes)])
+        WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window, args.split_wide, args.passes,
+        tuple(r for r in args.rows.split(",") if r))])
     result = {"probes": probes, "args": vars(args), "huge_pages": huge_pages_on(),
               "keeps_freed_memory": KEEPS_FREED_MEMORY, "rows": rows}
     # the same function renders docs/benchmarks.md's table

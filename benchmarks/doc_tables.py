@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
-           "compare_targets", "main", "memory_budget", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "main", "memory_budget", "split_backward", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -173,6 +173,62 @@ def compare_targets(data: Data) -> str:
     out.append(["the same, predicted from the run's own compute (a diagnostic)",
                 f"{ok} of {n} rows ({_range(values)})", "-"])
     return _table(["target", "this run", "result"], out)
+
+
+#: The targets of issue 19 for the zero-bubble rows, as zero_bubble() tests them.
+TARGET_ZB_VS_TORCH = 1.0
+TARGET_SYNC_VS_FLUSH_LM = 1.15
+
+
+def zero_bubble(data: Data) -> str:
+    """compare_zero_bubble.json (compare.py --rows ...) → per model, zb-h1 against torch's ZB-H1
+    (InterleavedZeroBubble, one stage per rank), against flush on the same cut and on the
+    planner's own plan, with every pass, and the targets."""
+    head = ["model", "zb-h1 samples/s (passes)", "torch ZB-H1 (passes)", "zb-h1 / torch ZB-H1",
+            "flush, same cut (passes)", "zb-h1 / flush same cut", "flush, planner's plan", "best synchronous / flush",
+            "zb-h1 measured / predicted"]
+    body, targets = [], []
+
+    def passes(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        return f"{r['samples_per_s']:.1f} ({', '.join(f'{v:.0f}' for v in r.get('passes_samples_per_s', []))})"
+
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        zb, torch_zb = _row(rows, "torchpipedream zb-h1"), _row(rows, "torch.pipelining InterleavedZeroBubble")
+        same, flush = _row(rows, "torchpipedream flush straight"), _row(rows, "torchpipedream flush")
+        if zb is None:
+            continue
+        sync = _best(rows, lambda n: n in ("torchpipedream flush", "torchpipedream flush straight",
+                                           "torchpipedream zb-h1"))
+        vs_torch = zb["samples_per_s"] / torch_zb["samples_per_s"] if torch_zb else None
+        vs_same = zb["samples_per_s"] / same["samples_per_s"] if same else None
+        vs_flush = sync["samples_per_s"] / flush["samples_per_s"] if (sync and flush) else None
+        body.append([model, passes(zb), passes(torch_zb), _num(vs_torch), passes(same), _num(vs_same),
+                     f"{flush['samples_per_s']:.1f} ({flush['plan']})" if flush else "-",
+                     f"{_num(vs_flush)} ({_short(sync['row'])})" if vs_flush is not None else "-",
+                     _num(zb.get("measured_vs_predicted"))])
+        if vs_torch is not None:
+            targets.append(f"{model}: zb-h1 ≥ torch's ZB-H1 {_yes(vs_torch >= TARGET_ZB_VS_TORCH)} ({vs_torch:.2f}×)")
+        if model == "transformer_lm" and vs_flush is not None:
+            targets.append(f"transformer_lm: best synchronous ≥ {TARGET_SYNC_VS_FLUSH_LM:g}× flush "
+                           f"{_yes(vs_flush >= TARGET_SYNC_VS_FLUSH_LM)} ({vs_flush:.2f}×)")
+    probes = data["probes"]
+    caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
+               f"{data['args']['procs']} processes, {data['args']['microbatches']} microbatches, "
+               f"{data['args']['passes']} interleaved passes (samples/s: the median; passes in brackets).")
+    return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
+
+
+def split_backward(data: Data) -> str:
+    """split_backward.json (benchmarks/split_backward.py) → one stage per row: the full backward
+    against B and W of the split one."""
+    head = ["model", "stage", "layers", "full backward ms", "B ms", "W ms", "(B + W) / full", "W / (B + W)"]
+    body = [[r["model"], r["stage"], r["layers"], f"{r['full_ms']:.2f}", f"{r['b_ms']:.2f}", f"{r['w_ms']:.2f}",
+             f"{r['split_over_full']:.2f}", f"{r['w_share']:.2f}"] for r in data["rows"]]
+    return (_table(head, body) + f"\n\nOne process, {data['threads']} thread, {data['args']['reps']} interleaved "
+            f"repetitions (medians); microbatches of batch / {data['args']['microbatches']}.")
 
 
 def compare_runs(*runs: Data) -> str:
@@ -545,6 +601,8 @@ TABLES: dict[str, Table] = {
     "memory_model": Table(("memory_model.json",), memory_model),
     "memory_budget": Table(("memory_model.json",), memory_budget),
     "memory_optimizer": Table(("memory_model_adam.json",), memory_optimizer),
+    "zero_bubble": Table(("compare_zero_bubble.json",), zero_bubble),
+    "split_backward": Table(("split_backward.json",), split_backward),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).
@@ -552,6 +610,8 @@ COMPANIONS: tuple[tuple[str, str, Callable[[Data], str]], ...] = (
     ("compare.md", "compare.json", compare_results),
     ("compare_run11.md", "compare_run11.json", compare_results),
     ("compare_run12.md", "compare_run12.json", compare_results),
+    ("compare_zero_bubble.md", "compare_zero_bubble.json", compare_results),
+    ("split_backward.md", "split_backward.json", split_backward),
     ("statistical_efficiency.md", "statistical_efficiency.json", statistical_efficiency),
     ("statistical_efficiency_momentum.md", "statistical_efficiency_momentum.json", statistical_efficiency),
     ("recompute.md", "recompute.json", recompute),

@@ -182,8 +182,10 @@ def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
 def run_torch_pipelining(
     work: Workload, schedule: str, microbatches: int, warmup: int = 2, windows: int = 5, steps: int = 3
 ) -> dict:
-    """torch.distributed.pipelining with manual stages (one per rank; two per rank, V-shaped, for ZBV)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
+    """torch.distributed.pipelining with manual stages (one per rank; two per rank, V-shaped, for ZBV;
+    InterleavedZeroBubble, torch's ZB1P = ZB-H1, with one stage per rank)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -200,8 +202,11 @@ def run_torch_pipelining(
         pieces = split_sequential(full, world)
         stage = PipelineStage(pieces[rank], rank, world, device)
         params = list(pieces[rank].parameters())
-        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
-        sched = cls(stage, n_microbatches=microbatches, loss_fn=work.loss_fn)
+        if schedule == "InterleavedZeroBubble":  # its ZB1P (ZB-H1) with one stage per rank
+            sched = ScheduleInterleavedZeroBubble([stage], n_microbatches=microbatches, loss_fn=work.loss_fn)
+        else:
+            cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
+            sched = cls(stage, n_microbatches=microbatches, loss_fn=work.loss_fn)
         has_input, has_loss = rank == 0, rank == world - 1
     opt = torch.optim.SGD(params, lr=work.lr)
     data = _batches(work, 0, 4)

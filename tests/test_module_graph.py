@@ -19,7 +19,7 @@ PACKAGE = Path(torchpipedream.__file__).resolve().parent
 
 #: Modules that plan, prove and simulate without torch: graph → plan → schedule → simulator.
 PURE = {"actions", "graph", "jsonio", "kinds", "placement", "plans", "planner", "pipedream_profile", "profiles",
-        "schedules", "simulator", "topology", "trace", "units", "validate", "viz", "tuning", "huge_pages",
+        "schedules", "simulator", "topology", "torch_interop", "trace", "units", "validate", "viz", "tuning", "huge_pages",
         "freed_memory"}
 
 

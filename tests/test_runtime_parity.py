@@ -9,6 +9,7 @@ and naive pipelining.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from torchpipedream.kinds import schedule_kind
 from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.loss_scaling import LossScaling
@@ -178,6 +180,16 @@ SCENARIOS: dict[str, dict] = {
     # float16 with dynamic loss scaling: a scale that overflows first (skipped updates), then grows.
     "flush_skip_fp16": dict(model="skip", kind="flush", m=2, n=8, precision="fp16"),
     "gpipe_2_1_fp16": dict(model="mlp", kind="gpipe", m=4, n=8, plan="2-1", precision="fp16"),
+    # Zero Bubble H1: the backward split into B (inputs) and W (weights); plain training again.
+    "zb-h1_mlp": dict(model="mlp", kind="zb-h1", m=4, n=3),
+    "zb-h1_skip": dict(model="skip", kind="zb-h1", m=2, n=3),
+    "zb-h1_int_cut": dict(model="flat", kind="zb-h1", m=3, n=3),
+    "zb-h1_shared_param": dict(model="shared_weight", kind="zb-h1", m=2, n=3),
+    "zb-h1_transformer": dict(model="transformer", kind="zb-h1", m=2, n=2, plan="profiled"),
+    "zb-h1_partial_adam": dict(model="mlp", kind="zb-h1", m=3, n=3, last=5, opt="adam"),
+    "zb-h1_skip_recompute": dict(model="skip", kind="zb-h1", m=2, n=3, recompute=True),
+    "zb-h1_skip_bf16": dict(model="skip", kind="zb-h1", m=2, n=3, precision="bf16"),
+    "zb-h1_skip_fp16": dict(model="skip", kind="zb-h1", m=2, n=8, precision="fp16"),
 }
 #: The loss scale's policy of the float16 scenarios: starts high enough to overflow.
 FP16_SCALING = dict(init_scale=2.0 ** 18, growth_interval=2)
@@ -200,14 +212,14 @@ def run_scenario(name: str, profiled: dict | None = None) -> dict:
     if sc.get("plan") == "2-1":
         plan = two_one(kind, m)
     elif sc.get("plan") == "profiled":
-        plan = profiled[sc["model"]]
+        plan = dataclasses.replace(profiled[sc["model"]], schedule=kind)
     else:
         plan = straight(sc["model"], kind, m)
     reduction = sc.get("reduction", "mean")
     loss_fn = lm_loss if sc["model"] == "transformer" else nn.CrossEntropyLoss(reduction=reduction)
     pipe = Pipeline(MODELS[sc["model"]](), plan, optimizer=make_opt(sc.get("opt", "sgd"), sc.get("lr", LR)),
                     loss_fn=loss_fn, loss_reduction=reduction, vertical_sync=sc.get("vertical_sync", False),
-                    microbatches=m if kind in ("flush", "gpipe", "2bw") else None, timeout_s=30,
+                    microbatches=m if schedule_kind(kind).microbatched else None, timeout_s=30,
                     recompute=sc.get("recompute"), precision=sc.get("precision", "fp32"),
                     loss_scaling=LossScaling(**FP16_SCALING) if sc.get("precision") == "fp16" else None)
     batches = token_data(sc["n"]) if sc["model"] == "transformer" else data(sc["n"], last=sc.get("last"))
@@ -311,7 +323,8 @@ def differs(got: dict, want: dict) -> float:
 
 # --------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", ["flush_mlp", "gpipe_mlp", "flush_skip", "gpipe_skip", "flush_int_cut",
-                                  "flush_shared_param"])
+                                  "flush_shared_param", "zb-h1_mlp", "zb-h1_skip", "zb-h1_int_cut",
+                                  "zb-h1_shared_param"])
 def test_flush_and_gpipe_equal_gradient_accumulation(results, name):
     sc = SCENARIOS[name]
     batches = data(sc["n"])
@@ -330,8 +343,9 @@ def test_flush_and_gpipe_equal_gradient_accumulation(results, name):
     assert all(r[name]["copies"] == 0 for r in results)
 
 
-def test_transformer_from_a_real_profile_and_plan(results):
-    out = results[0]["flush_transformer"]
+@pytest.mark.parametrize("name", ["flush_transformer", "zb-h1_transformer"])
+def test_transformer_from_a_real_profile_and_plan(results, name):
+    out = results[0][name]
     assert_close(out["full"], reference_sync("transformer", token_data(2)))
     assert sorted(out["full"]) == sorted(tiny_transformer().state_dict())  # no non-persistent buffers
 
@@ -342,10 +356,11 @@ def test_losses_reach_every_rank(results):
         assert all(math.isfinite(v) for v in results[0][name]["losses"])
 
 
-def test_partial_last_batch_with_adam_is_exact_mean(results):
-    sc = SCENARIOS["flush_partial_adam"]
+@pytest.mark.parametrize("name", ["flush_partial_adam", "zb-h1_partial_adam"])
+def test_partial_last_batch_with_adam_is_exact_mean(results, name):
+    sc = SCENARIOS[name]
     want = reference_sync("mlp", data(sc["n"], last=sc["last"]), opt="adam")
-    assert_close(results[0]["flush_partial_adam"]["full"], want)
+    assert_close(results[0][name]["full"], want)
 
 
 def test_sum_reduction(results):
@@ -446,7 +461,7 @@ def _reference_of(name: str) -> dict:
     sc = SCENARIOS[name]
     batches = data(sc["n"])
     opt = sc.get("opt", "sgd")
-    if sc["kind"] in ("flush", "gpipe"):
+    if sc["kind"] in ("flush", "gpipe", "zb-h1"):
         return reference_sync(sc["model"], batches, opt)
     if sc["kind"] == "2bw":
         return reference_versions(sc["model"], batches, lambda s, t: t - 1, opt)
@@ -456,7 +471,9 @@ def _reference_of(name: str) -> dict:
 @pytest.mark.parametrize("name", sorted(RECOMPUTED))
 def test_recomputation_follows_the_same_rule(results, name):
     """A run with recomputation equals its schedule's independent reference, and every stage
-    that recomputes ran each forward twice (the one without recomputation once)."""
+    that recomputes ran each forward twice (the one without recomputation once); with a split
+    backward (zb-h1) three times on the stages after the first (the checkpoint region runs again
+    for B and for W; the first stage's B has nothing to compute)."""
     assert_close(results[0][name]["full"], _reference_of(name))
     assert results[0][name]["losses"] == pytest.approx(results[0][RECOMPUTED[name]]["losses"], abs=1e-6)
     chosen = SCENARIOS[name]["recompute"]
@@ -465,7 +482,8 @@ def test_recomputation_follows_the_same_rule(results, name):
         stage, _ = plan.stage_of_rank(rank)
         once = r[RECOMPUTED[name]]["forwards"]
         assert once > 0
-        assert r[name]["forwards"] == (2 * once if chosen is True or stage in chosen else once), (rank, stage)
+        runs = 3 if SCENARIOS[name]["kind"] == "zb-h1" and stage > 0 else 2
+        assert r[name]["forwards"] == (runs * once if chosen is True or stage in chosen else once), (rank, stage)
 
 
 # --------------------------------------------------------------------------- bfloat16 autocast
@@ -493,7 +511,8 @@ def reference_bf16(model: str, batches, m: int, version_of=None) -> dict:
     return history[-1]
 
 
-@pytest.mark.parametrize("name, rule", [("flush_skip_bf16", None), ("pipedream_bf16", _pipedream_version(3)),
+@pytest.mark.parametrize("name, rule", [("flush_skip_bf16", None), ("zb-h1_skip_bf16", None),
+                                        ("pipedream_bf16", _pipedream_version(3)),
                                         ("2bw_bf16_recompute", lambda s, t: t - 1)])
 def test_bf16_autocast_follows_the_rule_with_float32_master_weights(results, name, rule):
     sc = SCENARIOS[name]
@@ -531,7 +550,7 @@ def reference_fp16(model: str, batches, m: int) -> tuple[dict, float, int]:
     return {k: v.detach() for k, v in module.state_dict().items()}, scale, skipped
 
 
-@pytest.mark.parametrize("name", ["flush_skip_fp16", "gpipe_2_1_fp16"])
+@pytest.mark.parametrize("name", ["flush_skip_fp16", "gpipe_2_1_fp16", "zb-h1_skip_fp16"])
 def test_fp16_loss_scaling_skips_the_same_updates_on_every_stage_as_torch(results, name):
     """Every rank skipped the updates torch's GradScaler skips and holds its scale; the weights
     (float32 masters) equal the reference's."""

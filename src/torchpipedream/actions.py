@@ -9,6 +9,10 @@ Text form of an action (rank is implied by the list it is in)::
 
     s1F7v5     stage 1 forward of microbatch 7 with weight version 5
     s1B7v5     its backward, with the same version (weight stashing)
+    s1W7v5     its weight-gradient pass, when the backward is split (zero-bubble kinds): the
+               B of a microbatch with a W on the same rank computes only the gradient of the
+               stage's inputs (sent at once); W computes the weights' gradient later, with the
+               same version; the microbatch's activations are held until W
     s0SA7@1    stage 0 sends microbatch 7's activations to rank 1
     s1RA7@0    stage 1 receives them from rank 0
     s1SG7@0    stage 1 sends the gradient of microbatch 7 back to rank 0
@@ -20,9 +24,9 @@ Text form of an action (rank is implied by the list it is in)::
     s3TR3v4t0  stage 3 waits for that all-reduce (every holder's TP3) and steps the parameter,
                producing its version 4
 
-``id`` is a global microbatch index for F, B and the transfers (minibatch t with m
+``id`` is a global microbatch index for F, B, W and the transfers (minibatch t with m
 microbatches per minibatch has ids t*m .. t*m+m-1; m = 1 for pipedream), and an update index
-for AR, U, TP and TR. ``version`` for F/B is the number of optimizer steps the weights used have
+for AR, U, TP and TR. ``version`` for F/B/W is the number of optimizer steps the weights used have
 seen (w^(v)); for U and TR it is the version the step produces. ``tie`` (TP and TR only) indexes
 ``plan.tied``; a shared parameter's version at an F is the number of its TR steps before the F
 on that rank, and its B uses the F's (docs/architecture.md, "Shared parameters").
@@ -49,6 +53,7 @@ class ScheduleFormatError(ValueError):
 class Kind(str, enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT_GRAD = "W"
     SEND_ACT = "SA"
     RECV_ACT = "RA"
     SEND_GRAD = "SG"
@@ -60,7 +65,7 @@ class Kind(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD)
+        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD)
 
     @property
     def is_send(self) -> bool:
@@ -76,7 +81,7 @@ class Kind(str, enum.Enum):
 
 
 _ACTION_RE = re.compile(
-    r"^s(?P<stage>\d+)(?:r(?P<replica>\d+))?(?P<kind>SA|RA|SG|RG|AR|TP|TR|F|B|U)(?P<id>\d+)"
+    r"^s(?P<stage>\d+)(?:r(?P<replica>\d+))?(?P<kind>SA|RA|SG|RG|AR|TP|TR|F|B|W|U)(?P<id>\d+)"
     r"(?:v(?P<version>\d+))?(?:t(?P<tie>\d+))?(?:@(?P<peer>\d+))?$"
 )
 
@@ -115,7 +120,7 @@ def parse_action(text: str) -> Action:
     m = _ACTION_RE.match(text.strip())
     if not m:
         raise ScheduleFormatError(
-            f"cannot parse action {text!r}: expected s<stage>[r<replica>]<F|B|SA|RA|SG|RG|AR|TP|TR|U><id>[v<version>]"
+            f"cannot parse action {text!r}: expected s<stage>[r<replica>]<F|B|W|SA|RA|SG|RG|AR|TP|TR|U><id>[v<version>]"
             "[t<tie>][@<peer>]"
         )
     g = m.groupdict()
@@ -140,7 +145,9 @@ class Schedule:
         minibatches: number of minibatches (optimizer-visible batches) the schedule covers.
         microbatches: microbatches per minibatch (1 for pipedream / naive).
         actions: rank -> ordered actions.
-        options: generator options (e.g. vertical_sync) kept for provenance.
+        options: generator options (e.g. vertical_sync) kept for provenance; ``max_inflight``
+            declares a schedule's own bound on in-flight microbatches per rank where it holds
+            more than its kind's (an order imported from torch, torch_interop.py).
     """
 
     plan: Plan

@@ -81,8 +81,13 @@ def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedr
 
 
 def candidate_kinds(allow_stale: bool) -> list[str]:
-    """Kinds with true gradients: the synchronous ones, and with ``allow_stale`` the asynchronous."""
-    return [k.name for k in SCHEDULE_KINDS.values() if k.true_gradients and (allow_stale or not k.asynchronous)]
+    """Kinds with true gradients: the synchronous ones, and with ``allow_stale`` the asynchronous.
+
+    Not yet the split-backward kinds (zb-h1): their prediction rests on an assumed share of the
+    backward for the weight-gradient pass (``simulator.WEIGHT_GRAD_SHARE``), not on a profile;
+    ``choose_schedule(kinds=[...])`` takes them when asked."""
+    return [k.name for k in SCHEDULE_KINDS.values()
+            if k.true_gradients and (allow_stale or not k.asynchronous) and not k.split_backward]
 
 
 def choose_schedule(

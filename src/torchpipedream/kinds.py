@@ -16,6 +16,7 @@ pipedream   the newest at its forward, stashed for its backward     up to n − 
 2bw         W^(t−1) for every microbatch of batch t                 2
 flush       W^(t)                                                   1
 gpipe       W^(t), all forwards of a batch before its backwards     1
+zb-h1       W^(t); backward split into B (inputs) and W (weights)   1
 naive       the newest at each of its forward and its backward      1
 =========== ====================================================== =========================
 
@@ -64,6 +65,9 @@ class ScheduleKind:
             is a minibatch and a replicated stage takes whole minibatches in turn (round robin).
         flushes: the pipeline drains before every update (a bubble per minibatch).
         forwards_first: every forward of a batch runs before its first backward (GPipe).
+        split_backward: the backward is split into B (the gradient of the stage's inputs, sent
+            upstream at once) and W (the weights' gradient, run later to fill the pipeline's
+            bubbles); a microbatch's activations are held until its W (zero-bubble kinds).
     """
 
     name: str
@@ -72,6 +76,7 @@ class ScheduleKind:
     microbatched: bool
     flushes: bool = False
     forwards_first: bool = False
+    split_backward: bool = False
 
     @property
     def round_robin(self) -> bool:
@@ -100,16 +105,31 @@ class ScheduleKind:
             return warmup + (1 if vertical_sync else 0)
         return 2 if self.version_rule is VersionRule.PREVIOUS_BATCH else 1
 
-    def max_inflight(self, warmup: int, local_microbatches: int) -> int:
+    def max_inflight(self, warmup: int, local_microbatches: int, first_warmup: int | None = None) -> int:
         """Microbatches whose activations a replica holds at most: the warm-up depth, or for
-        ``forwards_first`` kinds every microbatch of a batch that the replica runs."""
-        return local_microbatches if self.forwards_first else warmup
+        ``forwards_first`` kinds every microbatch of a batch that the replica runs, or for
+        ``split_backward`` kinds the input stage's warm-up depth on every stage
+        (:meth:`inflight_depth`)."""
+        if self.forwards_first:
+            return local_microbatches
+        return min(self.inflight_depth(warmup, first_warmup), max(1, local_microbatches)) \
+            if self.split_backward else warmup
+
+    def inflight_depth(self, depth: int, first_depth: int | None) -> int:
+        """The in-flight count the memory model charges a stage whose warm-up depth is
+        ``depth`` in a pipeline whose input stage's is ``first_depth``: ZB-H1 delays every
+        stage's W passes until it holds as many microbatches as the input stage does."""
+        return max(depth, first_depth or depth) if self.split_backward else depth
 
     def fill_drain_factor(self, microbatches: int, depth: int) -> float:
         """Time per minibatch over the bottleneck stage's, for a pipeline ``depth`` stages deep:
-        a flushing kind runs μ microbatches in μ + n − 1 slots of 1/μ minibatch (GPipe's bubble);
-        the others keep the pipeline full across minibatches."""
-        return (microbatches + depth - 1) / microbatches if self.flushes else 1.0
+        a flushing kind runs μ microbatches in μ + n − 1 slots of 1/μ minibatch (GPipe's bubble),
+        a split-backward one in μ + (n − 1)/3 (ZB-H1's (n − 1)(T_F + T_B − T_W) with
+        T_F = T_B = T_W); the others keep the pipeline full across minibatches."""
+        if not self.flushes:
+            return 1.0
+        fill = (depth - 1) / 3 if self.split_backward else depth - 1
+        return (microbatches + fill) / microbatches
 
     def memory_terms(self, weights: Any, held: Any, microbatches: int, optimizer_factor: float,
                      replicas: int = 1) -> tuple[Any, Any, float]:
@@ -142,6 +162,9 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
                  VersionRule.BATCH, microbatched=True, flushes=True),
     ScheduleKind("gpipe", "GPipe: all forwards of a batch, then all backwards; plain training",
                  VersionRule.BATCH, microbatched=True, flushes=True, forwards_first=True),
+    ScheduleKind("zb-h1", "Zero Bubble H1 (Qi et al.): synchronous 1F1B with the backward split into B and W, "
+                 "W delayed to fill the bubble; a third of flush's bubble",
+                 VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True),
     ScheduleKind("naive", "pipelining without weight stashing (for experiments: wrong gradients)",
                  VersionRule.NEWEST, microbatched=False),
 )}

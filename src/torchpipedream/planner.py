@@ -212,6 +212,8 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
             exchange[s] += cost
         for s in holders[1:]:
             copies[s] += t.bytes
+    kind = schedule_kind(schedule)
+    first_depth = in_flight(workers - ranks[0][0], stages[0][2]) if stages else 0
     for s, (i, j, m) in enumerate(stages):
         compute = sum(b.compute_ms for b in blocks[i:j + 1])
         own = sum(b.parameter_bytes for b in blocks[i:j + 1])  # without copies of shared parameters
@@ -219,7 +221,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         bw = topology.allreduce_bandwidth(ranks[s])
         ar_ms.append(allreduce_ms(own, m, bw) + exchange[s])
         stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches) + exchange[s])
-        depth = in_flight(workers - ranks[s][0], m)
+        depth = kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
                                       optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch))
         if s + 1 < len(stages):
@@ -452,6 +454,8 @@ class _Problem:
         comp = self.Cp[j1] - self.Cp[I]
         w = self.Wp[j1] - self.Wp[I]
         togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
+        if self.kind.split_backward:  # every stage holds the input stage's in-flight count (ZB-H1)
+            togo = np.full_like(togo, self.num_stages or Wu)
         acts = self.activations(I, j1)
 
         def replicas_for_memory(replicas: int) -> np.ndarray:
@@ -782,6 +786,8 @@ def plan(
         schedule = schedule_kind(schedule).name
     except UnknownKindError as exc:
         raise PlanError(str(exc)) from None
+    if schedule_kind(schedule).split_backward:
+        straight = True  # zero-bubble schedules run one worker per stage (schedules.build_schedule)
     if method not in ("fast", "hierarchical"):
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:

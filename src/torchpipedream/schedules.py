@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from .actions import Action, Kind, Schedule
 from .kinds import KIND_NAMES, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from .placement import num_updates, replica_of, tied_support_problem, update_of, warmup_depth
 from .plans import Plan, PlanError
 
-__all__ = ["build_schedule", "GENERATORS", "ScheduleBuildError"]
+__all__ = ["build_schedule", "schedule_from_order", "GENERATORS", "ScheduleBuildError"]
 
 class ScheduleBuildError(ValueError):
     """A schedule cannot be generated for these arguments; the message says what to change."""
@@ -42,7 +42,7 @@ class ScheduleBuildError(ValueError):
 # --------------------------------------------------------------------- compute orders
 @dataclass(frozen=True)
 class _C:
-    """A compute item before lowering: F/B of microbatch ``microbatch``."""
+    """A compute item before lowering: F, B or W of microbatch ``microbatch``."""
 
     kind: Kind
     microbatch: int
@@ -181,11 +181,60 @@ def gpipe(ctx: _Ctx) -> ComputeOrder:
             for s, st in enumerate(ctx.plan.stages) for q in range(st.replicas)}
 
 
+def _zb_h1_offsets(n: int, s: int) -> tuple[int, int, int]:
+    """Times of stage ``s``'s F, B and W of the first microbatch in ZB-H1's building block
+    (unit-time passes; microbatch k's are k · 3 later; Qi et al., ICLR 2024, section 2.1).
+
+    F runs at ``s`` (the forward wave); B right after the last stage's F, then one stage per
+    step back up, a step later where that slot is the stage's F; W at the stage's third slot
+    of the period, but not before ``s + 3(n − 1)``: every stage holds as many microbatches
+    in flight (F to W) as the input stage, which is what lets the B wave run ahead while the
+    W passes fill the tail.
+    """
+    b = n
+    for stage in range(n - 1, s - 1, -1):
+        if stage < n - 1:
+            b += 1
+        while b % 3 == stage % 3:
+            b += 1
+    w = max(b + 1, s + 3 * (n - 1))
+    while w % 3 in (s % 3, b % 3):
+        w += 1
+    return s, b, w
+
+
+def zb_h1(ctx: _Ctx) -> ComputeOrder:
+    """Zero Bubble H1: synchronous like flush (every pass of batch t uses W^(t), ``U t`` after
+    the batch's last W), with each backward split into B (input gradient, sent upstream at
+    once) and W (weight gradient), W delayed so that every stage holds as many microbatches as
+    the input stage. On stages of equal F, B and W times the bubble is (n − 1)(T_F + T_B − T_W)
+    per batch, a third of flush's::
+
+        s0: F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7   (m = 8, n = 4)
+        s3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
+
+    The order of each stage is the building block repeated every three steps and sorted by
+    time; the runtime and the simulator then run it as early as dependencies allow.
+    """
+    n = ctx.plan.num_stages
+    out: ComputeOrder = {}
+    for s in range(n):
+        offsets = _zb_h1_offsets(n, s)
+        items: list[_C] = []
+        for batch in ctx.batches_of(s, 0):
+            timed = [(off + 3 * k, rank, _C(kind, i)) for k, i in enumerate(batch)
+                     for rank, (kind, off) in enumerate(zip((Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD), offsets))]
+            items += [c for _, _, c in sorted(timed, key=lambda x: (x[0], x[1]))]
+        out[(s, 0)] = items
+    return out
+
+
 GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
     "pipedream": pipedream,
     "2bw": two_bw,
     "flush": flush,
     "gpipe": gpipe,
+    "zb-h1": zb_h1,
     "naive": naive,
 }
 assert set(GENERATORS) == set(KIND_NAMES), "every schedule kind needs a generator"
@@ -201,9 +250,9 @@ def _add_updates(ctx: _Ctx, stage: int, items: list[_C]) -> list[_C | tuple[str,
     plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
     replicated = plan.stages[stage].replicas > 1
     n_upd = num_updates(plan, kind, stage, ctx.minibatches)
-    last_b: dict[int, int] = {}
+    last_b: dict[int, int] = {}  # the last B, or W where the backward is split
     for pos, it in enumerate(items):
-        if it.kind is Kind.BACKWARD:
+        if it.kind is Kind.BACKWARD or it.kind is Kind.WEIGHT_GRAD:
             last_b[update_of(plan, kind, stage, it.microbatch, m)] = pos
     after: dict[int, list[int]] = {}
     prev = -1
@@ -291,7 +340,7 @@ def _versions(ctx: _Ctx, order: dict[tuple[int, int], list[_C | tuple[str, int]]
                 vers[(it.kind, it.microbatch)] = max(0, it.microbatch // m - 1)
             elif rule is VersionRule.NEWEST or it.kind is Kind.FORWARD:
                 vers[(it.kind, it.microbatch)] = steps
-            else:  # STASHED: the backward uses its forward's version
+            else:  # STASHED: the backward (B and W) uses its forward's version
                 vers[(it.kind, it.microbatch)] = vers[(Kind.FORWARD, it.microbatch)]
         out[key] = vers
     if ctx.vertical_sync:
@@ -351,7 +400,9 @@ def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
                 out.append(Action(s, k, it[1], replica=q, version=it[1] + 1 if k is Kind.OPTIMIZER_STEP else None))
                 continue
             v = vers[(s, q)][(it.kind, it.microbatch)]
-            if it.kind is Kind.FORWARD:
+            if it.kind is Kind.WEIGHT_GRAD:
+                out.append(Action(s, Kind.WEIGHT_GRAD, it.microbatch, replica=q, version=v))
+            elif it.kind is Kind.FORWARD:
                 if s > 0:
                     out.append(Action(s, Kind.RECV_ACT, it.microbatch, replica=q, peer=rank(s - 1, it.microbatch)))
                 out.append(Action(s, Kind.FORWARD, it.microbatch, replica=q, version=v))
@@ -399,9 +450,9 @@ def build_schedule(
 
     Args:
         plan: a valid plan (stages, replicas, ranks).
-        kind: pipedream, 2bw, flush, gpipe or naive; defaults to ``plan.schedule``.
+        kind: pipedream, 2bw, flush, gpipe, zb-h1 or naive; defaults to ``plan.schedule``.
         minibatches: minibatches (pipedream, naive) or batches (2bw, flush, gpipe) to cover.
-        microbatches: microbatches per batch for 2bw/flush/gpipe (default ``plan.microbatches``);
+        microbatches: microbatches per batch for 2bw/flush/gpipe/zb-h1 (default ``plan.microbatches``);
             always 1 for pipedream and naive.
         vertical_sync: pipedream only — every stage uses the input stage's version.
 
@@ -428,15 +479,59 @@ def build_schedule(
             raise ScheduleBuildError(f"microbatches must be a positive integer, got {m!r}")
     if info.microbatched and not info.flushes:
         _check_shares(plan, info.name, m)
+    if info.split_backward and any(st.replicas > 1 for st in plan.stages):
+        bad = next(i for i, st in enumerate(plan.stages) if st.replicas > 1)
+        raise ScheduleBuildError(
+            f"{info.name} runs a straight pipeline (one worker per stage); stage {bad} has "
+            f"{plan.stages[bad].replicas} replicas: plan with straight=True, or use flush")
     if vertical_sync and not info.stashes_weights:
         raise ScheduleBuildError(f"vertical_sync applies to schedules with weight stashing (pipedream) only, not {info.name!r}")
     problem = tied_support_problem(plan, info, vertical_sync)
     if problem:
         raise ScheduleBuildError(problem)
     ctx = _Ctx(plan, info, minibatches, m, vertical_sync)
-    compute = GENERATORS[info.name](ctx)
+    return _finish(ctx, GENERATORS[info.name](ctx))
+
+
+def _finish(ctx: _Ctx, compute: ComputeOrder) -> Schedule:
+    """Passes 2 and 3 over a compute order: updates, shared parameters, versions, transfers."""
     order = {key: _add_tied(ctx, key[0], _add_updates(ctx, key[0], items)) for key, items in compute.items()}
     vers = _versions(ctx, order)
     actions = _lower(ctx, order, vers)
-    options = {"vertical_sync": True} if vertical_sync else {}
-    return Schedule(plan=plan, kind=info.name, minibatches=minibatches, microbatches=m, actions=actions, options=options)
+    options = {"vertical_sync": True} if ctx.vertical_sync else {}
+    return Schedule(plan=ctx.plan, kind=ctx.kind.name, minibatches=ctx.minibatches, microbatches=ctx.microbatches,
+                    actions=actions, options=options)
+
+
+def schedule_from_order(plan: Plan, kind: str, minibatches: int, microbatches: int,
+                        order: Mapping[tuple[int, int], Sequence[tuple[Kind, int]]]) -> Schedule:
+    """A schedule from a compute order written elsewhere (torch_interop.py reads torch's):
+    ``order[(stage, replica)]`` lists the F, B and W of global microbatch ids in the order that
+    replica runs them (a B is split where the list also has a W of its microbatch). The same
+    passes as every generator then add the updates and versions by ``kind``'s rule and the
+    transfers; :func:`~torchpipedream.validate.validate_schedule` proves the result (an order
+    that breaks a rule fails there, with the grid).
+
+    Raises:
+        ScheduleBuildError: unknown kind, an invalid plan, bad counts, or an order that misses a
+            replica of the plan or names a kind other than F, B and W.
+    """
+    try:
+        info = schedule_kind(kind)
+        plan.validate()
+    except (UnknownKindError, PlanError) as exc:
+        raise ScheduleBuildError(str(exc)) from None
+    if not isinstance(minibatches, int) or minibatches < 1 or not isinstance(microbatches, int) or microbatches < 1:
+        raise ScheduleBuildError(f"minibatches and microbatches must be positive integers, got {minibatches!r} and "
+                                 f"{microbatches!r}")
+    m = microbatches if info.microbatched else 1
+    want = {(s, q) for s, st in enumerate(plan.stages) for q in range(st.replicas)}
+    if set(order) != want:
+        raise ScheduleBuildError(f"the order lists (stage, replica) {sorted(order)}; the plan has {sorted(want)}")
+    compute: ComputeOrder = {}
+    for key, items in order.items():
+        bad = [k for k, _ in items if k not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD)]
+        if bad:
+            raise ScheduleBuildError(f"stage {key[0]} replica {key[1]}: a compute order holds F, B and W only, not {bad[0]}")
+        compute[key] = [_C(k, int(i)) for k, i in items]
+    return _finish(_Ctx(plan, info, minibatches, m, False), compute)

@@ -2,7 +2,9 @@
 
 ``simulate(schedule, costs)`` interprets every rank's list in order, like the runtime:
 
-* F, B and U take their compute time and keep the rank busy;
+* F, B and U take their compute time and keep the rank busy; where a rank's list has a W for a
+  microbatch (a split backward), its B takes ``backward_s − weight_grad_s`` and the W
+  ``weight_grad_s`` (and the gradient accumulation below);
 * a send (SA, SG) does not block its rank beyond the host's per-message overhead ``o``
   (LogP's o: handing the message to the transport, default 0): the message occupies the
   directed link (sender, receiver) from max(now + o, link free) for
@@ -13,7 +15,7 @@
   2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``), or
   the stage's measured all-reduce time when ``Costs.allreduce_s`` gives one, after which
   all replicas continue;
-* a B that adds its weight gradient into an existing one (every B of a replicated stage,
+* a B (or W) that adds its weight gradient into an existing one (every B of a replicated stage,
   whose gradients live in persistent buffers; elsewhere every B of an update but its first)
   also takes |w| / ``Costs.accumulate_Bps``: the profile times a backward that hands over
   fresh gradient tensors, and on a CPU the add is a pass over the stage's gradients;
@@ -42,12 +44,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .actions import Action, Kind, Schedule
+from .kinds import SCHEDULE_KINDS
 from .memory_model import once_bytes, scratch_of_options
 from .plans import Plan
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 from .validate import schedule_stats, validate_schedule
 
 __all__ = ["Costs", "SimResult", "simulate", "stash_copies", "accumulating_backwards", "DEFAULT_BANDWIDTH_BPS",
+           "WEIGHT_GRAD_SHARE",
            "DEFAULT_COPY_BPS", "DEFAULT_ACCUMULATE_BPS",
            "DEFAULT_OPTIMIZER_STATE_FACTOR"]
 
@@ -64,6 +68,11 @@ DEFAULT_COPY_BPS = 12e9
 #: the development machine (``runtime.measure.measure_accumulate_bandwidth``); pass a measured
 #: ``accumulate_Bps`` for other hardware.
 DEFAULT_ACCUMULATE_BPS = 5e9
+#: Share of a stage's backward that its weight-gradient pass (W) takes when the backward is
+#: split, for every stage but the first (whose B has no input gradient to compute and costs
+#: nothing; its W is the whole backward): the weight GEMM of a linear layer costs what its input
+#: GEMM does. An assumption, not a measurement: docs/benchmarks.md shows predicted beside measured.
+WEIGHT_GRAD_SHARE = 0.5
 #: Optimizer state (+ gradient buffer) per worker in multiples of the stage's weights; the
 #: planner's default (momentum buffer + gradient), so simulated and planned memory agree.
 DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
@@ -100,6 +109,9 @@ class Costs:
             (``measure_accumulate_bandwidth``), charged at the B actions that accumulate.
         allreduce_efficiency: share of the ring formula's speed an all-reduce reaches
             (``Topology.allreduce_efficiency``; ``from_plan`` takes the plan topology's).
+        weight_grad_s: seconds of one microbatch's weight-gradient pass (W) per stage, part of
+            ``backward_s`` (a split B takes the rest); ``from_plan``: the first stage's whole
+            backward, ``WEIGHT_GRAD_SHARE`` of it elsewhere.
         allreduce_s: measured seconds of each stage's all-reduce (``measure_allreduce`` at the
             stage's weight size and replica count), replacing the ring formula; None (or a
             None entry) keeps the formula. Collectives on a CPU cost far more than their bytes
@@ -123,6 +135,7 @@ class Costs:
     accumulate_Bps: float = DEFAULT_ACCUMULATE_BPS
     allreduce_efficiency: float = 1.0
     allreduce_s: list[float | None] | None = None
+    weight_grad_s: list[float] | None = None
 
     @classmethod
     def from_plan(cls, plan: Plan, microbatches: int = 1, **overrides: Any) -> "Costs":
@@ -133,14 +146,19 @@ class Costs:
         """
         m = max(1, int(microbatches))
         n = plan.num_stages
+        # a recomputing stage runs its forward again at the start of every backward; where the
+        # backward is split, at its B and again at its W (the first stage's B computes nothing)
+        split = _splits_backward(plan.schedule)
+        again = [(2 if split and s > 0 else 1) * st.forward_ms if st.recompute else 0.0 for s, st in enumerate(plan.stages)]
         kw: dict[str, Any] = dict(
             forward_s=[st.forward_ms / 1e3 / m for st in plan.stages],
-            # a recomputing stage runs its forward again at the start of every backward
-            backward_s=[(st.backward_ms + (st.forward_ms if st.recompute else 0.0)) / 1e3 / m for st in plan.stages],
+            backward_s=[(st.backward_ms + again[s]) / 1e3 / m for s, st in enumerate(plan.stages)],
             output_bytes=[st.output_bytes / m for st in plan.stages],
             parameter_bytes=[float(st.parameter_bytes) for st in plan.stages],
             activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],
             step_s=[st.optimizer_ms / 1e3 for st in plan.stages],  # once per update, not per microbatch
+            weight_grad_s=[(st.backward_ms * (1.0 if s == 0 else WEIGHT_GRAD_SHARE) + (again[s] / 2 if s > 0 else again[s]))
+                           / 1e3 / m for s, st in enumerate(plan.stages)],
         )
         options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
         if plan.stages and all(st.activations is not None for st in plan.stages):  # the memory model's terms
@@ -241,6 +259,13 @@ class SimResult:
 _KV = {k: k.value for k in Kind}
 
 
+def _splits_backward(kind: str) -> bool:
+    """Whether the plan's own kind splits the backward (the default costs of a recomputing stage
+    count its forward once more then); False for a kind this version does not know."""
+    found = SCHEDULE_KINDS.get(kind)
+    return bool(found and found.split_backward)
+
+
 def _text(a: Any) -> str:
     """``str(action)`` without the enum lookups (the simulator formats every action)."""
     t = f"s{a.stage}r{a.replica}{_KV[a.kind]}{a.id}" if a.replica else f"s{a.stage}{_KV[a.kind]}{a.id}"
@@ -305,20 +330,22 @@ def stash_copies(actions: list[Action]) -> set[int]:
             k -= 1
             if k in used_later:
                 copies.add(p)
-        elif a.version is not None and a.kind in (Kind.FORWARD, Kind.BACKWARD):
+        elif a.version is not None and a.kind.is_compute:
             used_later.add(a.version)
     return copies
 
 
 def accumulating_backwards(actions: list[Action], replicated: bool) -> set[int]:
-    """Positions of the B actions in one rank's list that add their weight gradient into an
-    existing one, as the runtime's WeightVersions makes them: on a replicated stage every B
-    (its gradients live in persistent all-reduce buffers), elsewhere every B after the first
-    since the last U (the first hands over fresh gradient tensors, as the profile times it)."""
+    """Positions of the B actions (the W actions, where a backward is split) in one rank's list
+    that add their weight gradient into an existing one, as the runtime's WeightVersions makes
+    them: on a replicated stage every one (its gradients live in persistent all-reduce
+    buffers), elsewhere every one after the first since the last U (the first hands over fresh
+    gradient tensors, as the profile times it)."""
     out: set[int] = set()
     first = True
+    split = {a.id for a in actions if a.kind is Kind.WEIGHT_GRAD}
     for p, a in enumerate(actions):
-        if a.kind is Kind.BACKWARD:
+        if a.kind is Kind.WEIGHT_GRAD or (a.kind is Kind.BACKWARD and a.id not in split):
             if replicated or not first:
                 out.add(p)
             first = False
@@ -333,6 +360,7 @@ class _Charges:
 
     forward: list[float]
     backward: list[float]
+    weight_grad: list[float]  # the W of a split backward (its B takes backward − weight_grad)
     step: list[float]
     copy: list[float]  # extra on a U that keeps the old version (``stash_copies``)
     add: list[float]  # extra on a B that accumulates into an existing gradient
@@ -366,7 +394,9 @@ class _Charges:
             members = [r for s in t.stages for r in plan.stages[s].ranks]
             tied[k] = _ring_allreduce_s(costs, members, t.bytes)
             tied_moved[k] = int(2 * (len(members) - 1) / len(members) * t.bytes)
+        wg = costs.weight_grad_s if costs.weight_grad_s is not None else [WEIGHT_GRAD_SHARE * b for b in costs.backward_s]
         return cls(forward=[f * slow for f in costs.forward_s], backward=[b * slow for b in costs.backward_s],
+                   weight_grad=[min(w, b) * slow for w, b in zip(wg, costs.backward_s)],
                    step=[u * slow for u in steps], copy=[b / costs.copy_Bps for b in params],
                    add=[b / costs.accumulate_Bps for b in params], output_bytes=costs.output_bytes or [0.0] * n,
                    allreduce=allreduce, allreduce_bytes=moved, tied=tied, tied_bytes=tied_moved)
@@ -394,6 +424,8 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     lat, ovh = costs.latency_s, costs.message_overhead_s
     F, B, SA, RA, SG, RG, AR, TP, TR = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD,
                                         Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.TIED_POST, Kind.TIED_REDUCE)
+    W, wgrad = Kind.WEIGHT_GRAD, charge.weight_grad
+    split_at = {r: {a.id for a in lst if a.kind is W} for r, lst in schedule.actions.items()}
     tied_size = {k: sum(plan.stages[s].replicas for s in t.stages) for k, t in enumerate(plan.tied)}
     tied_posts: dict[tuple[int, int], dict[int, float]] = {}  # (parameter, update) -> rank -> post time
     tied_waiting: dict[tuple[int, int], set[int]] = {}  # ranks blocked at a TR until every post is in
@@ -430,8 +462,15 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
         while p < n_acts:
             a = lst[p]
             k = a.kind
-            if k is F or k is B:
-                d = fwd[s] if k is F else bwd[s] + (add_s[s] if p in adds_at[r] else 0.0)
+            if k is F or k is B or k is W:
+                if k is F:
+                    d = fwd[s]
+                elif k is W:
+                    d = wgrad[s] + (add_s[s] if p in adds_at[r] else 0.0)
+                elif a.id in split_at[r]:
+                    d = bwd[s] - wgrad[s]
+                else:
+                    d = bwd[s] + (add_s[s] if p in adds_at[r] else 0.0)
                 emit(Ev(r, s, KV[k], a.id, t, t + d, 0, text(a), q, a.version))
                 t += d
             elif k is SA or k is SG:
@@ -525,10 +564,10 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     span = t_hi - t_lo
     nmb = schedule.minibatches
     bs = plan.batch_size
-    # completion of minibatch t: the end of the last backward of its microbatches on stage 0
+    # completion of minibatch t: the end of the last backward (or W) of its microbatches on stage 0
     done: dict[int, float] = {}
     for e in trace.events:
-        if e.kind == "B" and e.stage == 0:
+        if (e.kind == "B" or e.kind == "W") and e.stage == 0:
             t = e.id // m
             if e.end_s > done.get(t, -1.0):
                 done[t] = e.end_s

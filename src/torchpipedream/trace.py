@@ -29,11 +29,11 @@ __all__ = ["Event", "Trace", "TraceFormatError", "CATEGORIES", "COMPUTE_KINDS", 
 TRACE_FORMAT_VERSION = 1
 
 #: Kinds that count as a rank being busy (useful work); the rest is communication/waiting.
-COMPUTE_KINDS = frozenset({"F", "B", "U"})
+COMPUTE_KINDS = frozenset({"F", "B", "W", "U"})
 
 #: Chrome-trace thread per category; tid = index in this tuple.
 CATEGORIES = ("compute", "send", "recv", "sync")
-_CATEGORY = {"F": "compute", "B": "compute", "U": "compute", "SA": "send", "SG": "send",
+_CATEGORY = {"F": "compute", "B": "compute", "W": "compute", "U": "compute", "SA": "send", "SG": "send",
              "RA": "recv", "RG": "recv", "AR": "sync", "TP": "sync", "TR": "sync"}
 
 _KINDS = frozenset(_CATEGORY)
@@ -55,7 +55,7 @@ class Event:
     Attributes:
         rank: the global rank that ran it.
         stage / replica: the stage and replica index of that rank.
-        kind: the action kind's text ("F", "B", "SA", "RA", "SG", "RG", "AR", "U", "TP", "TR").
+        kind: the action kind's text ("F", "B", "W", "SA", "RA", "SG", "RG", "AR", "U", "TP", "TR").
         id: microbatch id (F, B, transfers) or update index (AR, U), as in the schedule.
         start_s / end_s: wall-clock seconds from the start of the run.
         bytes: bytes moved (transfers, all-reduce), 0 otherwise.
@@ -114,9 +114,11 @@ class Trace:
         return self.end_s - self.start_s if self.events else 0.0
 
     def median_duration_s(self, stage: int, kind: str) -> float:
-        """Median seconds of the ``kind`` events ("F", "B", "U", ...) of ``stage``, over its
-        replicas: the stage's typical compute time, robust to a few slow outliers."""
-        return statistics.median(e.duration_s for e in self.events if e.stage == stage and e.kind == kind)
+        """Median seconds of the ``kind`` events ("F", "B", "W", "U", ...) of ``stage``, over its
+        replicas: the stage's typical compute time, robust to a few slow outliers; 0.0 when the
+        stage ran none (W where the backward is not split)."""
+        durations = [e.duration_s for e in self.events if e.stage == stage and e.kind == kind]
+        return statistics.median(durations) if durations else 0.0
 
     def busy_time(self, kinds: Iterable[str] = COMPUTE_KINDS) -> dict[int, float]:
         """Per rank, seconds spent in events of ``kinds`` (overlaps on one rank counted once)."""

@@ -7,8 +7,9 @@ failing action (marked ``>>s1B3v2<<``) and one line saying what is wrong. It che
    replica, a microbatch/update id in range, a peer on the neighbouring stage that runs the
    same microbatch;
 2. per rank, in list order — a forward runs once, after its activations arrived (RA); a
-   backward runs after its forward on the same rank and after its gradient arrived (RG);
-   a send follows the compute that produced what it sends; the weight versions follow the
+   backward runs after its forward on the same rank and after its gradient arrived (RG); a
+   weight-gradient pass (W, split backward) after its B, with the same version (the
+   microbatch's activations count as held until then); a send follows the compute that produced what it sends; the weight versions follow the
    schedule kind's semantics (docs/architecture.md, "Schedule semantics"); AR/U in update
    order, after every backward of the update; live weight versions and in-flight
    activations stay within the kind's bounds; nothing is left undone;
@@ -85,16 +86,19 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
     pipedream: one version and one activation stash per in-flight minibatch, at most the warm-up
     depth ⌈(workers in stages ≥ s)/r_s⌉ (n − s, 0-indexed, in a straight pipeline; +1 version with
     vertical sync); naive: 1 version; 2bw: 2 versions; flush: 1 version, warm-up depth
-    activations; gpipe: 1 version, every local microbatch of a batch.
+    activations; gpipe: 1 version, every local microbatch of a batch; zb-h1: 1 version, the
+    input stage's warm-up depth of activations on every stage (held until W).
     """
     try:
         info = schedule_kind(kind)
     except UnknownKindError as exc:
         raise ScheduleError(str(exc)) from None
     out = {}
+    first = warmup_depth(plan, 0)
     for s, st in enumerate(plan.stages):
         w = warmup_depth(plan, s)
-        out[s] = (info.max_versions(w, vertical_sync), info.max_inflight(w, math.ceil(microbatches / st.replicas)))
+        out[s] = (info.max_versions(w, vertical_sync),
+                  info.max_inflight(w, math.ceil(microbatches / st.replicas), first))
     return out
 
 
@@ -126,6 +130,9 @@ class _RankWalk:
         self.n_updates = num_updates(plan, self.kind, self.s, schedule.minibatches)
         vsync = bool((schedule.options or {}).get("vertical_sync"))
         self.version_bound, self.activation_bound = bounds(plan, self.kind, self.m, vsync)[self.s]
+        declared = (schedule.options or {}).get("max_inflight")  # a schedule from elsewhere (torch_interop.py)
+        if isinstance(declared, int) and declared > self.activation_bound:
+            self.activation_bound = declared
         self.acts = schedule.actions[rank]
         self.mine = {i for i in range(self.total) if replica_of(plan, self.s, i) == self.q}
         self.by_update: dict[int, list[int]] = {}
@@ -135,6 +142,8 @@ class _RankWalk:
             self.per_batch[j // self.m] = self.per_batch.get(j // self.m, 0) + 1
         self.fwd_ver: dict[int, int] = {}
         self.done_b: set[int] = set()
+        self.split = {a.id for a in self.acts if a.kind is Kind.WEIGHT_GRAD}  # B computes input gradients only
+        self.done_w: set[int] = set()
         self.got_act: set[int] = set()
         self.got_grad: set[int] = set()
         self.sent_act: set[int] = set()
@@ -155,7 +164,8 @@ class _RankWalk:
         return self.plan.stages[stage].ranks[replica_of(self.plan, stage, microbatch)]
 
     def run(self) -> None:
-        handlers = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward, Kind.ALLREDUCE: self.allreduce,
+        handlers = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward, Kind.WEIGHT_GRAD: self.weight_grad,
+                    Kind.ALLREDUCE: self.allreduce,
                     Kind.OPTIMIZER_STEP: self.step, Kind.TIED_POST: self.tied_post,
                     Kind.TIED_REDUCE: self.tied_reduce}
         for k, a in enumerate(self.acts):
@@ -179,7 +189,7 @@ class _RankWalk:
         if a.kind.is_transfer and a.peer is None:
             raise self.err(k, "a transfer needs a peer (@rank)")
         if a.kind.is_compute and a.version is None:
-            raise self.err(k, "a forward/backward needs a weight version (v<n>)")
+            raise self.err(k, "a forward/backward/weight-gradient pass needs a weight version (v<n>)")
         if (a.kind in (Kind.TIED_POST, Kind.TIED_REDUCE)) != (a.tie is not None):
             raise self.err(k, "a TP or TR names its shared parameter (t<k>), and only those do")
         if a.kind.is_transfer or a.kind.is_compute:
@@ -218,6 +228,22 @@ class _RankWalk:
         _check_version(self.schedule, a, self.steps, self.v0, self.replicas, self.err, k, forward=False,
                        fwd_version=self.fwd_ver[i])
         self.done_b.add(i)
+        if i not in self.split:
+            self._release(i)
+
+    def weight_grad(self, k: int, a: Action) -> None:
+        i = a.id
+        if i not in self.done_b:
+            raise self.err(k, f"the weight-gradient pass of microbatch {i} before its B on this rank")
+        if i in self.done_w:
+            raise self.err(k, f"microbatch {i}'s weight gradient is computed twice")
+        _check_version(self.schedule, a, self.steps, self.v0, self.replicas, self.err, k, forward=False,
+                       fwd_version=self.fwd_ver[i])
+        self.done_w.add(i)
+        self._release(i)
+
+    def _release(self, i: int) -> None:
+        """Microbatch ``i``'s activations and weight stash are no longer needed."""
         version = self.inflight.pop(i)
         if self.held[version] == 1:
             del self.held[version]
@@ -273,7 +299,10 @@ class _RankWalk:
         self.tied_steps[tie] = done + 1
 
     def _missing_backward(self, update: int) -> int | None:
-        return next((j for j in self.by_update.get(update, ()) if j not in self.done_b), None)
+        """A microbatch of ``update`` whose weight gradient is not computed yet (its B, or its
+        W where the backward is split)."""
+        return next((j for j in self.by_update.get(update, ())
+                     if j not in self.done_b or (j in self.split and j not in self.done_w)), None)
 
     def allreduce(self, k: int, a: Action) -> None:
         if self.replicas == 1:
@@ -304,7 +333,8 @@ class _RankWalk:
         def end_err(what: str) -> ScheduleError:
             return _fail(self.schedule, f"rank {self.rank}: {what}", marks)
 
-        for name, todo in (("forward", self.mine - set(self.fwd_ver)), ("backward", self.mine - self.done_b)):
+        for name, todo in (("forward", self.mine - set(self.fwd_ver)), ("backward", self.mine - self.done_b),
+                           ("weight-gradient pass", self.split - self.done_w)):
             if todo:
                 raise end_err(f"the {name} of microbatch(es) {sorted(todo)[:6]} never runs on this rank")
         if self.s < self.n - 1 and (self.mine - self.sent_act):
@@ -574,12 +604,14 @@ def schedule_stats(schedule: Schedule) -> ScheduleStats:
     """Peak live weight versions and peak stashed activations per rank (no checking).
 
     Live versions = the newest version plus every version an in-flight microbatch stashed
-    (1 for naive, which stashes none); in flight = forwarded, not yet backpropagated.
+    (1 for naive, which stashes none); in flight = forwarded, not yet backpropagated (until its
+    W where the backward is split).
     """
     mv, ma = {}, {}
     naive = schedule_kind(schedule.kind).version_rule is VersionRule.NEWEST
-    F, B, U = Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER_STEP
+    F, B, W, U = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP
     for r, acts in schedule.actions.items():
+        split = {a.id for a in acts if a.kind is W}
         inflight: dict[int, int] = {}
         held: dict[int, int] = {}
         steps = peak_v = peak_a = 0
@@ -592,7 +624,7 @@ def schedule_stats(schedule: Schedule) -> ScheduleStats:
                     held[v] = held.get(v, 0) + 1  # type: ignore[index]
                     if len(inflight) > peak_a:
                         peak_a = len(inflight)
-            elif k is B:
+            elif (k is B and a.id not in split) or k is W:
                 v = inflight.pop(a.id, None)  # type: ignore[assignment]
                 if v is not None:
                     if held[v] == 1:

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 COLOURS = {
     "F": "#4C8BD6",  # forward: blue
     "B": "#5DB364",  # backward: green
+    "W": "#A8D89A",  # weight-gradient pass of a split backward: light green
     "SA": "#9A9A9A",  # activation transfer
     "SG": "#C9A25E",  # gradient transfer
     "AR": "#D1495B",  # all-reduce
@@ -64,12 +65,12 @@ def _plot(ax, trace: Trace, title: str | None, t_scale: float, unit: str) -> Non
         if e.kind in ("RA", "RG", "TP"):
             continue  # a receive is the other end of a send (its wait shows as the gap); TP only posts
         bars.setdefault((e.rank, k), []).append(((e.start_s - t0) * t_scale, max(e.duration_s * t_scale, 0.0)))
-        if e.kind in ("F", "B"):
+        if e.kind in ("F", "B", "W"):
             labels.append(((e.start_s - t0 + e.duration_s / 2) * t_scale, row[e.rank], str(e.id)))
     span = trace.makespan * t_scale or 1.0
     for (rank, k), spans in bars.items():
         y = row[rank]
-        if k in ("F", "B"):
+        if k in ("F", "B", "W"):
             ax.broken_barh(spans, (y - 0.38, 0.62), facecolors=COLOURS[k], edgecolors="white", linewidth=0.4)
         elif k in ("AR", "TR"):
             ax.broken_barh(spans, (y - 0.38, 0.62), facecolors="none", edgecolors=COLOURS[k],
@@ -142,6 +143,8 @@ def draw_timelines(traces: Sequence[tuple[str, Trace]], out: str | Path, width: 
     axes[-1, 0].set_xlabel(time_unit or f"time ({unit})")
     kinds = {e.kind for _, tr in traces for e in tr.events if e.duration_s > 0 or e.kind == "U"}
     legend = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward")]
+    if "W" in kinds:
+        legend.append(Patch(color=COLOURS["W"], label="weight gradient (split backward)"))
     if "SA" in kinds:
         legend.append(Patch(color=COLOURS["SA"], label="send activations"))
     if "SG" in kinds:
@@ -170,9 +173,9 @@ def draw_timeline(trace: Trace, out: str | Path, title: str | None = None, width
 
 
 def schedules_figure(out: str | Path, stages: int = 4) -> Path:
-    """The README picture: pipedream, 2bw, flush and gpipe on one straight ``stages``-stage plan.
+    """The README picture: pipedream, 2bw, flush, gpipe and zb-h1 on one straight ``stages``-stage plan.
 
-    Equal stages, backward = 2 × forward, zero communication cost; every box is one unit of
+    Equal stages, backward = 2 × forward (zb-h1: B and W one each), zero communication cost; every box is one unit of
     work (a pipedream minibatch or a microbatch of the others), 8 units in all: pipedream runs
     8 minibatches, the batched schedules 2 batches of 4 microbatches.
     """
@@ -181,9 +184,11 @@ def schedules_figure(out: str | Path, stages: int = 4) -> Path:
     from .simulator import Costs, simulate
 
     plan = Plan.straight([[f"layer{i}"] for i in range(stages)])
-    costs = Costs(forward_s=[1.0] * stages, backward_s=[2.0] * stages)
+    # a split backward (zb-h1) runs B and W of one unit each
+    costs = Costs(forward_s=[1.0] * stages, backward_s=[2.0] * stages, weight_grad_s=[1.0] * stages)
     panels = []
-    for kind, minibatches, m in (("pipedream", 8, None), ("2bw", 2, 4), ("flush", 2, 4), ("gpipe", 2, 4)):
+    for kind, minibatches, m in (("pipedream", 8, None), ("2bw", 2, 4), ("flush", 2, 4), ("gpipe", 2, 4),
+                                 ("zb-h1", 2, 4)):
         res = simulate(build_schedule(plan, kind, minibatches=minibatches, microbatches=m), costs)
         what = "8 minibatches" if m is None else f"{minibatches} batches × {m} microbatches"
         versions = "/".join(str(v) for v in res.max_versions)

@@ -18,6 +18,11 @@ without recomputation) and the same random numbers, before differentiating it. B
 forward updates (BatchNorm's running statistics) are restored after every second run of a
 forward, so they move once per microbatch, as without recomputation.
 
+A split backward (a microbatch with a W action on this rank: zero-bubble kinds) runs in two
+parts (runtime/split_backward.py): B computes only the gradients of the stage's inputs, which
+SG sends at once, and keeps the graph; W computes the weights' gradients from where B left
+them, releases the weight version and frees the graph.
+
 Each executed action becomes an :class:`~torchpipedream.trace.Event` with wall-clock times
 relative to a common start (ranks start after a barrier).
 """
@@ -41,6 +46,7 @@ from . import liveness
 from .buffers import ReplicaBuffers
 from .comm import P2P
 from .loss_scaling import LossScaler
+from .split_backward import WeightGradients, backward_inputs
 from .weights import WeightVersions
 
 __all__ = ["Engine", "MicrobatchResult", "as_tuple"]
@@ -183,6 +189,8 @@ class Engine:
         self._out_grads: dict[int, list[torch.Tensor]] = {}
         self._in_grads: dict[int, list[torch.Tensor]] = {}
         self._updates: dict[int, tuple[float, bool]] = {}  # update -> (1 / its loss scale, apply it?)
+        self._split = {a.id for a in actions if a.kind is Kind.WEIGHT_GRAD} if train else set()
+        self._weight_work: dict[int, tuple[WeightGradients | None, _Context, int | None]] = {}  # B done, W to run
         results: dict[int, MicrobatchResult] = {}
         events: list[Event] = []
         for action in actions:
@@ -196,6 +204,8 @@ class Engine:
                 self._forward(action.id, version, comm, get_microbatch, train, results)
             elif kind == Kind.BACKWARD:
                 self._backward(action.id, version)
+            elif kind == Kind.WEIGHT_GRAD:
+                self._weight_grad(action.id)
             elif kind == Kind.SEND_ACT:
                 samples, tensors, passengers = self._to_send.pop(action.id)
                 nbytes = comm.send_acts(action.peer, action.id, samples, tensors, passengers)
@@ -235,7 +245,7 @@ class Engine:
         if comm is not None:
             comm.finish()
         leftover = [k for k, v in (("forward graphs", self._ctx), ("unsent activations", self._to_send),
-                                   ("unsent gradients", self._in_grads)) if v]
+                                   ("unsent gradients", self._in_grads), ("weight gradients", self._weight_work)) if v]
         if leftover and train:
             log.warning("rank %d: schedule ended with %s still held", self.rank, ", ".join(leftover))
         return results, events
@@ -429,16 +439,34 @@ class Engine:
             if len(grads) != len(ctx.outputs):
                 raise RuntimeError(f"rank {self.rank}: B{microbatch} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
             roots, grad_outputs = ctx.outputs, grads
-        wrt = params + ctx.leaves
-        if wrt and roots:
-            # Accumulates into the weight aliases' .grad (the stage's persistent buffers, in
-            # place) and into the received activations' .grad (sent back by SG).
-            torch.autograd.backward(roots, grad_tensors=grad_outputs, inputs=wrt)
+        if microbatch in self._split:
+            # B: the inputs' gradients now (sent by SG), the weights' at this microbatch's W
+            work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
+            self._weight_work[microbatch] = (work, ctx, version)
+        else:
+            wrt = params + ctx.leaves
+            if wrt and roots:
+                # Accumulates into the weight aliases' .grad (the stage's persistent buffers, in
+                # place) and into the received activations' .grad (sent back by SG).
+                torch.autograd.backward(roots, grad_tensors=grad_outputs, inputs=wrt)
+            self._weights_done(ctx, version)
+        if not self.is_first:
+            self._in_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ctx.leaves]
+
+    def _weight_grad(self, microbatch: int) -> None:
+        """W of a split backward: the weights' gradients of ``microbatch`` from where its B left them."""
+        if microbatch not in self._weight_work:
+            raise RuntimeError(f"rank {self.rank}: W{microbatch} without its B{microbatch} on this rank")
+        work, ctx, version = self._weight_work.pop(microbatch)
+        if work is not None:
+            work.run()
+        self._weights_done(ctx, version)
+
+    def _weights_done(self, ctx: _Context, version: int | None) -> None:
+        """A microbatch's weight gradients are in: count its samples, release its versions."""
         self.weights.add_samples(ctx.samples)
         for k, copy in self.tied.items():
             copy.weights.add_samples(ctx.samples)
             copy.weights.release(ctx.tied_versions[k])
-        if not self.is_first:
-            self._in_grads[microbatch] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ctx.leaves]
         if version is not None:
             self.weights.release(version)

@@ -55,7 +55,7 @@ from ..plans import Plan, PlanError, TiedParameter
 from ..schedules import build_schedule
 from ..trace import Event, Trace
 from ..tracing import as_call, draws_random_numbers, microbatch_sample, model_loss, parameter_aliases, with_aliases
-from ..validate import validate_schedule
+from ..validate import ScheduleError, validate_schedule
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .comm import P2P
@@ -457,8 +457,41 @@ class Pipeline:
         close_connections(self.world_size, self.rank, self.failure_timeout_s)
         return PipelineFailure(f"{me} stopped because the pipeline failed: {first}. This rank saw: {text}")
 
+    def use_schedule(self, schedule: Schedule) -> None:
+        """Run ``schedule`` for every run of its number of minibatches, instead of the one
+        ``build_schedule`` would generate: one written by hand, or read from torch's action
+        text (torch_interop.py). Every rank passes the same schedule. It must be for this
+        pipeline's plan (the same stages, layers and ranks), the same weight-version rule and
+        microbatch count; ``validate_schedule`` proves it here.
+
+        Raises:
+            PipelineError: naming what differs, or the rule it breaks (with the grid).
+        """
+        theirs, ours = schedule.plan, self.plan
+        if [(st.layers, st.ranks) for st in theirs.stages] != [(st.layers, st.ranks) for st in ours.stages]:
+            raise PipelineError(f"the schedule is for plan {theirs.config} ({theirs.num_stages} stages, layers "
+                                f"{[st.layers[:2] for st in theirs.stages]}); this pipeline runs {ours.config} "
+                                f"({ours.num_stages} stages, layers {[st.layers[:2] for st in ours.stages]})")
+        try:
+            mine, kind = schedule_kind(self.kind), schedule_kind(schedule.kind)
+        except UnknownKindError as exc:
+            raise PipelineError(str(exc)) from None
+        if kind.version_rule is not mine.version_rule:
+            raise PipelineError(f"the schedule's kind {kind.name} uses weights by another rule than this pipeline's "
+                                f"{mine.name} ({kind.version_rule.value} against {mine.version_rule.value})")
+        m = self.microbatches or ours.microbatches or 1
+        if mine.microbatched and schedule.microbatches != m:
+            raise PipelineError(f"the schedule has {schedule.microbatches} microbatches per minibatch; this pipeline "
+                                f"splits each minibatch in {m}")
+        try:
+            validate_schedule(schedule)
+        except ScheduleError as exc:
+            raise PipelineError(f"the schedule is invalid: {exc}") from None
+        self._schedules[schedule.minibatches] = schedule
+
     def schedule_for(self, minibatches: int) -> Schedule:
-        """The validated schedule covering ``minibatches`` minibatches (cached)."""
+        """The validated schedule covering ``minibatches`` minibatches (cached; see
+        :meth:`use_schedule`)."""
         sched = self._schedules.get(minibatches)
         if sched is None:
             kwargs: dict[str, Any] = {"minibatches": minibatches}

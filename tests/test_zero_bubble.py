@@ -1,0 +1,91 @@
+"""Zero Bubble H1 on 2 and 4 processes: the backward split into B (inputs' gradient, sent at
+once) and W (weights' gradient, later) trains exactly what plain single-process training with
+gradient accumulation trains. The reference is plain PyTorch written here; the 3-process
+scenarios (skip connections, shared parameters, a transformer, recomputation, bf16, fp16 loss
+scaling) are in tests/test_runtime_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipedream.plans import Plan
+from torchpipedream.runtime import Pipeline, launch
+
+LR, BATCH, BATCHES = 0.1, 16, 3
+
+
+def deep_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+#: fx layer names of deep_mlp, cut into 2 and 4 stages
+CUTS = {2: [["input_1", "_0", "_1", "_2", "_3"], ["_4", "_5", "_6"]],
+        4: [["input_1", "_0", "_1"], ["_2", "_3"], ["_4", "_5"], ["_6"]]}
+MICROBATCHES = {2: 4, 4: 8}
+
+
+def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(BATCHES)]
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def worker(rank: int, n: int) -> dict:
+    torch.set_num_threads(1)
+    m = MICROBATCHES[n]
+    pipe = Pipeline(deep_mlp(), Plan.straight(CUTS[n], schedule="zb-h1", microbatches=m), optimizer=optimizer,
+                    loss_fn=nn.CrossEntropyLoss(), microbatches=m, timeout_s=60)
+    losses = pipe.train_minibatches(data())
+    trace = pipe.trace(dst=0)
+    return {"full": pipe.state_dict(dst=0), "losses": losses,
+            "events": None if trace is None else [(e.rank, e.kind, e.id) for e in trace.events]}
+
+
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = deep_mlp()
+    opt = optimizer(model.parameters())
+    losses = []
+    for x, y in data():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach() for k, v in model.state_dict().items()}, losses
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2_processes", "4_processes"])
+def run(request) -> tuple[int, list[dict]]:
+    n = request.param
+    return n, launch(worker, n, n, timeout_s=240, comm_timeout_s=60, return_all=True)
+
+
+def test_zb_h1_equals_plain_training_with_gradient_accumulation(run) -> None:
+    n, results = run
+    want, losses = reference()
+    got = results[0]["full"]
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5, msg=f"parameter {k}")
+    assert max((got[k] - deep_mlp().state_dict()[k]).abs().max().item() for k in want) > 1e-3  # it trained
+    assert results[0]["losses"] == pytest.approx(losses, abs=1e-5)
+
+
+def test_every_microbatch_has_a_b_then_a_w_and_the_gradient_leaves_before_w(run) -> None:
+    n, results = run
+    events = results[0]["events"]
+    m = MICROBATCHES[n]
+    for rank in range(n):
+        mine = [(kind, i) for r, kind, i in events if r == rank]
+        for i in range(BATCHES * m):
+            b, w = mine.index(("B", i)), mine.index(("W", i))
+            assert b < w, (rank, i)
+            if rank > 0:  # the input gradient is sent between B and W, not after W
+                assert b < mine.index(("SG", i)) < w, (rank, i)
