@@ -23,7 +23,7 @@ this process): ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` runs every row on glibc's 
 
     .venv/bin/python benchmarks/compare.py                       # all models
     .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
-    .venv/bin/python benchmarks/compare.py --rows "single, 1 thread,torch DDP,1F1B,ZeroBubble,flush,zb-h1"
+    .venv/bin/python benchmarks/compare.py --rows "2 threads,InterleavedZeroBubble,flush,zb-h"
 
 Writes benchmarks/results/compare.json, compare.md and compare.png.
 """
@@ -59,7 +59,7 @@ TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 #: torchpipedream's rows: name -> (schedule kind, straight plan): "flush straight" runs flush on a
 #: one-worker-per-stage plan, the cut zb-h1 runs (the planner may prefer data parallelism for flush)
 TPD_ROWS = {"pipedream": ("pipedream", False), "2bw": ("2bw", False), "flush": ("flush", False),
-            "flush straight": ("flush", True), "zb-h1": ("zb-h1", False)}
+            "flush straight": ("flush", True), "zb-h1": ("zb-h1", False), "zb-h2": ("zb-h2", False)}
 #: The rows every table needs (the ratios are to them): kept by --rows whatever it names.
 BASE_ROWS = ("single, 1 thread", "torch DDP")
 

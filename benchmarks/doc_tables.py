@@ -185,8 +185,9 @@ def zero_bubble(data: Data) -> str:
     (InterleavedZeroBubble, one stage per rank), against flush on the same cut and on the
     planner's own plan, with every pass, and the targets."""
     head = ["model", "zb-h1 samples/s (passes)", "torch ZB-H1 (passes)", "zb-h1 / torch ZB-H1",
-            "flush, same cut (passes)", "zb-h1 / flush same cut", "flush, planner's plan", "best synchronous / flush",
-            "zb-h1 measured / predicted"]
+            "flush, same cut (passes)", "zb-h1 / flush same cut", "zb-h2 (passes)", "zb-h2 / zb-h1",
+            "flush, planner's plan", "best synchronous / flush", "one process, 2 threads",
+            "measured / predicted (zb-h1, zb-h2)"]
     body, targets = [], []
 
     def passes(r: dict | None) -> str:
@@ -198,17 +199,20 @@ def zero_bubble(data: Data) -> str:
         rows = _model_rows(data, model)
         zb, torch_zb = _row(rows, "torchpipedream zb-h1"), _row(rows, "torch.pipelining InterleavedZeroBubble")
         same, flush = _row(rows, "torchpipedream flush straight"), _row(rows, "torchpipedream flush")
+        h2, threads = _row(rows, "torchpipedream zb-h2"), _row(rows, "single, 2 threads")
         if zb is None:
             continue
         sync = _best(rows, lambda n: n in ("torchpipedream flush", "torchpipedream flush straight",
-                                           "torchpipedream zb-h1"))
+                                           "torchpipedream zb-h1", "torchpipedream zb-h2"))
         vs_torch = zb["samples_per_s"] / torch_zb["samples_per_s"] if torch_zb else None
         vs_same = zb["samples_per_s"] / same["samples_per_s"] if same else None
         vs_flush = sync["samples_per_s"] / flush["samples_per_s"] if (sync and flush) else None
-        body.append([model, passes(zb), passes(torch_zb), _num(vs_torch), passes(same), _num(vs_same),
+        body.append([model, passes(zb), passes(torch_zb), _num(vs_torch), passes(same), _num(vs_same), passes(h2),
+                     _num(h2["samples_per_s"] / zb["samples_per_s"] if h2 else None),
                      f"{flush['samples_per_s']:.1f} ({flush['plan']})" if flush else "-",
                      f"{_num(vs_flush)} ({_short(sync['row'])})" if vs_flush is not None else "-",
-                     _num(zb.get("measured_vs_predicted"))])
+                     f"{threads['samples_per_s']:.1f}" if threads else "-",
+                     ", ".join(_num(r.get("measured_vs_predicted")) for r in (zb, h2) if r)])
         if vs_torch is not None:
             targets.append(f"{model}: zb-h1 ≥ torch's ZB-H1 {_yes(vs_torch >= TARGET_ZB_VS_TORCH)} ({vs_torch:.2f}×)")
         if model == "transformer_lm" and vs_flush is not None:
@@ -602,6 +606,7 @@ TABLES: dict[str, Table] = {
     "memory_budget": Table(("memory_model.json",), memory_budget),
     "memory_optimizer": Table(("memory_model_adam.json",), memory_optimizer),
     "zero_bubble": Table(("compare_zero_bubble.json",), zero_bubble),
+    "zero_bubble_fc_m2": Table(("compare_zero_bubble_fc_m2.json",), zero_bubble),
     "split_backward": Table(("split_backward.json",), split_backward),
 }
 
@@ -611,6 +616,7 @@ COMPANIONS: tuple[tuple[str, str, Callable[[Data], str]], ...] = (
     ("compare_run11.md", "compare_run11.json", compare_results),
     ("compare_run12.md", "compare_run12.json", compare_results),
     ("compare_zero_bubble.md", "compare_zero_bubble.json", compare_results),
+    ("compare_zero_bubble_fc_m2.md", "compare_zero_bubble_fc_m2.json", compare_results),
     ("split_backward.md", "split_backward.json", split_backward),
     ("statistical_efficiency.md", "statistical_efficiency.json", statistical_efficiency),
     ("statistical_efficiency_momentum.md", "statistical_efficiency_momentum.json", statistical_efficiency),

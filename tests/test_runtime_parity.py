@@ -190,6 +190,9 @@ SCENARIOS: dict[str, dict] = {
     "zb-h1_skip_recompute": dict(model="skip", kind="zb-h1", m=2, n=3, recompute=True),
     "zb-h1_skip_bf16": dict(model="skip", kind="zb-h1", m=2, n=3, precision="bf16"),
     "zb-h1_skip_fp16": dict(model="skip", kind="zb-h1", m=2, n=8, precision="fp16"),
+    "zb-h2_mlp": dict(model="mlp", kind="zb-h2", m=6, n=3),
+    "zb-h2_skip": dict(model="skip", kind="zb-h2", m=2, n=3),
+    "zb-h2_shared_param": dict(model="shared_weight", kind="zb-h2", m=4, n=3),
 }
 #: The loss scale's policy of the float16 scenarios: starts high enough to overflow.
 FP16_SCALING = dict(init_scale=2.0 ** 18, growth_interval=2)
@@ -324,7 +327,7 @@ def differs(got: dict, want: dict) -> float:
 # --------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", ["flush_mlp", "gpipe_mlp", "flush_skip", "gpipe_skip", "flush_int_cut",
                                   "flush_shared_param", "zb-h1_mlp", "zb-h1_skip", "zb-h1_int_cut",
-                                  "zb-h1_shared_param"])
+                                  "zb-h1_shared_param", "zb-h2_mlp", "zb-h2_skip", "zb-h2_shared_param"])
 def test_flush_and_gpipe_equal_gradient_accumulation(results, name):
     sc = SCENARIOS[name]
     batches = data(sc["n"])
@@ -461,7 +464,7 @@ def _reference_of(name: str) -> dict:
     sc = SCENARIOS[name]
     batches = data(sc["n"])
     opt = sc.get("opt", "sgd")
-    if sc["kind"] in ("flush", "gpipe", "zb-h1"):
+    if sc["kind"] in ("flush", "gpipe", "zb-h1", "zb-h2"):
         return reference_sync(sc["model"], batches, opt)
     if sc["kind"] == "2bw":
         return reference_versions(sc["model"], batches, lambda s, t: t - 1, opt)

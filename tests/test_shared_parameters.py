@@ -137,7 +137,7 @@ def _user_stages() -> list[nn.Module]:
 def worker(rank: int, checkpoint_dir: str) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
-    for kind, m in (("flush", 2), ("pipedream", 1), ("2bw", 2), ("zb-h1", 2)):
+    for kind, m in (("flush", 2), ("pipedream", 1), ("2bw", 2), ("zb-h1", 2), ("zb-h2", 3)):
         pipe = _pipeline(Plan.straight(THREE, schedule=kind, microbatches=m))
         pipe.train_minibatches(data(8))
         out[kind] = {"full": pipe.state_dict(dst=0), "stage": pipe.stage_state_dict(),
@@ -196,7 +196,7 @@ def differs(got: dict, want: dict) -> float:
 
 
 # --------------------------------------------------------------------------- runtime
-@pytest.mark.parametrize("kind", ["flush", "zb-h1"])
+@pytest.mark.parametrize("kind", ["flush", "zb-h1", "zb-h2"])
 def test_flush_with_tied_weights_equals_plain_training(results, kind):
     got = results[0][kind]["full"]
     assert_close(got, reference_sync(data(8)))
@@ -221,7 +221,7 @@ def test_fp16_with_tied_weights_skips_what_torchs_grad_scaler_skips(results):
 
 
 def test_copies_stay_bit_identical_under_every_schedule(results):
-    for kind in ("flush", "pipedream", "2bw", "zb-h1"):
+    for kind in ("flush", "pipedream", "2bw", "zb-h1", "zb-h2"):
         first, last = results[0][kind]["stage"]["emb.weight"], results[2][kind]["stage"]["head.weight"]
         assert torch.equal(first, last), kind
         assert not torch.equal(first, tied_lm().emb.weight.detach()), kind  # it trained

@@ -1,6 +1,6 @@
-"""Zero Bubble H1 on 2 and 4 processes: the backward split into B (inputs' gradient, sent at
-once) and W (weights' gradient, later) trains exactly what plain single-process training with
-gradient accumulation trains. The reference is plain PyTorch written here; the 3-process
+"""Zero Bubble H1 and H2 on 2 and 4 processes: the backward split into B (inputs' gradient, sent
+at once) and W (weights' gradient, later) trains exactly what plain single-process training
+with gradient accumulation trains. The reference is plain PyTorch written here; the 3-process
 scenarios (skip connections, shared parameters, a transformer, recomputation, bf16, fp16 loss
 scaling) are in tests/test_runtime_parity.py."""
 
@@ -37,15 +37,21 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+KINDS = ("zb-h1", "zb-h2")
+
+
 def worker(rank: int, n: int) -> dict:
     torch.set_num_threads(1)
     m = MICROBATCHES[n]
-    pipe = Pipeline(deep_mlp(), Plan.straight(CUTS[n], schedule="zb-h1", microbatches=m), optimizer=optimizer,
-                    loss_fn=nn.CrossEntropyLoss(), microbatches=m, timeout_s=60)
-    losses = pipe.train_minibatches(data())
-    trace = pipe.trace(dst=0)
-    return {"full": pipe.state_dict(dst=0), "losses": losses,
-            "events": None if trace is None else [(e.rank, e.kind, e.id) for e in trace.events]}
+    out = {}
+    for kind in KINDS:
+        pipe = Pipeline(deep_mlp(), Plan.straight(CUTS[n], schedule=kind, microbatches=m), optimizer=optimizer,
+                        loss_fn=nn.CrossEntropyLoss(), microbatches=m, timeout_s=60)
+        losses = pipe.train_minibatches(data())
+        trace = pipe.trace(dst=0)
+        out[kind] = {"full": pipe.state_dict(dst=0), "losses": losses,
+                     "events": None if trace is None else [(e.rank, e.kind, e.id) for e in trace.events]}
+    return out
 
 
 def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -67,20 +73,22 @@ def run(request) -> tuple[int, list[dict]]:
     return n, launch(worker, n, n, timeout_s=240, comm_timeout_s=60, return_all=True)
 
 
-def test_zb_h1_equals_plain_training_with_gradient_accumulation(run) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_bubble_equals_plain_training_with_gradient_accumulation(run, kind: str) -> None:
     n, results = run
     want, losses = reference()
-    got = results[0]["full"]
+    got = results[0][kind]["full"]
     assert sorted(got) == sorted(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5, msg=f"parameter {k}")
     assert max((got[k] - deep_mlp().state_dict()[k]).abs().max().item() for k in want) > 1e-3  # it trained
-    assert results[0]["losses"] == pytest.approx(losses, abs=1e-5)
+    assert results[0][kind]["losses"] == pytest.approx(losses, abs=1e-5)
 
 
-def test_every_microbatch_has_a_b_then_a_w_and_the_gradient_leaves_before_w(run) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_microbatch_has_a_b_then_a_w_and_the_gradient_leaves_before_w(run, kind: str) -> None:
     n, results = run
-    events = results[0]["events"]
+    events = results[0][kind]["events"]
     m = MICROBATCHES[n]
     for rank in range(n):
         mine = [(kind, i) for r, kind, i in events if r == rank]

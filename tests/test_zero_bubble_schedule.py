@@ -135,3 +135,50 @@ def test_the_planner_plans_zb_h1_straight_and_charges_the_input_stages_depth_eve
         assert zb.stage_memory_bytes(s) > flush.stage_memory_bytes(s)
     extra = [zb.stage_memory_bytes(s) - flush.stage_memory_bytes(s) for s in range(4)]
     assert extra[1] * 2 == pytest.approx(extra[2]) and extra[1] * 3 == pytest.approx(extra[3])  # s more each
+
+
+# --------------------------------------------------------------------------- ZB-H2
+@pytest.mark.parametrize("n, m", [(2, 3), (2, 4), (3, 5), (3, 6), (4, 7), (4, 8), (4, 16), (5, 10), (8, 16)])
+def test_zb_h2_runs_batch_after_batch_without_a_bubble(n: int, m: int) -> None:
+    """Stages of equal F, B and W: once m ≥ 2n − 1, a batch in the steady state takes exactly its
+    compute, 3m (ZB-H2's zero bubble; each stage's own step separates the batches); the first
+    batch pays only the forward wave's start, n − 1. ZB-H1 pays (n − 1) every batch."""
+    costs = Costs(forward_s=[1.0] * n, backward_s=[2.0] * n, weight_grad_s=[1.0] * n)
+
+    def makespan(kind: str, batches: int) -> float:
+        return simulate(build_schedule(straight(n), kind, minibatches=batches, microbatches=m), costs).makespan_s
+
+    assert makespan("zb-h2", 6) - makespan("zb-h2", 5) == pytest.approx(3 * m, abs=1e-9)
+    assert makespan("zb-h2", 1) == pytest.approx(3 * m + n - 1, abs=1e-9)
+    assert makespan("zb-h1", 6) - makespan("zb-h1", 5) == pytest.approx(3 * m + n - 1, abs=1e-9)
+    kind = schedule_kind("zb-h2")
+    assert kind.fill_drain_factor(m, n) == 1.0
+
+
+@pytest.mark.parametrize("n, m", [(3, 4), (4, 5), (4, 3), (4, 2)])
+def test_zb_h2_with_fewer_microbatches_pays_what_its_factor_says(n: int, m: int) -> None:
+    costs = Costs(forward_s=[1.0] * n, backward_s=[2.0] * n, weight_grad_s=[1.0] * n)
+    spans = [simulate(build_schedule(straight(n), "zb-h2", minibatches=b, microbatches=m), costs).makespan_s
+             for b in (5, 6)]
+    assert spans[1] - spans[0] == pytest.approx(3 * m * schedule_kind("zb-h2").fill_drain_factor(m, n), abs=1e-9)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 12])
+def test_zb_h2_shapes_validate_and_hold_at_most_2n_minus_1(n: int, m: int) -> None:
+    s = build_schedule(straight(n), "zb-h2", minibatches=3, microbatches=m)
+    validate_schedule(s)
+    assert all(v == min(2 * n - 1, m) for v in schedule_stats(s).max_inflight.values())
+
+
+def test_the_planner_charges_zb_h2_twice_the_depth_less_one() -> None:
+    graph = _chain(8)
+    h2 = make_plan(graph, "local:4", schedule="zb-h2", microbatches=8)
+    h1 = make_plan(graph, "local:4", schedule="zb-h1", microbatches=8)
+    flush = make_plan(graph, "local:4", schedule="flush", microbatches=8, straight=True)
+    assert [st.replicas for st in h2.stages] == [1, 1, 1, 1]
+    assert h2.predicted["time_per_minibatch_s"] < h1.predicted["time_per_minibatch_s"]
+    for s in (1, 2):  # one microbatch's bytes: zb-h1 holds 4, flush 4 - s; zb-h2 holds 7
+        per = (h1.stage_memory_bytes(s) - flush.stage_memory_bytes(s)) / s
+        assert per > 0
+        assert h2.stage_memory_bytes(s) - h1.stage_memory_bytes(s) == pytest.approx(3 * per)

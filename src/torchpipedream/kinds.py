@@ -17,6 +17,7 @@ pipedream   the newest at its forward, stashed for its backward     up to n − 
 flush       W^(t)                                                   1
 gpipe       W^(t), all forwards of a batch before its backwards     1
 zb-h1       W^(t); backward split into B (inputs) and W (weights)   1
+zb-h2       as zb-h1, twice the warm-up: no bubble between batches  1
 naive       the newest at each of its forward and its backward      1
 =========== ====================================================== =========================
 
@@ -68,6 +69,9 @@ class ScheduleKind:
         split_backward: the backward is split into B (the gradient of the stage's inputs, sent
             upstream at once) and W (the weights' gradient, run later to fill the pipeline's
             bubbles); a microbatch's activations are held until its W (zero-bubble kinds).
+        double_warmup: (split kinds) stage s runs 2(n − s) − 1 forwards before its first B and
+            every stage holds up to 2n − 1 microbatches: ZB-H2, whose batches follow each other
+            without a bubble once μ ≥ 2n − 1.
     """
 
     name: str
@@ -77,6 +81,7 @@ class ScheduleKind:
     flushes: bool = False
     forwards_first: bool = False
     split_backward: bool = False
+    double_warmup: bool = False
 
     @property
     def round_robin(self) -> bool:
@@ -118,17 +123,25 @@ class ScheduleKind:
     def inflight_depth(self, depth: int, first_depth: int | None) -> int:
         """The in-flight count the memory model charges a stage whose warm-up depth is
         ``depth`` in a pipeline whose input stage's is ``first_depth``: ZB-H1 delays every
-        stage's W passes until it holds as many microbatches as the input stage does."""
-        return max(depth, first_depth or depth) if self.split_backward else depth
+        stage's W passes until it holds as many microbatches as the input stage does, ZB-H2
+        until it holds 2 × that − 1."""
+        if not self.split_backward:
+            return depth
+        first = max(depth, first_depth or depth)
+        return 2 * first - 1 if self.double_warmup else first
 
     def fill_drain_factor(self, microbatches: int, depth: int) -> float:
         """Time per minibatch over the bottleneck stage's, for a pipeline ``depth`` stages deep:
         a flushing kind runs μ microbatches in μ + n − 1 slots of 1/μ minibatch (GPipe's bubble),
         a split-backward one in μ + (n − 1)/3 (ZB-H1's (n − 1)(T_F + T_B − T_W) with
-        T_F = T_B = T_W); the others keep the pipeline full across minibatches."""
+        T_F = T_B = T_W), ZB-H2 in μ + max(0, 2n − 1 − μ)/3 (batch after batch: none once
+        μ ≥ 2n − 1); the others keep the pipeline full across minibatches."""
         if not self.flushes:
             return 1.0
-        fill = (depth - 1) / 3 if self.split_backward else depth - 1
+        if self.double_warmup:
+            fill = max(0, 2 * depth - 1 - microbatches) / 3
+        else:
+            fill = (depth - 1) / 3 if self.split_backward else depth - 1
         return (microbatches + fill) / microbatches
 
     def memory_terms(self, weights: Any, held: Any, microbatches: int, optimizer_factor: float,
@@ -165,6 +178,9 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
     ScheduleKind("zb-h1", "Zero Bubble H1 (Qi et al.): synchronous 1F1B with the backward split into B and W, "
                  "W delayed to fill the bubble; a third of flush's bubble",
                  VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True),
+    ScheduleKind("zb-h2", "Zero Bubble H2: zb-h1 with twice the warm-up and W kept for the batch's end, "
+                 "so batches follow each other without a bubble; up to 2n - 1 microbatches held",
+                 VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True, double_warmup=True),
     ScheduleKind("naive", "pipelining without weight stashing (for experiments: wrong gradients)",
                  VersionRule.NEWEST, microbatched=False),
 )}

@@ -454,8 +454,8 @@ class _Problem:
         comp = self.Cp[j1] - self.Cp[I]
         w = self.Wp[j1] - self.Wp[I]
         togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
-        if self.kind.split_backward:  # every stage holds the input stage's in-flight count (ZB-H1)
-            togo = np.full_like(togo, self.num_stages or Wu)
+        if self.kind.split_backward:  # every stage holds the input stage's count (ZB-H1), or 2n − 1 (ZB-H2)
+            togo = np.full_like(togo, self.kind.inflight_depth(1, self.num_stages or Wu))
         acts = self.activations(I, j1)
 
         def replicas_for_memory(replicas: int) -> np.ndarray:

@@ -229,12 +229,53 @@ def zb_h1(ctx: _Ctx) -> ComputeOrder:
     return out
 
 
+def _zb_h2_batch(microbatch_ids: list[int], n: int, s: int) -> list[_C]:
+    """One batch of ZB-H2 on stage ``s`` of ``n``: 2(n − s) − 1 forwards, then each B followed by
+    the next F (a W first when the stage already holds 2n − 1 microbatches) and then W passes
+    until only 2s are left; those 2s run at the batch's end, while the B of the last
+    microbatches climbs back to stage 0, and fill what would be the gap before the next batch."""
+    ids = list(microbatch_ids)
+    warm = min(2 * (n - s) - 1, len(ids))
+    out = [_C(Kind.FORWARD, i) for i in ids[:warm]]
+    nf, nw, pending = warm, 0, []
+    for i in ids:
+        out.append(_C(Kind.BACKWARD, i))
+        pending.append(i)
+        if nf < len(ids):
+            if nf - nw >= 2 * n - 1:  # in flight (forwarded, W not done) at the bound
+                out.append(_C(Kind.WEIGHT_GRAD, pending.pop(0)))
+                nw += 1
+            out.append(_C(Kind.FORWARD, ids[nf]))
+            nf += 1
+        while len(pending) > 2 * s:
+            out.append(_C(Kind.WEIGHT_GRAD, pending.pop(0)))
+            nw += 1
+    return out + [_C(Kind.WEIGHT_GRAD, i) for i in pending]
+
+
+def zb_h2(ctx: _Ctx) -> ComputeOrder:
+    """Zero Bubble H2 (Qi et al., section 2.2), synchronous like flush: stage s runs 2(n − s) − 1
+    forwards before its first B (twice 1F1B's warm-up), then B and F in turn with W passes
+    between, keeping its last 2s W passes for the batch's end. Those fill the time in which the
+    next batch's forwards travel down the pipeline, so consecutive batches run back to back:
+    on stages of equal F, B and W times no stage idles between batches once m ≥ 2n − 1 (each
+    stage's own step separates them; no stage waits for another's). Every stage holds up to
+    2n − 1 microbatches::
+
+        s0: F0 F1 F2 F3 F4 F5 F6 B0 W0 F7 B1 W1 B2 W2 B3 W3 B4 W4 B5 W5 B6 W6 B7 W7   (m = 8, n = 4)
+        s3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 W0 F7 B7 W1 W2 W3 W4 W5 W6 W7
+    """
+    n = ctx.plan.num_stages
+    return {(s, 0): [c for batch in ctx.batches_of(s, 0) for c in _zb_h2_batch(batch, n, s)] for s in range(n)}
+
+
 GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
     "pipedream": pipedream,
     "2bw": two_bw,
     "flush": flush,
     "gpipe": gpipe,
     "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
     "naive": naive,
 }
 assert set(GENERATORS) == set(KIND_NAMES), "every schedule kind needs a generator"

@@ -87,7 +87,8 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
     depth ⌈(workers in stages ≥ s)/r_s⌉ (n − s, 0-indexed, in a straight pipeline; +1 version with
     vertical sync); naive: 1 version; 2bw: 2 versions; flush: 1 version, warm-up depth
     activations; gpipe: 1 version, every local microbatch of a batch; zb-h1: 1 version, the
-    input stage's warm-up depth of activations on every stage (held until W).
+    input stage's warm-up depth of activations on every stage (held until W); zb-h2: twice that
+    − 1.
     """
     try:
         info = schedule_kind(kind)
