@@ -533,6 +533,20 @@ class _Box:
         self.tensor = tensor
 
 
+def _tracked_forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[weakref.ref[_Box]]]:
+    """``model(x)`` with every tensor autograd saves wrapped in a box, and weak references to
+    the boxes (dead once the graph has let go of them)."""
+    boxes: list[weakref.ref[_Box]] = []
+
+    def pack(t: torch.Tensor) -> _Box:
+        box = _Box(t.detach())
+        boxes.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        return model(x), boxes
+
+
 @pytest.mark.parametrize("first_stage", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
 def test_graph_released_after_run(first_stage: bool, shared: bool) -> None:
@@ -543,15 +557,7 @@ def test_graph_released_after_run(first_stage: bool, shared: bool) -> None:
     if shared:
         model[2] = model[0]
     x = torch.randn(4, 8, requires_grad=not first_stage)
-    boxes: list[weakref.ref[_Box]] = []
-
-    def pack(t: torch.Tensor) -> _Box:
-        box = _Box(t.detach())
-        boxes.append(weakref.ref(box))
-        return box
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
-        out = model(x)
+    out, boxes = _tracked_forward(model, x)
     work = backward_inputs([out], [torch.ones_like(out)], [] if first_stage else [x], list(model.parameters()))
     del out
     assert boxes and all(r() is not None for r in boxes)
@@ -564,15 +570,7 @@ def test_graph_released_when_w_is_dropped_without_running() -> None:
     """A dropped WeightGradients (e.g. a failed step) does not keep the graph alive."""
     model = MLP(2)
     x = torch.randn(4, 8, requires_grad=True)
-    boxes: list[weakref.ref[_Box]] = []
-
-    def pack(t: torch.Tensor) -> _Box:
-        box = _Box(t.detach())
-        boxes.append(weakref.ref(box))
-        return box
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
-        out = model(x)
+    out, boxes = _tracked_forward(model, x)
     work = backward_inputs([out], [torch.ones_like(out)], [x], list(model.parameters()))
     del out, work
     assert boxes and all(r() is None for r in boxes)

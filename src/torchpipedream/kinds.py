@@ -43,7 +43,7 @@ class UnknownKindError(ValueError):
 class VersionRule(enum.Enum):
     """Which weight version the forward and the backward of a microbatch use."""
 
-    #: every F and B of batch t use W^(t): plain training with gradient accumulation (flush, gpipe)
+    #: every F and B of batch t use W^(t): plain training with gradient accumulation (flush, gpipe, zb-h1, zb-h2)
     BATCH = "batch"
     #: every F and B of batch t use W^(t−1): one update of staleness (2bw)
     PREVIOUS_BATCH = "previous batch"

@@ -492,8 +492,8 @@ def build_schedule(
     Args:
         plan: a valid plan (stages, replicas, ranks).
         kind: pipedream, 2bw, flush, gpipe, zb-h1 or naive; defaults to ``plan.schedule``.
-        minibatches: minibatches (pipedream, naive) or batches (2bw, flush, gpipe) to cover.
-        microbatches: microbatches per batch for 2bw/flush/gpipe/zb-h1 (default ``plan.microbatches``);
+        minibatches: minibatches (pipedream, naive) or batches (2bw, flush, gpipe, zb-h1, zb-h2) to cover.
+        microbatches: microbatches per batch for 2bw/flush/gpipe/zb-h1/zb-h2 (default ``plan.microbatches``);
             always 1 for pipedream and naive.
         vertical_sync: pipedream only — every stage uses the input stage's version.
 

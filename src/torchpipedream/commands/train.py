@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Hugging Face GPT-2 on the same text; needs transformers), or a "
                         "user's module:function returning an nn.Module for (N,1,8,8) digits (default: %(default)s)")
     p.add_argument("--schedule", default=d.schedule, choices=[*KIND_NAMES, AUTO],
-                   help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe, naive, or auto: the fastest "
-                        "predicted synchronous kind and microbatch count (default: %(default)s)")
+                   help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe, zb-h1, zb-h2 (zero bubble), naive, "
+                        "or auto: the fastest predicted synchronous kind and microbatch count (default: %(default)s)")
     p.add_argument("--allow-stale", action="store_true",
                    help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: every stage uses the input stage's weight version")

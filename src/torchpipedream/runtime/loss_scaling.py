@@ -10,7 +10,7 @@ multiplied by ``growth_factor``. The defaults are those of ``torch.amp.GradScale
 In a pipeline the overflow may happen on any stage, so the decision is global: at every
 update each rank checks its own gradients, the ranks agree (a MAX over every rank), and every
 stage skips, or applies, the same updates; so every rank's scale moves the same way. That needs
-stages that update together: the synchronous kinds (flush, gpipe), where update u of every
+stages that update together: the synchronous kinds (flush, gpipe, zb-h1, zb-h2), where update u of every
 stage applies the gradients of minibatch u. The engine scales the root of the last stage's
 backward: the *summed* loss of a microbatch times S (weights.py, "Loss scaling by
 construction"), so the gradients that cross the cuts are S × the summed loss's.

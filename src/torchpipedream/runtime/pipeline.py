@@ -129,8 +129,8 @@ class Pipeline:
         loss_fn: ``loss_fn(output, *targets) -> scalar``; None when the model computes its own
             loss (``output.loss`` / ``output["loss"]``, e.g. a Hugging Face model given
             ``labels``): a batch is then the model's inputs alone.
-        schedule: pipedream, 2bw, flush, gpipe or naive (default ``plan.schedule``).
-        microbatches: per minibatch for 2bw/flush/gpipe (default ``plan.microbatches``).
+        schedule: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2 or naive (default ``plan.schedule``).
+        microbatches: per minibatch for 2bw/flush/gpipe/zb-h1/zb-h2 (default ``plan.microbatches``).
         loss_reduction: "mean" or "sum" (what loss_fn returns; the update applies the same).
         vertical_sync: pipedream only: every stage uses the input stage's weight version.
         timeout_s: deadline of every wait for a peer (a hung-but-alive peer fails after it).
@@ -158,7 +158,7 @@ class Pipeline:
             ``torch.autocast`` with bfloat16 (CPU and CUDA), so activations and their gradients
             cross the cuts in bfloat16 (half the bytes); weights, gradients and optimizer state
             stay float32 (the master copy). "fp16": the same with float16 and dynamic loss
-            scaling (``loss_scaling``), for the synchronous schedules (flush, gpipe): an
+            scaling (``loss_scaling``), for the synchronous schedules (flush, gpipe, zb-h1, zb-h2): an
             update whose gradients overflowed on any stage is skipped by every stage
             (``runtime/loss_scaling.py``; ``loss_scale`` and ``skipped_updates`` say where
             it stands).
