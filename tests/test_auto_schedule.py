@@ -220,3 +220,21 @@ def test_a_budget_the_fastest_plan_fits_gives_up_nothing() -> None:
     roomy = choose_schedule(graph, "2:10GB/s", memory_bytes=free.predicted["peak_memory_bytes"] * 4)
     assert not roomy.meta["auto"]["chosen"]["recompute"]
     assert any("gave up nothing" in line for line in auto_summary(roomy))
+
+
+def test_plan_schedule_all_ranks_every_kind_with_true_gradients(tmp_path: Path, capsys) -> None:
+    """`plan --schedule all`: the asynchronous and zero-bubble kinds are planned and ranked too
+    (never naive), and the plan written is the fastest prediction of them all."""
+    from torchpipedream.cli import main
+
+    out = tmp_path / "all.json"
+    assert main(["plan", "vgg16", "-t", TOPOLOGY, "--schedule", "all", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    candidates = saved["meta"]["auto"]["candidates"]
+    assert {c["schedule"] for c in candidates} == {"pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2"}
+    best = min(candidates, key=lambda c: c["time_per_minibatch_s"])
+    assert saved["schedule"] == best["schedule"] and saved["microbatches"] == best["microbatches"]
+    assert "\nzb-h2 " in text and "\nnaive " not in text
+    assert main(["plan", "vgg16", "-t", TOPOLOGY, "--schedule", "all", "--microbatches", "4"]) == 2
+    assert "--schedule all tries 1, 2, 4 and 8 microbatches itself" in capsys.readouterr().err

@@ -6,8 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..kinds import AUTO, KIND_NAMES
+from ..kinds import AUTO, KIND_NAMES, SCHEDULE_KINDS
 from . import CommandError
+
+#: ``--schedule all``: every kind with true gradients planned and ranked by the simulator.
+ALL = "all"
 
 
 def register(subparsers: Any) -> None:
@@ -29,9 +32,10 @@ def register(subparsers: Any) -> None:
                    help="the plan may leave workers idle when that is not slower")
     p.add_argument("--memory", default=None, help="memory per worker, e.g. 16GB (default: the topology's, if any)")
     p.add_argument("--no-memory-limit", action="store_true", help="ignore the topology's memory per worker")
-    p.add_argument("--schedule", default="pipedream", choices=[*KIND_NAMES, AUTO],
-                   help="the schedule kind to plan for, or auto: plan every synchronous kind at 1, 2, 4 and 8 "
-                        "microbatches and keep the fastest the simulator predicts (default: %(default)s)")
+    p.add_argument("--schedule", default="pipedream", choices=[*KIND_NAMES, AUTO, ALL],
+                   help="the schedule kind to plan for; auto: plan every synchronous kind at 1, 2, 4 and 8 "
+                        "microbatches and keep the fastest the simulator predicts; all: the same over every kind "
+                        "with true gradients (asynchronous and zero-bubble ones too), ranked (default: %(default)s)")
     p.add_argument("--allow-stale", action="store_true",
                    help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2)")
@@ -59,13 +63,26 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError("give either --memory or --no-memory-limit, not both")
         topo.memory_bytes = None
     f = DEFAULT_OPTIMIZER_STATE_FACTOR if args.optimizer_state is None else args.optimizer_state
-    p = plan(graph, topo, schedule=args.schedule, straight=args.straight, num_stages=args.stages,
-             allow_fewer_workers=args.allow_fewer_workers, memory_bytes=memory, microbatches=args.microbatches,
-             optimizer_state_factor=f, method=args.method, recompute=args.recompute, allow_stale=args.allow_stale)
+    options = dict(straight=args.straight, num_stages=args.stages, allow_fewer_workers=args.allow_fewer_workers,
+                   memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute)
+    if args.schedule == ALL:
+        from ..auto_schedule import choose_schedule
+        from ..plans import PlanError
+
+        if args.microbatches != 1:
+            raise CommandError("--schedule all tries 1, 2, 4 and 8 microbatches itself; drop --microbatches")
+        kinds = [k.name for k in SCHEDULE_KINDS.values() if k.true_gradients]
+        try:
+            p = choose_schedule(graph, topo, kinds=kinds, allow_stale=True, **options)
+        except PlanError as exc:
+            raise CommandError(str(exc)) from None
+    else:
+        p = plan(graph, topo, schedule=args.schedule, microbatches=args.microbatches, allow_stale=args.allow_stale,
+                 **options)
     print(f"{args.graph}: {len(graph)} layers, {len(graph.linearize())} blocks; topology {topo.to_spec()} "
           f"({topo.num_workers} workers)")
     print(p.table())
-    if args.schedule == AUTO:
+    if args.schedule in (AUTO, ALL):
         from ..auto_schedule import auto_candidates_table
 
         print(auto_candidates_table(p))
