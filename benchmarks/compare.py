@@ -53,6 +53,7 @@ from peers import (Workload, peak_rss_mb, probed, run_ddp, run_single, run_torch
                    training_step, write_results)
 from doc_tables import compare_results  # noqa: E402  (the docs render compare.md the same way)
 
+from torchpipedream.kinds import schedule_kind  # noqa: E402
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
 TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -148,8 +149,6 @@ def _profile(work: Workload, m: int, split_parts: int, threads: int = 1):
 
 def schedule_microbatches(schedule: str, microbatches: int) -> int:
     """Microbatches per minibatch as torchpipedream runs ``schedule`` (pipedream: whole minibatches)."""
-    from torchpipedream.kinds import schedule_kind
-
     return microbatches if schedule_kind(schedule).microbatched else 1
 
 
@@ -237,7 +236,7 @@ def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: in
                 per_window: int, split_parts: int) -> dict:
     pipe = Pipeline(tpd_model(work, split_parts), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
                     loss_fn=work.loss_fn, schedule=schedule,
-                    microbatches=microbatches if schedule_microbatches(schedule, 2) > 1 else None, timeout_s=120)
+                    microbatches=microbatches if schedule_kind(schedule).microbatched else None, timeout_s=120)
     g = torch.Generator().manual_seed(0)
     data = [work.make_batch(work.batch_size, g) for _ in range(per_window)]
     for _ in range(warmup):

@@ -47,8 +47,8 @@ def torch_order(name: str, n: int, m: int) -> dict:
 
 def compute_cells(order: dict) -> dict[int, list[str]]:
     """torch's compute actions per rank, as text, without idle steps and REDUCE_GRAD."""
-    return {r: [str(a) for a in acts if a is not None and str(a)[len(str(a.stage_index)):][0] in "FBIW"
-                and "REDUCE" not in str(a)] for r, acts in order.items()}
+    return {r: [str(a) for a in acts if a is not None and a.computation_type.value in ("F", "B", "I", "W")]
+            for r, acts in order.items()}
 
 
 @pytest.mark.parametrize("n, m", [(2, 4), (4, 8), (4, 4)])

@@ -38,12 +38,12 @@ import enum
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .jsonio import read_json, write_json
 from .plans import Plan
 
-__all__ = ["Kind", "Action", "Schedule", "ScheduleFormatError", "parse_action"]
+__all__ = ["Kind", "Action", "Schedule", "ScheduleFormatError", "parse_action", "split_backwards"]
 
 
 class ScheduleFormatError(ValueError):
@@ -133,6 +133,12 @@ def parse_action(text: str) -> Action:
         peer=None if g["peer"] is None else int(g["peer"]),
         tie=None if g["tie"] is None else int(g["tie"]),
     )
+
+
+def split_backwards(actions: Iterable[Action]) -> set[int]:
+    """The microbatches whose backward one rank's list splits: those it has a W for (their B
+    computes the inputs' gradient only)."""
+    return {a.id for a in actions if a.kind is Kind.WEIGHT_GRAD}
 
 
 @dataclass

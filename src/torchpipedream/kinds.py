@@ -117,8 +117,9 @@ class ScheduleKind:
         (:meth:`inflight_depth`)."""
         if self.forwards_first:
             return local_microbatches
-        return min(self.inflight_depth(warmup, first_warmup), max(1, local_microbatches)) \
-            if self.split_backward else warmup
+        if self.split_backward:
+            return min(self.inflight_depth(warmup, first_warmup), max(1, local_microbatches))
+        return warmup
 
     def inflight_depth(self, depth: int, first_depth: int | None) -> int:
         """The in-flight count the memory model charges a stage whose warm-up depth is

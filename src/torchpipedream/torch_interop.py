@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .actions import Kind, Schedule
+from .actions import Kind, Schedule, split_backwards
 from .kinds import VersionRule, schedule_kind
 from .plans import Plan
 from .schedules import schedule_from_order
@@ -96,7 +96,7 @@ def from_torch(actions: Mapping[int, Iterable[str | object | None]], plan: Plan 
     if ranks != list(range(len(ranks))) or not ranks:
         raise TorchScheduleError(f"torch schedules list ranks 0..n-1; got {ranks}")
     order: dict[int, list[tuple[Kind, int]]] = {}
-    split: dict[int, set[int]] = {}
+    splits = False  # some backward is split (I and W)
     top = -1
     for r in ranks:
         items: list[tuple[Kind, int]] = []
@@ -124,7 +124,7 @@ def from_torch(actions: Mapping[int, Iterable[str | object | None]], plan: Plan 
             what = "an I (input-gradient backward) without its W" if odd in inputs_only else "a W without its I"
             raise TorchScheduleError(f"rank {r}: microbatch {odd} has {what}")
         order[r] = items
-        split[r] = weights
+        splits = splits or bool(weights)
     m = microbatches if microbatches is not None else top + 1
     if m < 1:
         raise TorchScheduleError("the torch schedule runs no microbatch")
@@ -134,7 +134,7 @@ def from_torch(actions: Mapping[int, Iterable[str | object | None]], plan: Plan 
     elif plan.num_stages != n or any(st.replicas != 1 or st.ranks != [s] for s, st in enumerate(plan.stages)):
         raise TorchScheduleError(f"the plan ({plan.config}) must have {n} stages of one worker each, stage s on rank s, "
                                  "as the torch schedule has")
-    chosen = kind or _infer_kind(order, any(split.values()))
+    chosen = kind or _infer_kind(order, splits)
     repeated = {(r, 0): [(k, t * m + mb) for t in range(minibatches) for k, mb in items] for r, items in order.items()}
     sched = schedule_from_order(plan, chosen, minibatches, m, repeated)
     # torch's orders may hold more microbatches than our kind's bound (its Interleaved1F1B warms
@@ -166,7 +166,7 @@ def to_torch(schedule: Schedule, batch: int = 0) -> dict[int, list[str]]:
     lo, hi = batch * m, batch * m + m
     out: dict[int, list[str]] = {}
     for r, acts in sorted(schedule.actions.items()):
-        split = {a.id for a in acts if a.kind is Kind.WEIGHT_GRAD}
+        split = split_backwards(acts)
         cells = []
         for a in acts:
             if a.kind not in _COMPUTE.values() or not lo <= a.id < hi:

@@ -9,8 +9,8 @@ failing action (marked ``>>s1B3v2<<``) and one line saying what is wrong. It che
 2. per rank, in list order — a forward runs once, after its activations arrived (RA); a
    backward runs after its forward on the same rank and after its gradient arrived (RG); a
    weight-gradient pass (W, split backward) after its B, with the same version (the
-   microbatch's activations count as held until then); a send follows the compute that produced what it sends; the weight versions follow the
-   schedule kind's semantics (docs/architecture.md, "Schedule semantics"); AR/U in update
+   microbatch's activations count as held until then); a send follows the compute that
+   produced what it sends; the weight versions follow the schedule kind's semantics (docs/architecture.md, "Schedule semantics"); AR/U in update
    order, after every backward of the update; live weight versions and in-flight
    activations stay within the kind's bounds; nothing is left undone;
 3. matching — the k-th send from rank a to rank b carries the same microbatch as the k-th
@@ -29,7 +29,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .actions import Action, Kind, Schedule
+from .actions import Action, Kind, Schedule, split_backwards
 from .kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from .placement import num_updates, replica_of, tied_support_problem, update_of, warmup_depth
 from .plans import Plan
@@ -143,7 +143,7 @@ class _RankWalk:
             self.per_batch[j // self.m] = self.per_batch.get(j // self.m, 0) + 1
         self.fwd_ver: dict[int, int] = {}
         self.done_b: set[int] = set()
-        self.split = {a.id for a in self.acts if a.kind is Kind.WEIGHT_GRAD}  # B computes input gradients only
+        self.split = split_backwards(self.acts)  # their B computes the inputs' gradient only
         self.done_w: set[int] = set()
         self.got_act: set[int] = set()
         self.got_grad: set[int] = set()
@@ -612,7 +612,7 @@ def schedule_stats(schedule: Schedule) -> ScheduleStats:
     naive = schedule_kind(schedule.kind).version_rule is VersionRule.NEWEST
     F, B, W, U = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP
     for r, acts in schedule.actions.items():
-        split = {a.id for a in acts if a.kind is W}
+        split = split_backwards(acts)
         inflight: dict[int, int] = {}
         held: dict[int, int] = {}
         steps = peak_v = peak_a = 0

@@ -38,7 +38,8 @@ def register(subparsers: Any) -> None:
                         "with true gradients (asynchronous and zero-bubble ones too), ranked (default: %(default)s)")
     p.add_argument("--allow-stale", action="store_true",
                    help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2)")
     p.add_argument("--optimizer-state", type=float, default=None, metavar="F",
                    help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
     p.add_argument("--recompute", action="store_true",

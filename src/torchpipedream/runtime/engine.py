@@ -40,7 +40,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from ..actions import Action, Kind
+from ..actions import Action, Kind, split_backwards
 from ..trace import Event
 from . import liveness
 from .buffers import ReplicaBuffers
@@ -189,7 +189,7 @@ class Engine:
         self._out_grads: dict[int, list[torch.Tensor]] = {}
         self._in_grads: dict[int, list[torch.Tensor]] = {}
         self._updates: dict[int, tuple[float, bool]] = {}  # update -> (1 / its loss scale, apply it?)
-        self._split = {a.id for a in actions if a.kind is Kind.WEIGHT_GRAD} if train else set()
+        self._split = split_backwards(actions) if train else set()
         self._weight_work: dict[int, tuple[WeightGradients | None, _Context, int | None]] = {}  # B done, W to run
         results: dict[int, MicrobatchResult] = {}
         events: list[Event] = []
