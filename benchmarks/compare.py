@@ -1,6 +1,7 @@
 """Side by side on the same machine: torchpipedream against a single process, torch DDP and
 torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleInterleavedZeroBubble with one
-stage per rank (torch's ZB-H1), ScheduleZBVZeroBubble).
+stage per rank (torch's ZB-H1), ScheduleZBVZeroBubble, ScheduleInterleaved1F1B with two stages
+per rank).
 
 Same model, global batch, optimizer (SGD) and number of processes (2 by default, 1 thread
 each, gloo) for every row; the rows of one model run in ``--passes`` interleaved passes (row 1,
@@ -24,6 +25,8 @@ this process): ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` runs every row on glibc's 
     .venv/bin/python benchmarks/compare.py                       # all models
     .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
     .venv/bin/python benchmarks/compare.py --rows "2 threads,InterleavedZeroBubble,flush,zb-h"
+    .venv/bin/python benchmarks/compare.py --rows "2 threads,Interleaved1F1B,ZBVZeroBubble,flush,interleaved,zb-v" \
+        --out benchmarks/results/compare_virtual
 
 Writes benchmarks/results/compare.json, compare.md and compare.png.
 """
@@ -56,11 +59,12 @@ from doc_tables import compare_results  # noqa: E402  (the docs render compare.m
 from torchpipedream.kinds import schedule_kind  # noqa: E402
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
-TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "Interleaved1F1B")
 #: torchpipedream's rows: name -> (schedule kind, straight plan): "flush straight" runs flush on a
 #: one-worker-per-stage plan, the cut zb-h1 runs (the planner may prefer data parallelism for flush)
 TPD_ROWS = {"pipedream": ("pipedream", False), "2bw": ("2bw", False), "flush": ("flush", False),
-            "flush straight": ("flush", True), "zb-h1": ("zb-h1", False), "zb-h2": ("zb-h2", False)}
+            "flush straight": ("flush", True), "zb-h1": ("zb-h1", False), "zb-h2": ("zb-h2", False),
+            "interleaved": ("interleaved", False), "zb-v": ("zb-v", False)}
 #: The rows every table needs (the ratios are to them): kept by --rows whatever it names.
 BASE_ROWS = ("single, 1 thread", "torch DDP")
 

@@ -183,9 +183,11 @@ def run_torch_pipelining(
     work: Workload, schedule: str, microbatches: int, warmup: int = 2, windows: int = 5, steps: int = 3
 ) -> dict:
     """torch.distributed.pipelining with manual stages (one per rank; two per rank, V-shaped, for ZBV;
+    two per rank, looped (rank r holds stages r and r + w), for Interleaved1F1B;
     InterleavedZeroBubble, torch's ZB1P = ZB-H1, with one stage per rank)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+                                              ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                              ScheduleZBVZeroBubble)
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -198,6 +200,13 @@ def run_torch_pipelining(
         params = [p for s in stage_ids for p in pieces[s].parameters()]
         sched = ScheduleZBVZeroBubble(stages, n_microbatches=microbatches, loss_fn=work.loss_fn)
         has_input = has_loss = rank == 0  # rank 0 holds both the first and the last stage
+    elif schedule == "Interleaved1F1B":
+        pieces = split_sequential(full, 2 * world)
+        stage_ids = [rank, rank + world]  # looped: rank r holds stages r and r + w
+        stages = [PipelineStage(pieces[s], s, 2 * world, device) for s in stage_ids]
+        params = [p for s in stage_ids for p in pieces[s].parameters()]
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=work.loss_fn)
+        has_input, has_loss = rank == 0, rank == world - 1
     else:
         pieces = split_sequential(full, world)
         stage = PipelineStage(pieces[rank], rank, world, device)

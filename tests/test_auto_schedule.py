@@ -223,8 +223,8 @@ def test_a_budget_the_fastest_plan_fits_gives_up_nothing() -> None:
 
 
 def test_plan_schedule_all_ranks_every_kind_with_true_gradients(tmp_path: Path, capsys) -> None:
-    """`plan --schedule all`: the asynchronous and zero-bubble kinds are planned and ranked too
-    (never naive), and the plan written is the fastest prediction of them all."""
+    """`plan --schedule all`: the asynchronous, zero-bubble and virtual-stage kinds are planned and
+    ranked too (never naive), and the plan written is the fastest prediction of them all."""
     from torchpipedream.cli import main
 
     out = tmp_path / "all.json"
@@ -232,9 +232,13 @@ def test_plan_schedule_all_ranks_every_kind_with_true_gradients(tmp_path: Path, 
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     candidates = saved["meta"]["auto"]["candidates"]
-    assert {c["schedule"] for c in candidates} == {"pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2"}
-    best = min(candidates, key=lambda c: c["time_per_minibatch_s"])
+    assert {c["schedule"] for c in candidates} == {"pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2",
+                                                   "interleaved", "zb-v"}
+    best = min((c for c in candidates if c["time_per_minibatch_s"] is not None),
+               key=lambda c: c["time_per_minibatch_s"])
     assert saved["schedule"] == best["schedule"] and saved["microbatches"] == best["microbatches"]
-    assert "\nzb-h2 " in text and "\nnaive " not in text
+    assert "\nzb-h2 " in text and "\ninterleaved " in text and "\nnaive " not in text
+    # interleaved needs microbatches in rounds of one per worker: 1 does not fit, and says why
+    assert any(c["schedule"] == "interleaved" and c["time_per_minibatch_s"] is None for c in candidates)
     assert main(["plan", "vgg16", "-t", TOPOLOGY, "--schedule", "all", "--microbatches", "4"]) == 2
     assert "--schedule all tries 1, 2, 4 and 8 microbatches itself" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torchpipedream.actions import Kind
 from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
-from torchpipedream.schedules import build_schedule
+from torchpipedream.schedules import ScheduleBuildError, build_schedule, schedule_from_order
 from torchpipedream.simulator import Costs, simulate
 from torchpipedream.torch_interop import (TorchScheduleError, from_torch, parse_torch_action, read_torch_csv,
                                           to_torch, write_torch_csv)
@@ -34,12 +34,14 @@ class MockStage:
         self.submod = nn.Linear(2, 2)
 
 
-def torch_order(name: str, n: int, m: int) -> dict:
-    """The action lists torch's schedule class ``name`` generates for ``n`` ranks, ``m`` microbatches."""
+def torch_order(name: str, n: int, m: int, chunks: int = 1) -> dict:
+    """The action lists torch's schedule class ``name`` generates for ``n`` ranks, ``m``
+    microbatches and ``chunks`` stages per rank (looped: rank 0 holds stages 0, n, 2n, ...;
+    torch's V-shaped schedules hold two, placed by torch itself)."""
     cls = torch_schedules.get_schedule_class(name)
     loss = nn.functional.mse_loss
     if issubclass(cls, torch_schedules.PipelineScheduleMulti):
-        ids = [0, 2 * n - 1] if name in ("ZBVZeroBubble", "DualPipeV") else [0]
+        ids = [0, 2 * n - 1] if name in ("ZBVZeroBubble", "DualPipeV") else [c * n for c in range(chunks)]
         stages = [MockStage(i, len(ids) * n, n) for i in ids]
         return cls(stages, n_microbatches=m, loss_fn=loss).pipeline_order
     return cls(MockStage(0, n, n), n_microbatches=m, loss_fn=loss).pipeline_order
@@ -98,10 +100,151 @@ def test_torchs_1f1b_order_is_checked_like_any_other(n: int, m: int) -> None:
             validate_schedule(sched)
 
 
+def test_looped_stages_with_a_split_backward_are_refused_by_name() -> None:
+    with pytest.raises(TorchScheduleError, match=r"rank 0 runs stages \[0, 2\] and splits the backward \(I and W\): "
+                       "several stages per rank with a split backward are supported in a V only"):
+        from_torch(torch_order("InterleavedZeroBubble", 2, 4, 2))
+
+
+@pytest.mark.parametrize("n, m", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16), (8, 16)])
 @pytest.mark.parametrize("name", ["ZBVZeroBubble", "DualPipeV"])
-def test_several_stages_per_rank_are_refused_by_name(name: str) -> None:
-    with pytest.raises(TorchScheduleError, match=r"rank 0 runs stages \[0, 3\]: several stages per rank"):
-        from_torch(torch_order(name, 2, 4))
+def test_torchs_v_shaped_zero_bubble_schedules_take_the_time_of_our_zb_v(name: str, n: int, m: int) -> None:
+    """torch's ZBVZeroBubble and DualPipeV (two stages per rank in a V, backward split) import as
+    zb-v and validate; on equal F, B and W passes their batch and ours both take 6m + p − 1
+    passes: only the forward wave's start idles."""
+    sched = from_torch(torch_order(name, n, m, 2))
+    assert sched.kind == "zb-v" and [st.ranks for st in sched.plan.stages] == \
+        [[k if k < n else 2 * n - 1 - k] for k in range(2 * n)]
+    validate_schedule(sched)
+    costs = Costs(forward_s=[1.0] * 2 * n, backward_s=[2.0] * 2 * n, weight_grad_s=[1.0] * 2 * n)
+    ours = build_schedule(Plan.v_shape([[f"stage{k}"] for k in range(2 * n)], n), "zb-v", minibatches=1,
+                          microbatches=m)
+    assert simulate(sched, costs).makespan_s == simulate(ours, costs).makespan_s == 6 * m + n - 1
+
+
+def looped(n: int, chunks: int, m: int) -> Plan:
+    """Stage k (one layer) on rank k mod n, ``chunks`` stages per rank."""
+    return Plan.looped([[f"layer{k}"] for k in range(n * chunks)], n, microbatches=m)
+
+
+def compute_of(sched, rank: int, batch: int = 0) -> list[tuple[int, str, int]]:
+    """Rank ``rank``'s compute actions of batch ``batch``: (stage, F/B/W, microbatch in the batch)."""
+    m = sched.microbatches
+    return [(a.stage, a.kind.value, a.id - batch * m) for a in sched.actions[rank]
+            if a.kind.is_compute and a.id // m == batch]
+
+
+@pytest.mark.parametrize("n, chunks, m", [(2, 2, 4), (4, 2, 8), (2, 3, 4)])
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS"])
+def test_torchs_looped_schedules_import_as_interleaved_validate_and_simulate(name: str, n: int, chunks: int,
+                                                                              m: int) -> None:
+    """Several stages per rank (torch's stage index = ours, stage k on rank k mod n) read as our
+    interleaved kind: each rank runs torch's compute in torch's order, stage by stage."""
+    order = torch_order(name, n, m, chunks)
+    plan = looped(n, chunks, m)
+    sched = from_torch(order, plan=plan, minibatches=3)
+    assert sched.kind == "interleaved" and sched.plan is plan and (sched.minibatches, sched.microbatches) == (3, m)
+    validate_schedule(sched)
+    assert to_torch(sched, batch=0) == compute_cells(order) == to_torch(sched, batch=2)
+    for r, acts in order.items():  # the same, read from our actions
+        want = [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts
+                if a is not None and a.computation_type.value in ("F", "B")]
+        assert compute_of(sched, r, batch=1) == want, f"rank {r}"
+        assert {s for s, _, _ in want} == set(plan.stages_of_rank(r))
+    res = simulate(sched, Costs(forward_s=[1.0] * n * chunks, backward_s=[2.0] * n * chunks))
+    assert res.makespan_s > 0
+    # without a plan, torch's placement gives the looped one
+    default = from_torch(order, minibatches=3)
+    assert [st.ranks for st in default.plan.stages] == [[k % n] for k in range(n * chunks)]
+    assert default.actions == sched.actions
+
+
+def test_torchs_interleaved_1f1b_spot_check() -> None:
+    """Interleaved1F1B, 2 ranks × 2 stages, 4 microbatches, as torch lists it: rank 1 (stages 1
+    and 3) runs its last stage's backward right after each forward of it; transfers go to the
+    rank holding the neighbouring stage."""
+    sched = from_torch(torch_order("Interleaved1F1B", 2, 4, 2), plan=looped(2, 2, 4))
+    assert [f"{s}{k}{i}" for s, k, i in compute_of(sched, 0)] == \
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3".split()
+    assert [f"{s}{k}{i}" for s, k, i in compute_of(sched, 1)] == \
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3".split()
+    sends = [a for a in sched.actions[1] if a.kind is Kind.SEND_ACT]
+    assert sends and all(a.stage == 1 and a.peer == 0 for a in sends)  # stage 1 -> stage 2 on rank 0
+    assert "max_inflight" not in (sched.options or {})  # within interleaved's own bound
+
+
+@pytest.mark.parametrize("n, chunks, m", [(2, 2, 4), (4, 2, 8)])
+def test_looped_bfs_declares_what_it_holds(n: int, chunks: int, m: int) -> None:
+    """LoopedBFS runs every forward of a stage before its backwards: each stage holds all m
+    microbatches (a rank all m of each of its stages), more than interleaved's bounds; the
+    schedule declares both, and without the declarations the validator refuses it."""
+    sched = from_torch(torch_order("LoopedBFS", n, m, chunks), plan=looped(n, chunks, m))
+    assert sched.options == {"max_inflight": m, "max_rank_inflight": m * chunks}
+    validate_schedule(sched)
+    sched.options = {}
+    with pytest.raises(ScheduleError, match=f"rank {n - 1}"):
+        validate_schedule(sched)
+
+
+@pytest.mark.parametrize("n, chunks, m", [(2, 2, 4), (4, 2, 8), (4, 2, 4), (2, 3, 6)])
+def test_our_interleaved_is_torchs_interleaved_1f1b_and_round_trips(n: int, chunks: int, m: int,
+                                                                     tmp_path: Path) -> None:
+    plan = looped(n, chunks, m)
+    ours = build_schedule(plan, "interleaved", minibatches=3, microbatches=m)
+    assert to_torch(ours) == compute_cells(torch_order("Interleaved1F1B", n, m, chunks))
+    assert to_torch(ours, batch=2) == to_torch(ours)
+    again = from_torch(to_torch(ours), plan=plan, minibatches=3)
+    assert again.kind == "interleaved" and again.actions == ours.actions and not again.options
+    path = write_torch_csv(ours, tmp_path / "interleaved.csv")
+    assert read_torch_csv(path, plan=plan, minibatches=3).actions == ours.actions
+
+
+def test_a_v_shaped_order_without_split_backward_imports() -> None:
+    """Stages 0 and 3 on rank 0, 1 and 2 on rank 1 (V-shaped, as ZBV places them): the default
+    plan takes torch's placement, and the transfer from stage 1 to stage 2 stays on rank 1."""
+    order = {0: "0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1".split(), 1: "1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1".split()}
+    sched = from_torch(order, minibatches=2)
+    assert [st.ranks for st in sched.plan.stages] == [[0], [1], [1], [0]] and sched.kind == "interleaved"
+    validate_schedule(sched)
+    assert any(a.kind is Kind.SEND_ACT and a.stage == 1 and a.peer == 1 for a in sched.actions[1])
+    assert to_torch(sched, batch=1) == order
+
+
+def test_several_stages_per_rank_need_a_matching_plan_and_kind() -> None:
+    order = torch_order("Interleaved1F1B", 2, 4, 2)
+    with pytest.raises(TorchScheduleError, match=r"placed as the torch schedule runs them: stages per rank "
+                                                 r"\{0: \[0, 2\], 1: \[1, 3\]\}"):
+        from_torch(order, plan=Plan.straight([["a"], ["b"], ["c"], ["d"]], microbatches=4))
+    with pytest.raises(TorchScheduleError, match="placed as the torch schedule runs them"):
+        from_torch(order, plan=looped(2, 3, 4))
+    with pytest.raises(TorchScheduleError, match=r"rank 0 runs stages \[0, 2\]: kind flush runs one stage per rank"):
+        from_torch(order, kind="flush")
+    with pytest.raises(TorchScheduleError, match="stage 0 runs on rank 0 and on rank 1"):
+        from_torch({0: ["0F0", "0B0"], 1: ["0F1", "0B1"]})
+    with pytest.raises(TorchScheduleError, match="stage 1 is missing"):
+        from_torch({0: ["0F0", "2F0", "2B0", "0B0"], 1: ["3F0", "3B0"]})
+
+
+def test_schedule_from_order_needs_and_checks_rank_order() -> None:
+    """A plan with virtual stages: per stage the compute order, per rank how its stages interleave."""
+    plan = looped(2, 2, 1)
+    F, B = Kind.FORWARD, Kind.BACKWARD
+    order = {(s, 0): [(F, 0), (B, 0)] for s in range(4)}
+    good = {0: [0, 2, 2, 0], 1: [1, 3, 3, 1]}
+    sched = schedule_from_order(plan, "interleaved", 1, 1, order, good)
+    validate_schedule(sched)
+    assert [(a.stage, a.kind) for a in sched.actions[0] if a.kind.is_compute] == [(0, F), (2, F), (2, B), (0, B)]
+    with pytest.raises(ScheduleBuildError, match=r"several stages on one worker .*: rank_order is needed"):
+        schedule_from_order(plan, "interleaved", 1, 1, order)
+    with pytest.raises(ScheduleBuildError, match="flush runs one stage per worker"):
+        schedule_from_order(plan, "flush", 1, 1, order, good)
+    with pytest.raises(ScheduleBuildError, match=r"rank_order\[1\] lists stage 3 1 times, but the order has 2 compute "
+                                                 "items of stage 3"):
+        schedule_from_order(plan, "interleaved", 1, 1, order, {0: good[0], 1: [1, 3, 1]})
+    with pytest.raises(ScheduleBuildError, match=r"rank_order\[0\] names stage 1; rank 0 holds stages \[0, 2\]"):
+        schedule_from_order(plan, "interleaved", 1, 1, order, {0: [0, 1, 2, 0], 1: good[1]})
+    with pytest.raises(ScheduleBuildError, match=r"rank_order lists ranks \[0\]; the plan has ranks \[0, 1\]"):
+        schedule_from_order(plan, "interleaved", 1, 1, order, {0: good[0]})
 
 
 @pytest.mark.parametrize("kind, m", [("flush", 4), ("gpipe", 3), ("zb-h1", 4)])

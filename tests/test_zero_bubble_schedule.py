@@ -12,7 +12,7 @@ from torchpipedream.actions import Action, Kind, Schedule, parse_action
 from torchpipedream.graph import Layer, LayerGraph
 from torchpipedream.kinds import schedule_kind
 from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import Plan, Stage
+from torchpipedream.plans import Plan, PlanError, Stage
 from torchpipedream.schedules import ScheduleBuildError, build_schedule
 from torchpipedream.simulator import Costs, simulate
 from torchpipedream.validate import ScheduleError, schedule_stats, validate_schedule
@@ -182,3 +182,54 @@ def test_the_planner_charges_zb_h2_twice_the_depth_less_one() -> None:
         per = (h1.stage_memory_bytes(s) - flush.stage_memory_bytes(s)) / s
         assert per > 0
         assert h2.stage_memory_bytes(s) - h1.stage_memory_bytes(s) == pytest.approx(3 * per)
+
+
+# --------------------------------------------------------------------------- ZB-V
+def v_plan(p: int) -> Plan:
+    return Plan.v_shape([[f"l{k}"] for k in range(2 * p)], p)
+
+
+def test_zb_v_puts_two_stages_per_worker_in_a_v() -> None:
+    plan = v_plan(3)
+    assert [st.ranks for st in plan.stages] == [[0], [1], [2], [2], [1], [0]]
+    assert plan.virtual and plan.chunks == 2 and plan.stages_of_rank(0) == [0, 5]
+    s = build_schedule(plan, "zb-v", minibatches=1, microbatches=6)
+    validate_schedule(s)
+    # the turn of the V (stage 2 to stage 3) stays on worker 2: a hand-over, not a message
+    assert [a.peer for a in s.actions[2] if a.kind is Kind.SEND_ACT and a.stage == 2] == [2] * 6
+    assert all(a.kind is not Kind.BACKWARD or a.id in {w.id for w in s.actions[2] if w.kind is Kind.WEIGHT_GRAD
+                                                        and w.stage == a.stage} for a in s.actions[2])
+    with pytest.raises(ScheduleBuildError, match="two stages per worker in a V"):
+        build_schedule(Plan.looped([[f"l{k}"] for k in range(6)], 3), "zb-v", microbatches=6)
+    with pytest.raises(ScheduleBuildError, match="stage k on rank k mod 3"):
+        build_schedule(plan, "interleaved", microbatches=6)
+    with pytest.raises(PlanError, match="two stages per worker: 6 layer groups for 3 workers, got 4"):
+        Plan.v_shape([["a"], ["b"], ["c"], ["d"]], 3)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_zb_v_idles_only_for_the_forward_waves_start(p: int, rounds: int) -> None:
+    """Equal F, B and W passes of one unit per stage (a worker's 6 per microbatch): a batch of
+    m ≥ p microbatches takes exactly 6m + p − 1 units, the p − 1 being the time the first
+    forward takes to reach the last worker (no schedule of these passes can take less); every
+    worker holds at most 2p + 2 microbatch chunks; batches that follow each other overlap."""
+    m, n = rounds * p, 2 * p
+    costs = Costs(forward_s=[1.0] * n, backward_s=[2.0] * n, weight_grad_s=[1.0] * n)
+    one = build_schedule(v_plan(p), "zb-v", minibatches=1, microbatches=m)
+    assert simulate(one, costs).makespan_s == 6 * m + p - 1
+    assert max(schedule_stats(one).max_inflight.values()) <= 2 * p + 2
+    four = simulate(build_schedule(v_plan(p), "zb-v", minibatches=4, microbatches=m), costs).makespan_s
+    assert 4 * 6 * m + p - 1 <= four <= 4 * (6 * m + p - 1)
+
+
+def test_zb_v_holds_activations_until_w_and_the_validator_bounds_them() -> None:
+    s = build_schedule(v_plan(2), "zb-v", minibatches=1, microbatches=8)
+    assert max(schedule_stats(s).max_inflight.values()) <= 6
+    # a W moved to the end of its rank's list: that stage holds more than a worker may
+    acts = s.actions[0]
+    w = next(k for k, a in enumerate(acts) if a.kind is Kind.WEIGHT_GRAD and a.stage == 0)
+    late = acts[:w] + acts[w + 1:-1] + [acts[w], acts[-1]]
+    with pytest.raises(ScheduleError, match="7 microbatch chunks in flight over its stages \\[0, 3\\]; a zb-v worker "
+                                            "holds at most 6"):
+        validate_schedule(dataclasses.replace(s, actions={**s.actions, 0: late}))

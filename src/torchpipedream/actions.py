@@ -43,7 +43,7 @@ from typing import Any, Iterable
 from .jsonio import read_json, write_json
 from .plans import Plan
 
-__all__ = ["Kind", "Action", "Schedule", "ScheduleFormatError", "parse_action", "split_backwards"]
+__all__ = ["Kind", "Action", "Schedule", "ScheduleFormatError", "parse_action", "split_backwards", "message_key"]
 
 
 class ScheduleFormatError(ValueError):
@@ -139,6 +139,13 @@ def split_backwards(actions: Iterable[Action]) -> set[int]:
     """The microbatches whose backward one rank's list splits: those it has a W for (their B
     computes the inputs' gradient only)."""
     return {a.id for a in actions if a.kind is Kind.WEIGHT_GRAD}
+
+
+def message_key(a: Action) -> tuple[int, int]:
+    """What a transfer carries: (the stage whose forward produced the activations, microbatch).
+    SA and RG name that stage, RA and SG the next one; a rank holding several stages (virtual
+    stages) sends and receives messages of more than one on the same channel."""
+    return (a.stage if a.kind in (Kind.SEND_ACT, Kind.RECV_GRAD) else a.stage - 1), a.id
 
 
 @dataclass

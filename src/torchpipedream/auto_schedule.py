@@ -87,7 +87,8 @@ def candidate_kinds(allow_stale: bool) -> list[str]:
     backward for the weight-gradient pass (``simulator.WEIGHT_GRAD_SHARE``), not on a profile;
     ``choose_schedule(kinds=[...])`` takes them when asked."""
     return [k.name for k in SCHEDULE_KINDS.values()
-            if k.true_gradients and (allow_stale or not k.asynchronous) and not k.split_backward]
+            if k.true_gradients and (allow_stale or not k.asynchronous) and not k.split_backward
+            and not k.virtual_stages]
 
 
 def choose_schedule(

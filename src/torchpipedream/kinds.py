@@ -18,6 +18,8 @@ flush       W^(t)                                                   1
 gpipe       W^(t), all forwards of a batch before its backwards     1
 zb-h1       W^(t); backward split into B (inputs) and W (weights)   1
 zb-h2       as zb-h1, twice the warm-up: no bubble between batches  1
+interleaved W^(t); v stages (chunks) per worker, looped placement       1
+zb-v        W^(t); two stages per worker in a V, backward split       1
 naive       the newest at each of its forward and its backward      1
 =========== ====================================================== =========================
 
@@ -72,6 +74,11 @@ class ScheduleKind:
         double_warmup: (split kinds) stage s runs 2(n − s) − 1 forwards before its first B and
             every stage holds up to 2n − 1 microbatches: ZB-H2, whose batches follow each other
             without a bubble once μ ≥ 2n − 1.
+        virtual_stages: each worker holds several stages (chunks) of the plan (``Plan.looped``)
+            and runs them interleaved: Megatron's interleaved 1F1B, whose bubble is 1/v of
+            flush's for v chunks per worker. Only these kinds take plans with virtual stages.
+        v_shape: (virtual kinds) two stages per worker placed in a V (``Plan.v_shape``: worker r
+            holds stages r and 2p − 1 − r, so the first worker also holds the last stage): ZB-V.
     """
 
     name: str
@@ -82,6 +89,8 @@ class ScheduleKind:
     forwards_first: bool = False
     split_backward: bool = False
     double_warmup: bool = False
+    virtual_stages: bool = False
+    v_shape: bool = False
 
     @property
     def round_robin(self) -> bool:
@@ -131,14 +140,20 @@ class ScheduleKind:
         first = max(depth, first_depth or depth)
         return 2 * first - 1 if self.double_warmup else first
 
-    def fill_drain_factor(self, microbatches: int, depth: int) -> float:
+    def fill_drain_factor(self, microbatches: int, depth: int, chunks: int = 1) -> float:
         """Time per minibatch over the bottleneck stage's, for a pipeline ``depth`` stages deep:
         a flushing kind runs μ microbatches in μ + n − 1 slots of 1/μ minibatch (GPipe's bubble),
         a split-backward one in μ + (n − 1)/3 (ZB-H1's (n − 1)(T_F + T_B − T_W) with
         T_F = T_B = T_W), ZB-H2 in μ + max(0, 2n − 1 − μ)/3 (batch after batch: none once
-        μ ≥ 2n − 1); the others keep the pipeline full across minibatches."""
+        μ ≥ 2n − 1); interleaved 1F1B over ``depth`` workers of ``chunks`` stages each in
+        μ + (n − 1)/v (Narayanan et al., SC'21); ZB-V in μ + (n − 1)/6 (μ ≥ 2n); the others
+        keep the pipeline full across minibatches."""
         if not self.flushes:
             return 1.0
+        if self.v_shape:  # ZB-V: the forward wave's start, (p − 1) of 6 chunk passes per microbatch
+            return (microbatches + (depth - 1) / 6) / microbatches
+        if self.virtual_stages:
+            return (microbatches + (depth - 1) / max(1, chunks)) / microbatches
         if self.double_warmup:
             fill = max(0, 2 * depth - 1 - microbatches) / 3
         else:
@@ -182,6 +197,13 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
     ScheduleKind("zb-h2", "Zero Bubble H2: zb-h1 with twice the warm-up and W kept for the batch's end, "
                  "so batches follow each other without a bubble; up to 2n - 1 microbatches held",
                  VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True, double_warmup=True),
+    ScheduleKind("interleaved", "interleaved 1F1B (Megatron): v stages per worker, looped; synchronous, "
+                 "1/v of flush's bubble, more transfers",
+                 VersionRule.BATCH, microbatched=True, flushes=True, virtual_stages=True),
+    ScheduleKind("zb-v", "ZB-V (Qi et al.): two stages per worker in a V, backward split into B and W; "
+                 "synchronous, only the forward wave's start idles once m >= 2p",
+                 VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True, virtual_stages=True,
+                 v_shape=True),
     ScheduleKind("naive", "pipelining without weight stashing (for experiments: wrong gradients)",
                  VersionRule.NEWEST, microbatched=False),
 )}

@@ -13,7 +13,8 @@ import math
 from .kinds import ScheduleKind, VersionRule, schedule_kind
 from .plans import Plan
 
-__all__ = ["replica_of", "update_of", "num_updates", "warmup_depth", "tied_support_problem"]
+__all__ = ["replica_of", "update_of", "num_updates", "warmup_depth", "interleaved_warmup", "v_shape_inflight",
+           "tied_support_problem"]
 
 
 def replica_of(plan: Plan, stage: int, microbatch: int) -> int:
@@ -50,6 +51,21 @@ def warmup_depth(plan: Plan, stage: int) -> int:
     """
     downstream = sum(st.replicas for st in plan.stages[stage:])
     return math.ceil(downstream / plan.stages[stage].replicas)
+
+
+def interleaved_warmup(plan: Plan, rank: int, microbatches: int) -> int:
+    """Forwards a rank of an interleaved pipeline (p workers of v stages each) runs before its
+    first backward in a batch of ``microbatches``: 2(p − r − 1) + (v − 1)p + 1, at most all
+    of them (Narayanan et al., SC'21: the v − 1 earlier chunks of a round of p microbatches,
+    then 1F1B's warm-up; twice it, because a rank's chunks alternate with its neighbours')."""
+    p, v = plan.num_workers, plan.chunks
+    return min(microbatches * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
+
+
+def v_shape_inflight(plan: Plan, microbatches: int) -> int:
+    """Microbatch chunks a ZB-V worker (two stages in a V) holds at most, over both its stages:
+    2p + 2 (p + 1 microbatches of its whole layers), at most the batch's two stages' worth."""
+    return min(2 * microbatches, 2 * plan.num_workers + 2)
 
 
 def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bool = False) -> str | None:

@@ -62,7 +62,7 @@ from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_k
 from .memory_model import (NO_SCRATCH, StageActivations, memory_terms, scratch_of_options, stage_activations,
                            stage_memory_bytes, working_key)
 from .plans import Plan, PlanError, Stage, TiedParameter
-from .topology import Topology, format_bytes
+from .topology import Level, Topology, format_bytes
 
 __all__ = [
     "plan",
@@ -745,6 +745,7 @@ def plan(
     method: str = "fast",
     rtol: float = 1e-10,
     recompute: bool = False,
+    chunks: int = 2,
 ) -> Plan:
     """Choose stages, replica counts and ranks that minimise the predicted time per minibatch.
 
@@ -770,6 +771,9 @@ def plan(
         recompute: activation recomputation on every stage (``Stage.recompute``): each
             backward is charged its stage's forward again. The memory model is unchanged: it
             counts the stashed stage inputs only, which is what a recomputing stage keeps.
+        chunks: for kinds with virtual stages (interleaved): stages per worker, v. The model
+            is cut into workers × v stages of balanced time (a straight plan of that depth),
+            stage k on worker k mod workers (``Plan.looped``).
 
     Raises:
         PlanError: impossible requests (more stages than blocks or workers, nothing fits in
@@ -788,6 +792,10 @@ def plan(
         raise PlanError(str(exc)) from None
     if schedule_kind(schedule).split_backward:
         straight = True  # zero-bubble schedules run one worker per stage (schedules.build_schedule)
+    if schedule_kind(schedule).virtual_stages:
+        return _plan_virtual(graph, topo, schedule, 2 if schedule_kind(schedule).v_shape else chunks, microbatches=microbatches, memory_bytes=memory_bytes,
+                            optimizer_state_factor=optimizer_state_factor, optimizer_scratch=optimizer_scratch,
+                            rtol=rtol, recompute=recompute)
     if method not in ("fast", "hierarchical"):
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:
@@ -836,6 +844,59 @@ def plan(
                                              optimizer_state_factor=optimizer_state_factor, recompute=recompute,
                                              **({"optimizer_scratch": list(optimizer_scratch)}
                                                 if optimizer_scratch != NO_SCRATCH else {})))
+
+
+def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int, **options: Any) -> Plan:
+    """A plan of virtual stages for ``schedule``: the straight plan of workers × ``chunks``
+    balanced stages on a topology with ``chunks`` times the workers (each worker's memory shared
+    by its chunks), then stage k on worker k mod workers (interleaved, ``Plan.looped``), or in a
+    V (zb-v, ``Plan.v_shape``: worker r holds stages r and 2p − 1 − r). Its prediction: the
+    busiest worker's compute and transfers per minibatch, times the kind's fill and drain
+    (interleaved (μ + (p − 1)/v)/μ, zb-v (μ + (p − 1)/6)/μ). Its memory: the flush model of that
+    deeper pipeline, summed per worker (an approximation: the interleaved order holds up to
+    2(p − r − 1) + (v − 1)p + 1 microbatches over a worker's chunks, zb-v up to 2p + 2)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise PlanError(f"chunks (stages per worker) must be a positive integer, got {chunks!r}")
+    if graph.tied:
+        raise PlanError(f"{schedule}: the model shares parameters between layers ({graph.tied[0].name}), which "
+                        "virtual stages do not support yet; use flush")
+    workers = topo.num_workers
+    kind = schedule_kind(schedule)
+    if not kind.v_shape and options["microbatches"] % workers:
+        raise PlanError(f"{schedule} runs microbatches in rounds of one per worker: microbatches must be a multiple "
+                        f"of the {workers} workers, got {options['microbatches']}")
+    memory = options.pop("memory_bytes")
+    memory = memory if memory is not None else topo.memory_bytes
+    top = topo.levels[-1]
+    wide = Topology([*topo.levels[:-1], Level(top.count * chunks, top.bandwidth_Bps, top.name)],
+                    memory_bytes=None, latency_s=topo.latency_s, name=topo.name,
+                    allreduce_efficiency=topo.allreduce_efficiency)
+    deep = plan(graph, wide, schedule="flush", straight=True, num_stages=workers * chunks,
+                memory_bytes=memory / chunks if memory is not None else None, **options)
+    n = workers * chunks
+    place = (lambda k: k if k < workers else n - 1 - k) if kind.v_shape else (lambda k: k % workers)
+    stages = [dataclasses.replace(st, ranks=[place(k)]) for k, st in enumerate(deep.stages)]
+    m = deep.microbatches
+    held = [[st for st in stages if st.ranks == [r]] for r in range(workers)]
+    per_rank = [sum(st.compute_ms + st.comm_ms for st in mine) for mine in held]
+    rank_memory = [sum(st.memory_bytes for st in mine) for mine in held]
+    t_ms = max(per_rank) * kind.fill_drain_factor(m, workers, chunks)
+    predicted = dict(deep.predicted)
+    predicted.update(time_per_minibatch_s=t_ms / 1e3, minibatches_per_s=1e3 / t_ms if t_ms > 0 else None,
+                     samples_per_s=(graph.batch_size * 1e3 / t_ms) if (graph.batch_size and t_ms > 0) else None,
+                     bottleneck_stage=None, bottleneck=f"worker {per_rank.index(max(per_rank))}",
+                     peak_memory_bytes=int(max(rank_memory)))
+    dp = predicted.get("data_parallel_time_per_minibatch_s")
+    predicted["speedup_over_data_parallel"] = dp * 1e3 / t_ms if dp and t_ms > 0 else None
+    meta = dict(deep.meta, workers_available=workers, chunks=chunks, worker_time_ms=per_rank)
+    meta["planner"] = dict(meta.get("planner", {}), chunks=chunks)
+    p = Plan(stages=stages, schedule=schedule, batch_size=deep.batch_size, microbatches=m, topology=topo.to_spec(),
+             predicted=predicted, meta=meta)
+    p.validate(layer_names=graph.names, world_size=workers)
+    if memory is not None and max(rank_memory) > memory:
+        raise PlanError(f"{schedule}: worker {rank_memory.index(max(rank_memory))} would need "
+                        f"{format_bytes(max(rank_memory))}, over the budget of {format_bytes(memory)}")
+    return p
 
 
 def _check_shape_request(layers: int, N: int, W: int, microbatches: int, num_stages: int | None, straight: bool,

@@ -3,7 +3,9 @@
 A :class:`Plan` is what the planner produces and what the schedules, the simulator and the
 runtime consume. It is plain data with a JSON form; :meth:`Plan.validate` checks it.
 
-Ranks are assigned stage by stage: stage 0's replicas get the first ranks, and so on.
+Ranks are assigned stage by stage: stage 0's replicas get the first ranks, and so on. A rank
+may also hold several stages (virtual stages, "chunks": :meth:`Plan.looped` puts stage k on rank
+k mod p, as Megatron's interleaved 1F1B does), each of them with a single replica.
 Costs are per minibatch of ``batch_size`` samples on one worker (a replica of a stage with r
 replicas processes every r-th minibatch).
 """
@@ -126,7 +128,18 @@ class Plan:
 
     @property
     def num_workers(self) -> int:
-        return sum(s.replicas for s in self.stages)
+        return len({r for s in self.stages for r in s.ranks}) if self.virtual else sum(s.replicas for s in self.stages)
+
+    @property
+    def virtual(self) -> bool:
+        """Some rank holds more than one stage (virtual stages: chunks of the model)."""
+        ranks = [r for s in self.stages for r in s.ranks]
+        return len(ranks) != len(set(ranks))
+
+    @property
+    def chunks(self) -> int:
+        """Stages per rank (v): 1 unless the plan has virtual stages (every rank then holds the same number)."""
+        return self.num_stages // self.num_workers if self.virtual else 1
 
     @property
     def config(self) -> str:
@@ -139,6 +152,8 @@ class Plan:
         if self.num_stages == 1:
             r = self.stages[0].replicas
             return "single worker" if r == 1 else f"data parallel ×{r}"
+        if self.virtual:
+            return f"{self.num_stages} stages on {self.num_workers} workers ({self.chunks} per worker)"
         if all(s.replicas == 1 for s in self.stages):
             return f"straight ×{self.num_stages}"
         return self.config
@@ -155,11 +170,19 @@ class Plan:
         return [k for k, t in enumerate(self.tied) if stage in t.stages]
 
     def stage_of_rank(self, rank: int) -> tuple[int, int]:
-        """(stage index, replica index) of a global rank."""
-        for s, stage in enumerate(self.stages):
-            if rank in stage.ranks:
-                return s, stage.ranks.index(rank)
-        raise PlanError(f"rank {rank} is not in the plan (it has {self.num_workers} workers)")
+        """(stage index, replica index) of a global rank that holds one stage (see
+        :meth:`stages_of_rank` for plans with virtual stages)."""
+        held = self.stages_of_rank(rank)
+        if len(held) > 1:
+            raise PlanError(f"rank {rank} holds stages {held} (virtual stages); ask stages_of_rank")
+        return held[0], self.stages[held[0]].ranks.index(rank)
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """The stages a global rank holds, in pipeline order (one, or several with virtual stages)."""
+        held = [s for s, stage in enumerate(self.stages) if rank in stage.ranks]
+        if not held:
+            raise PlanError(f"rank {rank} is not in the plan (it has {self.num_workers} workers)")
+        return held
 
     # ----------------------------------------------------------- validation
     def validate(self, layer_names: list[str] | None = None, world_size: int | None = None,
@@ -195,10 +218,9 @@ class Plan:
                 if name in seen_layers:
                     raise PlanError(f"layer {name!r} is in stage {seen_layers[name]} and stage {s}")
                 seen_layers[name] = s
-            for r in stage.ranks:
-                if r in seen_ranks:
-                    raise PlanError(f"rank {r} is assigned to two stages")
-                seen_ranks.add(r)
+            if len(set(stage.ranks)) != len(stage.ranks):
+                raise PlanError(f"stage {s}: ranks {stage.ranks} name a rank twice")
+            seen_ranks.update(stage.ranks)
             if not isinstance(stage.recompute, bool):
                 raise PlanError(f"stage {s}: recompute must be true or false, got {stage.recompute!r}")
             for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes", "memory_bytes"):
@@ -207,6 +229,8 @@ class Plan:
                     raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
         if seen_ranks != set(range(self.num_workers)):
             raise PlanError(f"ranks must be 0..{self.num_workers - 1}, got {sorted(seen_ranks)}")
+        if self.virtual:
+            self._validate_virtual()
         self._validate_tied()
         if layer_names is not None:
             missing = [n for n in layer_names if n not in seen_layers]
@@ -233,6 +257,23 @@ class Plan:
             raise PlanError(
                 f"the plan is for {self.num_workers} workers ({self.summary}) but {world_size} were launched"
             )
+
+    def _validate_virtual(self) -> None:
+        """A plan with virtual stages: every rank holds the same number of stages, none of them
+        replicated, and no shared parameters (not supported there yet)."""
+        replicated = [s for s, st in enumerate(self.stages) if st.replicas > 1]
+        if replicated:
+            raise PlanError(f"stage {replicated[0]} has {self.stages[replicated[0]].replicas} replicas, but a rank holds "
+                            "several stages: virtual stages need one worker per stage")
+        held = {r: self.stages_of_rank(r) for r in range(self.num_workers)}
+        counts = sorted({len(v) for v in held.values()})
+        if len(counts) > 1:
+            uneven = {r: v for r, v in held.items() if len(v) != counts[-1]}
+            raise PlanError(f"every rank must hold the same number of stages (virtual stages); ranks hold "
+                            f"{counts} stages, e.g. rank {next(iter(uneven))}: {next(iter(uneven.values()))}")
+        if self.tied:
+            raise PlanError(f"parameter {self.tied[0].name!r} is shared by stages {self.tied[0].stages}: shared "
+                            "parameters are not supported with virtual stages yet")
 
     def _validate_tied(self) -> None:
         if not isinstance(self.tied, list):
@@ -425,6 +466,27 @@ class Plan:
         """Parameter bytes a worker of stage ``s`` holds: its own, and a copy of each shared
         parameter it holds but does not own (every holding stage but the first: planner.evaluate)."""
         return self.stages[s].parameter_bytes + sum(t.bytes for t in self.tied if s in t.stages[1:])
+
+    @classmethod
+    def looped(cls, layer_groups: list[list[str]], workers: int, schedule: str = "interleaved",
+               **kwargs: Any) -> "Plan":
+        """A plan of virtual stages: stage k (layer group k) on rank k mod ``workers``, each rank
+        holding len(layer_groups) / workers of them (Megatron's interleaved placement)."""
+        if workers < 1 or len(layer_groups) % workers:
+            raise PlanError(f"{len(layer_groups)} stages do not divide evenly over {workers} workers")
+        stages = [Stage(layers=list(g), replicas=1, ranks=[i % workers]) for i, g in enumerate(layer_groups)]
+        return cls(stages=stages, schedule=schedule, **kwargs)
+
+    @classmethod
+    def v_shape(cls, layer_groups: list[list[str]], workers: int, schedule: str = "zb-v", **kwargs: Any) -> "Plan":
+        """A plan of 2 × ``workers`` virtual stages in a V: worker r holds stages r and 2p − 1 − r
+        (the first worker the first and the last stage), as ZB-V places them."""
+        if workers < 1 or len(layer_groups) != 2 * workers:
+            raise PlanError(f"a V-shaped plan has two stages per worker: {2 * workers} layer groups for {workers} "
+                            f"workers, got {len(layer_groups)}")
+        stages = [Stage(layers=list(g), replicas=1, ranks=[k if k < workers else 2 * workers - 1 - k])
+                  for k, g in enumerate(layer_groups)]
+        return cls(stages=stages, schedule=schedule, **kwargs)
 
     @classmethod
     def straight(cls, layer_groups: list[list[str]], schedule: str = "pipedream", **kwargs: Any) -> "Plan":

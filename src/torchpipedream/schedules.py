@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from .actions import Action, Kind, Schedule
-from .kinds import KIND_NAMES, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .placement import num_updates, replica_of, tied_support_problem, update_of, warmup_depth
+from .kinds import KIND_NAMES, SCHEDULE_KINDS, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from .placement import interleaved_warmup, num_updates, replica_of, tied_support_problem, update_of, warmup_depth
 from .plans import Plan, PlanError
 
 __all__ = ["build_schedule", "schedule_from_order", "GENERATORS", "ScheduleBuildError"]
@@ -92,6 +92,9 @@ class _Ctx:
     minibatches: int
     microbatches: int
     vertical_sync: bool
+    #: Plans with virtual stages: rank -> the stage of each of its compute items, in the order
+    #: the rank runs them (how its stages' lists interleave); None: one stage per rank.
+    rank_order: dict[int, list[int]] | None = None
 
     @property
     def total_mbs(self) -> int:
@@ -269,6 +272,133 @@ def zb_h2(ctx: _Ctx) -> ComputeOrder:
     return {(s, 0): [c for batch in ctx.batches_of(s, 0) for c in _zb_h2_batch(batch, n, s)] for s in range(n)}
 
 
+def interleaved(ctx: _Ctx) -> ComputeOrder:
+    """Interleaved 1F1B (Narayanan et al., SC'21; Megatron-LM), synchronous like flush: each of
+    p ranks holds v stages, stage k on rank k mod p (``Plan.looped``). A rank runs the forwards
+    of a batch in rounds of p microbatches, chunk by chunk (round 0 on its first chunk, round 0
+    on its second, ..., then round 1), and the backwards in the same rounds with the chunks in
+    reverse; 1F1B between the two after ``interleaved_warmup`` forwards. On stages of equal
+    times the bubble is (p − 1)/v of one stage's F + B per batch, 1/v of flush's::
+
+        r0: F0 F1 F0' F1' F2 B0' F3 B1' F2' B0 F3' B1 B2' B3' U0' B2 B3 U0   (p = 2, v = 2, m = 4;
+        r1: F0 F1 F0' B0' F1' B1' F2 B0 F3 B1 F2' B2' F3' B3' U0' B2 B3 U0   ' = the rank's 2nd stage)
+    """
+    plan, m, p, v = ctx.plan, ctx.microbatches, ctx.plan.num_workers, ctx.plan.chunks
+    looped = all(st.ranks == [k % p] for k, st in enumerate(plan.stages))
+    if not looped:
+        raise ScheduleBuildError(f"{ctx.kind.name} needs stage k on rank k mod {p} (Plan.looped); the plan puts "
+                                 f"them on {[st.ranks for st in plan.stages]}")
+    if m % p:
+        raise ScheduleBuildError(f"{ctx.kind.name} runs microbatches in rounds of one per worker: microbatches must be a "
+                                 f"multiple of the {p} workers, got {m} (choose {m + (-m) % p})")
+    out: ComputeOrder = {(k, 0): [] for k in range(plan.num_stages)}
+    ctx.rank_order = {}
+    for r in range(p):
+        chunks = plan.stages_of_rank(r)
+        items: list[tuple[int, _C]] = []
+        for t in range(ctx.minibatches):
+            ids = list(range(t * m, t * m + m))
+            rounds = [ids[g:g + p] for g in range(0, m, p)]
+            fwd = [(chunks[c], _C(Kind.FORWARD, i)) for rnd in rounds for c in range(v) for i in rnd]
+            bwd = [(chunks[c], _C(Kind.BACKWARD, i)) for rnd in rounds for c in reversed(range(v)) for i in rnd]
+            warm = interleaved_warmup(plan, r, m)
+            items += fwd[:warm]
+            for k, b in enumerate(bwd):
+                items.append(b)
+                if warm + k < len(fwd):
+                    items.append(fwd[warm + k])
+        for stage, it in items:
+            out[(stage, 0)].append(it)
+        ctx.rank_order[r] = [stage for stage, _ in items]
+    return out
+
+
+def _zb_v_batch(m: int, p: int) -> dict[int, list[tuple[int, Kind, int]]]:
+    """One batch of ZB-V on p workers, as rank -> [(stage, F/B/W, index in the batch)]: unit-time
+    passes placed greedily, each worker, whenever it is free, running the first that is ready
+    of: the B of its lower stage r (it finishes a microbatch's backward on the worker), the F of
+    its upper stage 2p − 1 − r, the F of stage r while it holds fewer than 2p + 2 microbatch
+    chunks, the B of stage 2p − 1 − r, else its oldest pending W. Equal F, B and W then leave
+    only the forward wave's start idle: a batch takes 6m + p − 1 units for every m ≥ 2p
+    (tests/test_zero_bubble_schedule.py)."""
+    n, cap = 2 * p, 2 * p + 2
+    finish: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, index) -> end of that unit step
+    free, held = [0] * p, [0] * p
+    next_f, next_b = [0] * n, [0] * n
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    out: dict[int, list[tuple[int, Kind, int]]] = {r: [] for r in range(p)}
+    left, idle = 3 * n * m, 0
+    while left:
+        r = min(range(p), key=lambda q: (free[q], q))
+        t, low, high = free[r], r, n - 1 - r
+
+        def ready(kind: Kind, k: int) -> bool:
+            if kind is Kind.FORWARD:
+                i = next_f[k]
+                return i < m and (k == 0 or finish.get((Kind.FORWARD, k - 1, i), t + 1) <= t)
+            i = next_b[k]
+            after = (Kind.FORWARD, k, i) if k == n - 1 else (Kind.BACKWARD, k + 1, i)
+            return i < m and (Kind.FORWARD, k, i) in finish and finish.get(after, t + 1) <= t
+
+        choice: tuple[Kind, int] | None = None
+        for kind, k in ((Kind.BACKWARD, low), (Kind.FORWARD, high), (Kind.FORWARD, low), (Kind.BACKWARD, high)):
+            if ready(kind, k) and (kind is Kind.BACKWARD or held[r] < cap):
+                choice = (kind, k)
+                break
+        if choice is None and pending_w[r]:
+            choice = (Kind.WEIGHT_GRAD, pending_w[r][0][0])
+        if choice is None:
+            free[r] = t + 1
+            idle += 1
+            if idle > 3 * n * m * p:  # pragma: no cover - the rule above always progresses
+                raise ScheduleBuildError(f"zb-v: no order found for {m} microbatches on {p} workers")
+            continue
+        kind, k = choice
+        if kind is Kind.FORWARD:
+            i = next_f[k]
+            next_f[k] += 1
+            held[r] += 1
+        elif kind is Kind.BACKWARD:
+            i = next_b[k]
+            next_b[k] += 1
+            pending_w[r].append((k, i))
+        else:
+            k, i = pending_w[r].pop(0)
+            held[r] -= 1
+        finish[(kind, k, i)] = t + 1
+        out[r].append((k, kind, i))
+        free[r] = t + 1
+        left -= 1
+    return out
+
+
+def zb_v(ctx: _Ctx) -> ComputeOrder:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024), synchronous like
+    flush: p workers hold two stages each in a V (``Plan.v_shape``: worker r holds stages r and
+    2p − 1 − r, so the first worker runs the first and the last stage), every backward split into
+    B and W. Each batch's order comes from ``_zb_v_batch``; on stages of equal F, B and W a batch
+    of m ≥ 2p microbatches idles only for the forward wave's start, p − 1 passes, and every
+    worker holds at most 2p + 2 microbatch chunks (p + 1 microbatches of its whole layers)::
+
+        r0: F0 F1 F2 F0' F3 F1' B0' B1' W0' B0 F2' B1 B2' W1' W0 B2 W1 F3' B3' W2' W2 B3 W3' W3
+        r1: F0 F0' F1 F1' F2 F2' B0' B0 B1' B1 W0' F3 B2' B2 W0 F3' W1' W1 B3' B3 W2' W2 W3' W3
+                                                              (p = 2, m = 4; ' = stage 2p − 1 − r)
+    """
+    plan, m, p = ctx.plan, ctx.microbatches, ctx.plan.num_workers
+    if plan.chunks != 2 or any(st.ranks != [k if k < p else 2 * p - 1 - k] for k, st in enumerate(plan.stages)):
+        raise ScheduleBuildError(f"{ctx.kind.name} needs two stages per worker in a V, worker r holding stages r and "
+                                 f"{2 * p - 1} - r (Plan.v_shape); the plan puts them on "
+                                 f"{[st.ranks for st in plan.stages]}")
+    out: ComputeOrder = {(k, 0): [] for k in range(plan.num_stages)}
+    ctx.rank_order = {r: [] for r in range(p)}
+    for t in range(ctx.minibatches):
+        for r, items in _zb_v_batch(m, p).items():
+            for stage, kind, i in items:
+                out[(stage, 0)].append(_C(kind, t * m + i))
+                ctx.rank_order[r].append(stage)
+    return out
+
+
 GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
     "pipedream": pipedream,
     "2bw": two_bw,
@@ -276,6 +406,8 @@ GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
     "gpipe": gpipe,
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
+    "interleaved": interleaved,
+    "zb-v": zb_v,
     "naive": naive,
 }
 assert set(GENERATORS) == set(KIND_NAMES), "every schedule kind needs a generator"
@@ -418,18 +550,21 @@ def _apply_vertical_sync(ctx: _Ctx, order: dict, vers: dict) -> None:
 
 # --------------------------------------------------------------------- pass 3: lowering
 def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
-    """Turn compute items into actions with the transfers around them."""
+    """Turn compute items into actions with the transfers around them, then each rank's list:
+    its stage's actions, or where a rank holds several stages their segments (one per compute
+    item, with the updates that follow it) in the rank's order (``ctx.rank_order``). A
+    transfer between two stages of one rank names that rank as its peer."""
     plan = ctx.plan
     n = plan.num_stages
 
     def rank(stage: int, microbatch: int) -> int:
         return plan.stages[stage].ranks[replica_of(plan, stage, microbatch)]
 
-    actions: dict[int, list[Action]] = {}
+    segments: dict[tuple[int, int], list[list[Action]]] = {}
     for (s, q), items in order.items():
-        me = plan.stages[s].ranks[q]
-        out: list[Action] = []
+        segs: list[list[Action]] = [[]]  # segs[0]: what runs before the first compute item
         for it in items:
+            out = segs[-1]
             if isinstance(it, tuple):
                 if it[0] == "TP":
                     out.append(Action(s, Kind.TIED_POST, it[1], replica=q, tie=it[2]))
@@ -440,6 +575,8 @@ def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
                 k = Kind.ALLREDUCE if it[0] == "AR" else Kind.OPTIMIZER_STEP
                 out.append(Action(s, k, it[1], replica=q, version=it[1] + 1 if k is Kind.OPTIMIZER_STEP else None))
                 continue
+            out = []
+            segs.append(out)
             v = vers[(s, q)][(it.kind, it.microbatch)]
             if it.kind is Kind.WEIGHT_GRAD:
                 out.append(Action(s, Kind.WEIGHT_GRAD, it.microbatch, replica=q, version=v))
@@ -455,7 +592,21 @@ def _lower(ctx: _Ctx, order: dict, vers: dict) -> dict[int, list[Action]]:
                 out.append(Action(s, Kind.BACKWARD, it.microbatch, replica=q, version=v))
                 if s > 0:
                     out.append(Action(s, Kind.SEND_GRAD, it.microbatch, replica=q, peer=rank(s - 1, it.microbatch)))
-        actions[me] = out
+        segments[(s, q)] = segs
+    actions: dict[int, list[Action]] = {}
+    if ctx.rank_order is None:
+        for (s, q), segs in segments.items():
+            actions[plan.stages[s].ranks[q]] = [a for seg in segs for a in seg]
+        return dict(sorted(actions.items()))
+    for r, stage_order in ctx.rank_order.items():
+        held = plan.stages_of_rank(r)
+        out = [a for s in held for a in segments[(s, 0)][0]]
+        nxt = {s: 1 for s in held}
+        for s in stage_order:
+            out += segments[(s, 0)][nxt[s]]
+            nxt[s] += 1
+        assert all(nxt[s] == len(segments[(s, 0)]) for s in held), "rank_order must list every compute item"
+        actions[r] = out
     return dict(sorted(actions.items()))
 
 
@@ -491,8 +642,9 @@ def build_schedule(
 
     Args:
         plan: a valid plan (stages, replicas, ranks).
-        kind: pipedream, 2bw, flush, gpipe, zb-h1 or naive; defaults to ``plan.schedule``.
-        minibatches: minibatches (pipedream, naive) or batches (2bw, flush, gpipe, zb-h1, zb-h2) to cover.
+        kind: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2, interleaved, zb-v or naive; defaults to
+            ``plan.schedule``.
+        minibatches: minibatches (pipedream, naive) or batches (the microbatched kinds) to cover.
         microbatches: microbatches per batch for 2bw/flush/gpipe/zb-h1/zb-h2 (default ``plan.microbatches``);
             always 1 for pipedream and naive.
         vertical_sync: pipedream only — every stage uses the input stage's version.
@@ -525,6 +677,15 @@ def build_schedule(
         raise ScheduleBuildError(
             f"{info.name} runs a straight pipeline (one worker per stage); stage {bad} has "
             f"{plan.stages[bad].replicas} replicas: plan with straight=True, or use flush")
+    if plan.virtual and not info.virtual_stages:
+        raise ScheduleBuildError(
+            f"the plan puts several stages on one worker ({plan.summary}); {info.name} runs one stage per "
+            f"worker: use {', '.join(k.name for k in SCHEDULE_KINDS.values() if k.virtual_stages)}")
+    if info.virtual_stages and any(st.replicas > 1 for st in plan.stages):
+        bad = next(i for i, st in enumerate(plan.stages) if st.replicas > 1)
+        raise ScheduleBuildError(
+            f"{info.name} runs stages of one worker each; stage {bad} has {plan.stages[bad].replicas} replicas: "
+            "plan with straight=True, or use flush")
     if vertical_sync and not info.stashes_weights:
         raise ScheduleBuildError(f"vertical_sync applies to schedules with weight stashing (pipedream) only, not {info.name!r}")
     problem = tied_support_problem(plan, info, vertical_sync)
@@ -545,7 +706,8 @@ def _finish(ctx: _Ctx, compute: ComputeOrder) -> Schedule:
 
 
 def schedule_from_order(plan: Plan, kind: str, minibatches: int, microbatches: int,
-                        order: Mapping[tuple[int, int], Sequence[tuple[Kind, int]]]) -> Schedule:
+                        order: Mapping[tuple[int, int], Sequence[tuple[Kind, int]]],
+                        rank_order: Mapping[int, Sequence[int]] | None = None) -> Schedule:
     """A schedule from a compute order written elsewhere (torch_interop.py reads torch's):
     ``order[(stage, replica)]`` lists the F, B and W of global microbatch ids in the order that
     replica runs them (a B is split where the list also has a W of its microbatch). The same
@@ -553,9 +715,16 @@ def schedule_from_order(plan: Plan, kind: str, minibatches: int, microbatches: i
     transfers; :func:`~torchpipedream.validate.validate_schedule` proves the result (an order
     that breaks a rule fails there, with the grid).
 
+    A plan with virtual stages (several stages per rank) also needs ``rank_order``: rank -> the
+    stage of each of its compute items, in the order the rank runs them, which says how its
+    stages' lists interleave (the lowering merges them so). For one stage per rank it adds
+    nothing and is only checked.
+
     Raises:
-        ScheduleBuildError: unknown kind, an invalid plan, bad counts, or an order that misses a
-            replica of the plan or names a kind other than F, B and W.
+        ScheduleBuildError: unknown kind, an invalid plan, bad counts, an order that misses a
+            replica of the plan or names a kind other than F, B and W, a virtual plan without
+            ``rank_order`` or with a kind that runs one stage per worker, or a ``rank_order``
+            that does not list each rank's compute items exactly.
     """
     try:
         info = schedule_kind(kind)
@@ -569,10 +738,40 @@ def schedule_from_order(plan: Plan, kind: str, minibatches: int, microbatches: i
     want = {(s, q) for s, st in enumerate(plan.stages) for q in range(st.replicas)}
     if set(order) != want:
         raise ScheduleBuildError(f"the order lists (stage, replica) {sorted(order)}; the plan has {sorted(want)}")
+    if plan.virtual and not info.virtual_stages:
+        raise ScheduleBuildError(
+            f"the plan puts several stages on one worker ({plan.summary}); {info.name} runs one stage per worker: use "
+            f"{', '.join(k.name for k in SCHEDULE_KINDS.values() if k.virtual_stages)}")
+    if plan.virtual and rank_order is None:
+        raise ScheduleBuildError(
+            f"the plan puts several stages on one worker ({plan.summary}): rank_order is needed (rank -> the stage of "
+            "each of its compute items, in the order the rank runs them) to interleave each rank's stages")
     compute: ComputeOrder = {}
     for key, items in order.items():
         bad = [k for k, _ in items if k not in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD)]
         if bad:
             raise ScheduleBuildError(f"stage {key[0]} replica {key[1]}: a compute order holds F, B and W only, not {bad[0]}")
         compute[key] = [_C(k, int(i)) for k, i in items]
-    return _finish(_Ctx(plan, info, minibatches, m, False), compute)
+    ranks: dict[int, list[int]] | None = None
+    if rank_order is not None:  # per rank: each stage it holds, once per compute item of that stage
+        if set(rank_order) != set(range(plan.num_workers)):
+            raise ScheduleBuildError(f"rank_order lists ranks {sorted(rank_order)}; the plan has ranks "
+                                     f"{list(range(plan.num_workers))}")
+        ranks = {}
+        for r in sorted(rank_order):
+            held = {s: plan.stages[s].ranks.index(r) for s in plan.stages_of_rank(r)}  # stage -> the replica r runs
+            listed: dict[int, int] = {}
+            for s in rank_order[r]:
+                if s not in held:
+                    raise ScheduleBuildError(f"rank_order[{r}] names stage {s!r}; rank {r} holds stages {sorted(held)}")
+                listed[s] = listed.get(s, 0) + 1
+            for s, q in held.items():
+                if listed.get(s, 0) != len(compute[(s, q)]):
+                    raise ScheduleBuildError(
+                        f"rank_order[{r}] lists stage {s} {listed.get(s, 0)} times, but the order has "
+                        f"{len(compute[(s, q)])} compute items of stage {s}"
+                        + (f" replica {q}" if plan.stages[s].replicas > 1 else "")
+                        + ": rank_order needs one entry per compute item of the rank's stages")
+            ranks[r] = list(rank_order[r])
+    # one stage per rank: the rank's order is its stage's, nothing to interleave
+    return _finish(_Ctx(plan, info, minibatches, m, False, ranks if plan.virtual else None), compute)

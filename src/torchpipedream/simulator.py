@@ -354,6 +354,20 @@ def accumulating_backwards(actions: list[Action], replicated: bool) -> set[int]:
     return out
 
 
+def _by_stage(actions: list[Action], positions: Any) -> set[int]:
+    """``positions(sub, stage)`` (positions in ``sub``) for each stage's own actions of one
+    rank's list, as positions in the whole list (a rank holding several stages keeps
+    versions and gradients per stage)."""
+    stages = {a.stage for a in actions}
+    if len(stages) <= 1:
+        return positions(actions, next(iter(stages), 0))
+    out: set[int] = set()
+    for s in stages:
+        at = [p for p, a in enumerate(actions) if a.stage == s]
+        out |= {at[i] for i in positions([actions[p] for p in at], s)}
+    return out
+
+
 @dataclass
 class _Charges:
     """Seconds each action costs on each stage, precomputed from :class:`Costs` once per run."""
@@ -425,14 +439,14 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     F, B, SA, RA, SG, RG, AR, TP, TR = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD,
                                         Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.TIED_POST, Kind.TIED_REDUCE)
     W, wgrad = Kind.WEIGHT_GRAD, charge.weight_grad
-    split_at = {r: split_backwards(lst) for r, lst in schedule.actions.items()}
+    split_at = {r: {(a.stage, a.id) for a in lst if a.kind is W} for r, lst in schedule.actions.items()}
     tied_size = {k: sum(plan.stages[s].replicas for s in t.stages) for k, t in enumerate(plan.tied)}
     tied_posts: dict[tuple[int, int], dict[int, float]] = {}  # (parameter, update) -> rank -> post time
     tied_waiting: dict[tuple[int, int], set[int]] = {}  # ranks blocked at a TR until every post is in
-    stage_of = {r: plan.stage_of_rank(r) for r in schedule.actions}
     acts = schedule.actions
-    copy_at = {r: stash_copies(lst) for r, lst in acts.items()}
-    adds_at = {r: accumulating_backwards(lst, plan.stages[stage_of[r][0]].replicas > 1) for r, lst in acts.items()}
+    copy_at = {r: _by_stage(lst, lambda sub, s: stash_copies(sub)) for r, lst in acts.items()}
+    adds_at = {r: _by_stage(lst, lambda sub, s: accumulating_backwards(sub, plan.stages[s].replicas > 1))
+               for r, lst in acts.items()}
     clock = {r: 0.0 for r in acts}
     pc = {r: 0 for r in acts}
     link_free: dict[tuple[int, int], float] = {}
@@ -455,19 +469,18 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
         r = ready.popleft()
         queued.discard(r)
         lst = acts[r]
-        s, q = stage_of[r]
         t = clock[r]
         p = pc[r]
         n_acts = len(lst)
         while p < n_acts:
             a = lst[p]
-            k = a.kind
+            k, s, q = a.kind, a.stage, a.replica
             if k is F or k is B or k is W:
                 if k is F:
                     d = fwd[s]
                 elif k is W:
                     d = wgrad[s] + (add_s[s] if p in adds_at[r] else 0.0)
-                elif a.id in split_at[r]:
+                elif (s, a.id) in split_at[r]:
                     d = bwd[s] - wgrad[s]
                 else:
                     d = bwd[s] + (add_s[s] if p in adds_at[r] else 0.0)
@@ -479,10 +492,11 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 key = (r, dst, s)
                 c = link_cost.get(key)
                 nbytes = outb[s] if k is SA else outb[s - 1]
-                if c is None:
-                    c = _transfer_s(nbytes, costs.bandwidth(r, dst), lat)  # type: ignore[arg-type]
+                if c is None:  # a transfer between two stages of one rank is a hand-over in memory
+                    c = 0.0 if dst == r else _transfer_s(nbytes, costs.bandwidth(r, dst), lat)  # type: ignore[arg-type]
                     link_cost[key] = c
-                t += ovh
+                if dst != r:
+                    t += ovh
                 start = link_free.get(ch, 0.0)
                 if start < t:
                     start = t
@@ -503,7 +517,8 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 start = t
                 if arr > t:
                     t = arr
-                t += ovh
+                if a.peer != r:
+                    t += ovh
                 emit(Ev(r, s, KV[k], a.id, start, t, 0, text(a), q, None))
             elif k is AR:
                 group = ar_state.setdefault((s, a.id), [set(), 0.0, []])  # arrived, latest arrival, who
@@ -516,7 +531,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
                 end = group[1] + charge.allreduce.get(s, 0.0)
                 for o, arrived_at, act in group[2]:
                     emit(Ev(o, s, "AR", act.id, arrived_at, end, charge.allreduce_bytes.get(s, 0), text(act),
-                            stage_of[o][1], None))
+                            act.replica, None))
                     if o != r:  # the others were parked at this AR: it is done for them too
                         clock[o] = end
                         pc[o] += 1
@@ -587,8 +602,8 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     stats = schedule_stats(schedule)
     busy = trace.busy_time()
     n = plan.num_stages
-    max_v = [max(stats.max_versions[r] for r in st.ranks) for st in plan.stages]
-    max_a = [max(stats.max_inflight[r] for r in st.ranks) for st in plan.stages]
+    max_v = [max(stats.by_stage.get((r, s), (0, 0))[0] for r in st.ranks) for s, st in enumerate(plan.stages)]
+    max_a = [max(stats.by_stage.get((r, s), (0, 0))[1] for r in st.ranks) for s, st in enumerate(plan.stages)]
     params = costs.parameter_bytes or [0.0] * n
     acts = costs.activation_bytes or [0.0] * n
     once = costs.working_bytes or [0.0] * n

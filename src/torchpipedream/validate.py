@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .actions import Action, Kind, Schedule, split_backwards
+from .actions import Action, Kind, Schedule, message_key, split_backwards
 from .kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .placement import num_updates, replica_of, tied_support_problem, update_of, warmup_depth
+from .placement import interleaved_warmup, num_updates, v_shape_inflight, replica_of, tied_support_problem, update_of, warmup_depth
 from .plans import Plan
 
-__all__ = ["ScheduleError", "validate_schedule", "schedule_stats", "ScheduleStats", "format_grid", "bounds"]
+__all__ = ["ScheduleError", "validate_schedule", "schedule_stats", "ScheduleStats", "format_grid", "bounds",
+           "rank_inflight_bound"]
 
 _GRID_WINDOW = 8  # columns shown either side of the marked steps
 
@@ -88,12 +89,19 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
     vertical sync); naive: 1 version; 2bw: 2 versions; flush: 1 version, warm-up depth
     activations; gpipe: 1 version, every local microbatch of a batch; zb-h1: 1 version, the
     input stage's warm-up depth of activations on every stage (held until W); zb-h2: twice that
-    − 1.
+    − 1; interleaved: 1 version, its rank's warm-up depth (``interleaved_warmup``), at most the
+    batch; zb-v: 1 version, the chunks a worker holds at most (``v_shape_inflight``), at most the
+    batch.
     """
     try:
         info = schedule_kind(kind)
     except UnknownKindError as exc:
         raise ScheduleError(str(exc)) from None
+    if info.v_shape:
+        return {s: (1, min(microbatches, v_shape_inflight(plan, microbatches))) for s in range(plan.num_stages)}
+    if info.virtual_stages:
+        return {s: (1, min(microbatches, interleaved_warmup(plan, st.ranks[0], microbatches)))
+                for s, st in enumerate(plan.stages)}
     out = {}
     first = warmup_depth(plan, 0)
     for s, st in enumerate(plan.stages):
@@ -105,10 +113,12 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
 
 @dataclass
 class ScheduleStats:
-    """Per rank: peak live weight versions and peak in-flight (stashed) activations."""
+    """Per rank: peak live weight versions and peak in-flight (stashed) activations, over all
+    its stages; ``by_stage``: the same per (rank, stage), for ranks holding several."""
 
     max_versions: dict[int, int]
     max_inflight: dict[int, int]
+    by_stage: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- per-rank walk
@@ -120,12 +130,14 @@ class _RankWalk:
     then the memory bounds; :meth:`finish` checks that nothing was left undone.
     """
 
-    def __init__(self, schedule: Schedule, rank: int, v0: dict[int, int] | None) -> None:
+    def __init__(self, schedule: Schedule, rank: int, v0: dict[int, int] | None, stage: int | None = None) -> None:
         self.schedule, self.rank, self.v0 = schedule, rank, v0
         plan = self.plan = schedule.plan
         self.kind, self.m = schedule_kind(schedule.kind), schedule.microbatches
         self.n = plan.num_stages
-        self.s, self.q = plan.stage_of_rank(rank)
+        # One stage of a rank that holds several (virtual stages): the walk checks that
+        # stage's actions, at their places in the rank's list.
+        self.s, self.q = plan.stage_of_rank(rank) if stage is None else (stage, 0)
         self.replicas = plan.stages[self.s].replicas
         self.total = schedule.minibatches * self.m
         self.n_updates = num_updates(plan, self.kind, self.s, schedule.minibatches)
@@ -135,6 +147,7 @@ class _RankWalk:
         if isinstance(declared, int) and declared > self.activation_bound:
             self.activation_bound = declared
         self.acts = schedule.actions[rank]
+        self.steps_of_stage = [k for k, a in enumerate(self.acts) if stage is None or a.stage == stage]
         self.mine = {i for i in range(self.total) if replica_of(plan, self.s, i) == self.q}
         self.by_update: dict[int, list[int]] = {}
         self.per_batch: dict[int, int] = {}
@@ -143,7 +156,7 @@ class _RankWalk:
             self.per_batch[j // self.m] = self.per_batch.get(j // self.m, 0) + 1
         self.fwd_ver: dict[int, int] = {}
         self.done_b: set[int] = set()
-        self.split = split_backwards(self.acts)  # their B computes the inputs' gradient only
+        self.split = split_backwards(self.acts[k] for k in self.steps_of_stage)  # their B computes the inputs' gradient only
         self.done_w: set[int] = set()
         self.got_act: set[int] = set()
         self.got_grad: set[int] = set()
@@ -169,7 +182,8 @@ class _RankWalk:
                     Kind.ALLREDUCE: self.allreduce,
                     Kind.OPTIMIZER_STEP: self.step, Kind.TIED_POST: self.tied_post,
                     Kind.TIED_REDUCE: self.tied_reduce}
-        for k, a in enumerate(self.acts):
+        for k in self.steps_of_stage:
+            a = self.acts[k]
             self.fields(k, a)
             handlers.get(a.kind, self.transfer)(k, a)
             live = 1 if self.kind.version_rule is VersionRule.NEWEST else len(self.held) + (self.steps not in self.held)
@@ -420,15 +434,46 @@ def _check_version(schedule: Schedule, a: Action, steps: int, v0: dict[int, int]
 
 
 # --------------------------------------------------------------------- matching and deadlock
+def rank_inflight_bound(plan: Plan, kind: str | ScheduleKind, microbatches: int, rank: int) -> int:
+    """Microbatch chunks a rank holding several stages keeps in flight at most, over all of them:
+    interleaved its warm-up depth (``interleaved_warmup``), zb-v 2p + 2 (``v_shape_inflight``)."""
+    info = schedule_kind(kind)
+    return v_shape_inflight(plan, microbatches) if info.v_shape else interleaved_warmup(plan, rank, microbatches)
+
+
+def _check_rank_inflight(schedule: Schedule, kind: ScheduleKind, rank: int) -> None:
+    """A rank holding several stages keeps at most ``rank_inflight_bound`` microbatch chunks in
+    flight over all of them, or what a schedule from elsewhere declares
+    (``options["max_rank_inflight"]``, torch_interop.py)."""
+    plan, m = schedule.plan, schedule.microbatches
+    bound = rank_inflight_bound(plan, kind, m, rank)
+    declared = (schedule.options or {}).get("max_rank_inflight")
+    if isinstance(declared, int):
+        bound = max(bound, declared)
+    acts = schedule.actions[rank]
+    split = {(a.stage, a.id) for a in acts if a.kind is Kind.WEIGHT_GRAD}
+    held: set[tuple[int, int]] = set()
+    for k, a in enumerate(acts):
+        key = (a.stage, a.id)
+        if a.kind is Kind.FORWARD:
+            held.add(key)
+            if len(held) > bound:
+                raise _fail(schedule, f"rank {rank} step {k} ({a}): {len(held)} microbatch chunks in flight over its "
+                                      f"stages {plan.stages_of_rank(rank)}; a {kind.name} worker holds at most {bound}",
+                            [(rank, k)])
+        elif a.kind is Kind.WEIGHT_GRAD or (a.kind is Kind.BACKWARD and key not in split):
+            held.discard(key)
+
+
 def _check_matching(schedule: Schedule) -> None:
-    sends: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
-    recvs: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
+    sends: dict[tuple[int, int, str], list[tuple[int, tuple[int, int]]]] = {}
+    recvs: dict[tuple[int, int, str], list[tuple[int, tuple[int, int]]]] = {}
     for r, acts in schedule.actions.items():
         for k, a in enumerate(acts):
             if a.kind is Kind.SEND_ACT or a.kind is Kind.SEND_GRAD:
-                sends.setdefault((r, a.peer, "A" if a.kind is Kind.SEND_ACT else "G"), []).append((k, a.id))  # type: ignore[arg-type]
+                sends.setdefault((r, a.peer, "A" if a.kind is Kind.SEND_ACT else "G"), []).append((k, message_key(a)))  # type: ignore[arg-type]
             elif a.kind is Kind.RECV_ACT or a.kind is Kind.RECV_GRAD:
-                recvs.setdefault((a.peer, r, "A" if a.kind is Kind.RECV_ACT else "G"), []).append((k, a.id))  # type: ignore[arg-type]
+                recvs.setdefault((a.peer, r, "A" if a.kind is Kind.RECV_ACT else "G"), []).append((k, message_key(a)))  # type: ignore[arg-type]
     for key in sorted(set(sends) | set(recvs)):
         src, dst, d = key
         what = "activations" if d == "A" else "gradients"
@@ -438,7 +483,8 @@ def _check_matching(schedule: Schedule) -> None:
                 raise _fail(
                     schedule,
                     f"{what} from rank {src} to rank {dst} are matched in order: send #{j} carries microbatch "
-                    f"{sd[1]} but receive #{j} expects {rc[1]}",
+                    f"{sd[1][1]} but receive #{j} expects {rc[1][1]}"
+                    + (f" (of stage {sd[1][0]}'s forward, not stage {rc[1][0]}'s)" if sd[1][0] != rc[1][0] else ""),
                     [(src, sd[0]), (dst, rc[0])],
                 )
         if len(ss) != len(rr):
@@ -592,6 +638,21 @@ def validate_schedule(schedule: Schedule) -> None:
     problem = tied_support_problem(plan, kind, vsync)
     if problem:
         raise ScheduleError(problem)
+    if plan.virtual != kind.virtual_stages and plan.virtual:
+        raise ScheduleError(f"the plan puts several stages on one worker ({plan.summary}); a {kind.name} schedule "
+                            "runs one stage per worker")
+    if plan.virtual:
+        for r, acts in schedule.actions.items():
+            held = plan.stages_of_rank(r)
+            stray = next((k for k, a in enumerate(acts) if a.stage not in held), None)
+            if stray is not None:
+                raise _fail(schedule, f"rank {r} holds stages {held}, not stage {acts[stray].stage}", [(r, stray)])
+            for s in held:
+                _RankWalk(schedule, r, None, stage=s).run()
+            _check_rank_inflight(schedule, kind, r)
+        _check_matching(schedule)
+        _check_deadlock(schedule)
+        return
     order = sorted(schedule.actions, key=lambda r: plan.stage_of_rank(r))
     for r in order:
         _RankWalk(schedule, r, v0).run()
@@ -606,39 +667,50 @@ def schedule_stats(schedule: Schedule) -> ScheduleStats:
 
     Live versions = the newest version plus every version an in-flight microbatch stashed
     (1 for naive, which stashes none); in flight = forwarded, not yet backpropagated (until its
-    W where the backward is split).
+    W where the backward is split). A rank holding several stages counts each stage's own
+    versions and microbatches (``by_stage``) and, for the rank, their sums at each point.
     """
-    mv, ma = {}, {}
+    mv, ma, by_stage = {}, {}, {}
     naive = schedule_kind(schedule.kind).version_rule is VersionRule.NEWEST
     F, B, W, U = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP
     for r, acts in schedule.actions.items():
-        split = split_backwards(acts)
-        inflight: dict[int, int] = {}
-        held: dict[int, int] = {}
-        steps = peak_v = peak_a = 0
+        split = {(a.stage, a.id) for a in acts if a.kind is W}
+        inflight: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> version
+        held: dict[int, dict[int, int]] = {}  # stage -> version -> microbatches stashing it
+        steps: dict[int, int] = {}
+        count: dict[int, int] = {}  # stage -> microbatches in flight
+        peak_v = peak_a = 0
+        stage_peaks: dict[int, list[int]] = {}
         for a in acts:
-            k = a.kind
+            k, key, s = a.kind, (a.stage, a.id), a.stage
+            mine = held.setdefault(s, {})
             if k is F:
-                if a.id not in inflight:
-                    v = a.version
-                    inflight[a.id] = v  # type: ignore[assignment]
-                    held[v] = held.get(v, 0) + 1  # type: ignore[index]
-                    if len(inflight) > peak_a:
-                        peak_a = len(inflight)
-            elif (k is B and a.id not in split) or k is W:
-                v = inflight.pop(a.id, None)  # type: ignore[assignment]
+                if key in inflight:
+                    continue
+                inflight[key] = a.version  # type: ignore[assignment]
+                count[s] = count.get(s, 0) + 1
+                mine[a.version] = mine.get(a.version, 0) + 1  # type: ignore[index]
+            elif (k is B and key not in split) or k is W:
+                v = inflight.pop(key, None)
                 if v is not None:
-                    if held[v] == 1:
-                        del held[v]
+                    count[s] -= 1
+                    if mine[v] == 1:
+                        del mine[v]
                     else:
-                        held[v] -= 1
+                        mine[v] -= 1
                 continue
             elif k is U:
-                steps += 1
+                steps[s] = steps.get(s, 0) + 1
             else:
                 continue
-            live = 1 if naive else len(held) + (steps not in held)
-            if live > peak_v:
-                peak_v = live
+            live = {t: (1 if naive else len(h) + (steps.get(t, 0) not in h)) for t, h in held.items()}
+            per_stage = stage_peaks.setdefault(s, [0, 0])
+            per_stage[0] = max(per_stage[0], live[s])
+            per_stage[1] = max(per_stage[1], count.get(s, 0))
+            peak_v = max(peak_v, sum(live.values()))
+            peak_a = max(peak_a, len(inflight))
         mv[r], ma[r] = max(peak_v, 1 if acts else 0), peak_a
-    return ScheduleStats(max_versions=mv, max_inflight=ma)
+        for s in {a.stage for a in acts}:
+            v_peak, a_peak = stage_peaks.get(s, [0, 0])
+            by_stage[(r, s)] = (max(v_peak, 1), a_peak)
+    return ScheduleStats(max_versions=mv, max_inflight=ma, by_stage=by_stage)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .trace import Trace
 
@@ -58,20 +58,25 @@ def _plot(ax, trace: Trace, title: str | None, t_scale: float, unit: str) -> Non
     ranks = trace.ranks
     row = {r: i for i, r in enumerate(ranks)}
     t0 = trace.start_s
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    held = _stages_of_ranks(trace)
+    bars: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     labels: list[tuple[float, float, str]] = []
     for e in trace.events:
         k = "SA" if e.kind in ("SA", "RA") else "SG" if e.kind in ("SG", "RG") else e.kind
         if e.kind in ("RA", "RG", "TP"):
             continue  # a receive is the other end of a send (its wait shows as the gap); TP only posts
-        bars.setdefault((e.rank, k), []).append(((e.start_s - t0) * t_scale, max(e.duration_s * t_scale, 0.0)))
+        chunk = held[e.rank].index(e.stage) if e.kind in ("F", "B", "W") else 0  # which of the rank's stages
+        bars.setdefault((e.rank, k, chunk), []).append(((e.start_s - t0) * t_scale,
+                                                        max(e.duration_s * t_scale, 0.0)))
         if e.kind in ("F", "B", "W"):
-            labels.append(((e.start_s - t0 + e.duration_s / 2) * t_scale, row[e.rank], str(e.id)))
+            labels.append(((e.start_s - t0 + e.duration_s / 2) * t_scale, row[e.rank], str(e.id) + "′" * chunk))
     span = trace.makespan * t_scale or 1.0
-    for (rank, k), spans in bars.items():
+    for (rank, k, chunk), spans in bars.items():
         y = row[rank]
         if k in ("F", "B", "W"):
-            ax.broken_barh(spans, (y - 0.38, 0.62), facecolors=COLOURS[k], edgecolors="white", linewidth=0.4)
+            # a rank's later stages (virtual stages) in a darker shade of the same colour
+            ax.broken_barh(spans, (y - 0.38, 0.62), facecolors=_shade(COLOURS[k], chunk), edgecolors="white",
+                           linewidth=0.4)
         elif k in ("AR", "TR"):
             ax.broken_barh(spans, (y - 0.38, 0.62), facecolors="none", edgecolors=COLOURS[k],
                            hatch="////" if k == "AR" else "\\\\\\\\", linewidth=0.6)
@@ -97,9 +102,28 @@ def _plot(ax, trace: Trace, title: str | None, t_scale: float, unit: str) -> Non
         ax.set_title(title, loc="left", fontsize=10)
 
 
+def _stages_of_ranks(trace: Trace) -> dict[int, list[int]]:
+    """rank -> the stages it ran (several where it holds virtual stages), ascending."""
+    out: dict[int, set[int]] = {}
+    for e in trace.events:
+        out.setdefault(e.rank, set()).add(e.stage)
+    return {r: sorted(s) for r, s in out.items()}
+
+
+def _shade(colour: str, chunk: int) -> Any:
+    """``colour`` for a rank's first stage, darker for each later one."""
+    from matplotlib.colors import to_rgb
+
+    f = 0.62 ** chunk
+    return tuple(c * f for c in to_rgb(colour))
+
+
 def _stage_tag(trace: Trace, rank: int) -> str:
     for e in trace.events:
         if e.rank == rank:
+            stages = _stages_of_ranks(trace)[rank]
+            if len(stages) > 1:
+                return " · " + "+".join(f"s{s}" for s in stages)
             return f" · s{e.stage}" + (f"r{e.replica}" if e.replica else "")
     return ""
 
@@ -145,6 +169,8 @@ def draw_timelines(traces: Sequence[tuple[str, Trace]], out: str | Path, width: 
     legend = [Patch(color=COLOURS["F"], label="forward"), Patch(color=COLOURS["B"], label="backward")]
     if "W" in kinds:
         legend.append(Patch(color=COLOURS["W"], label="weight gradient (split backward)"))
+    if any(len(v) > 1 for _, tr in traces for v in _stages_of_ranks(tr).values()):
+        legend.append(Patch(color=_shade(COLOURS["F"], 1), label="a rank's second stage (′)"))
     if "SA" in kinds:
         legend.append(Patch(color=COLOURS["SA"], label="send activations"))
     if "SG" in kinds:
@@ -173,12 +199,14 @@ def draw_timeline(trace: Trace, out: str | Path, title: str | None = None, width
 
 
 def schedules_figure(out: str | Path, stages: int = 4) -> Path:
-    """The README picture: pipedream, 2bw, flush, gpipe, zb-h1 and zb-h2 on one straight ``stages``-stage plan.
+    """The README picture: pipedream, 2bw, flush, gpipe, zb-h1 and zb-h2 on one straight ``stages``-stage plan,
+    and interleaved and zb-v on the same model cut into twice the stages, two per worker.
 
     Equal stages, backward = 2 × forward (zb-h1, zb-h2: B and W one each), zero communication cost; every box is one unit of
     work (a pipedream minibatch or a microbatch of the others), 8 units in all: pipedream runs
     8 minibatches, the batched schedules 2 batches of 4 microbatches; zb-h2 2 batches of 8 (16
-    units), the count from which its batches follow each other without a bubble.
+    units), the count from which its batches follow each other without a bubble; interleaved's
+    and zb-v's boxes are half a unit (half a worker's layers each; zb-v: 2 batches of 8).
     """
     from .plans import Plan
     from .schedules import build_schedule
@@ -195,6 +223,16 @@ def schedules_figure(out: str | Path, stages: int = 4) -> Path:
         versions = "/".join(str(v) for v in res.max_versions)
         panels.append((f"{kind} — {what}; weight versions per stage {versions}; "
                        f"bubble {res.bubble_fraction:.0%}", res.trace))
+    looped = Plan.looped([[f"layer{i}"] for i in range(2 * stages)], stages)
+    res = simulate(build_schedule(looped, "interleaved", minibatches=2, microbatches=4),
+                   Costs(forward_s=[0.5] * 2 * stages, backward_s=[1.0] * 2 * stages))
+    panels.append((f"interleaved — 2 batches × 4 microbatches, two stages per worker (′: the second); "
+                   f"weight versions per stage 1; bubble {res.bubble_fraction:.0%}", res.trace))
+    v_shape = Plan.v_shape([[f"layer{i}"] for i in range(2 * stages)], stages)
+    res = simulate(build_schedule(v_shape, "zb-v", minibatches=2, microbatches=8),
+                   Costs(forward_s=[0.5] * 2 * stages, backward_s=[1.0] * 2 * stages, weight_grad_s=[0.5] * 2 * stages))
+    panels.append((f"zb-v — 2 batches × 8 microbatches, two stages per worker in a V (′: the second); "
+                   f"weight versions per stage 1; bubble {res.bubble_fraction:.0%}", res.trace))
     return draw_timelines(panels, out, time_unit="time (one forward = 1, backward = 2)")
 
 

@@ -35,11 +35,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--schedule", default="pipedream", choices=[*KIND_NAMES, AUTO, ALL],
                    help="the schedule kind to plan for; auto: plan every synchronous kind at 1, 2, 4 and 8 "
                         "microbatches and keep the fastest the simulator predicts; all: the same over every kind "
-                        "with true gradients (asynchronous and zero-bubble ones too), ranked (default: %(default)s)")
+                        "with true gradients (asynchronous, zero-bubble and interleaved ones too), ranked "
+                        "(default: %(default)s)")
     p.add_argument("--allow-stale", action="store_true",
                    help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
     p.add_argument("--microbatches", type=int, default=1,
-                   help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2)")
+                   help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2, zb-v; interleaved: a multiple of "
+                        "the workers)")
+    p.add_argument("--chunks", type=int, default=2, metavar="V",
+                   help="interleaved: stages per worker, the model cut into workers x V stages (default: %(default)s)")
     p.add_argument("--optimizer-state", type=float, default=None, metavar="F",
                    help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
     p.add_argument("--recompute", action="store_true",
@@ -65,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         topo.memory_bytes = None
     f = DEFAULT_OPTIMIZER_STATE_FACTOR if args.optimizer_state is None else args.optimizer_state
     options = dict(straight=args.straight, num_stages=args.stages, allow_fewer_workers=args.allow_fewer_workers,
-                   memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute)
+                   memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute,
+                   chunks=args.chunks)
     if args.schedule == ALL:
         from ..auto_schedule import choose_schedule
         from ..plans import PlanError

@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--schedule", default=None, metavar="{" + ",".join(KIND_NAMES + ("all",)) + "}",
                    help="a schedule kind, a comma-separated list of them, or all (default: the plan's schedule)")
     p.add_argument("--minibatches", type=int, default=32,
-                   help="minibatches (pipedream, naive) or batches (2bw, flush, gpipe, zb-h1, zb-h2) to simulate (default 32)")
+                   help="minibatches (pipedream, naive) or batches (the other kinds) to simulate (default 32)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per batch for 2bw, flush, gpipe (default: the plan's)")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream with vertical sync")

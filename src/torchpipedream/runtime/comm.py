@@ -23,6 +23,10 @@ direction uses its own tags, so prefetching on one never steals a message of ano
   per activation that requires grad); it posts the ``irecv`` as soon as it has sent the
   activations, in the order of its own ``RG`` actions.
 
+Messages are named by a *key*: the microbatch id, or (stage, microbatch) where a rank holds
+several stages (virtual stages) and one channel carries the messages of more than one; the
+expected size is then kept per stage of the channel (``_channel``).
+
 Receives are posted early (prefetch): the next activation header of each incoming channel
 is always posted, its payload as soon as the header has arrived; gradient receives are
 posted as soon as their shapes are known. Sends are ``isend``; the request and the tensor
@@ -231,7 +235,7 @@ def _resize_message(expected: int, new_size: int, device: torch.device) -> torch
 class _ActRecv:
     """One posted activation receive."""
 
-    microbatch: int
+    microbatch: Any  # its key
     buf: torch.Tensor
     work: Any
     checked: bool = False  # arrived and known not to be a resize message
@@ -239,10 +243,22 @@ class _ActRecv:
 
 @dataclass
 class _GradRecv:
-    microbatch: int
+    microbatch: Any  # its key
     works: list[Any]
     tensors: list[torch.Tensor]
     nbytes: int
+
+
+def _channel(peer: int, key: Any) -> tuple[int, ...]:
+    """The channel whose expected message size a message of ``key`` follows: the peer, and the
+    producing stage where keys name one (a rank of virtual stages sends several stages'
+    activations, of different sizes, to the same peer)."""
+    return (peer, key[0]) if isinstance(key, tuple) else (peer,)
+
+
+def _named(key: Any) -> str:
+    """A message key in words: "microbatch 5", or "microbatch 5 of stage 2"."""
+    return f"microbatch {key[1]} of stage {key[0]}" if isinstance(key, tuple) else f"microbatch {key}"
 
 
 def post_send(tensor: torch.Tensor, dst: int, tag: int) -> Any:
@@ -263,8 +279,9 @@ class P2P:
     Args:
         rank: this rank.
         describe: rank -> human text ("rank 2 (stage 1)") for error messages.
-        act_order: peer -> microbatch ids of this rank's ``RA`` actions from that peer, in order.
-        grad_order: peer -> microbatch ids of this rank's ``RG`` actions from that peer, in order.
+        act_order: peer -> keys (microbatch ids, or (stage, microbatch)) of this rank's ``RA``
+            actions from that peer, in order.
+        grad_order: peer -> keys of this rank's ``RG`` actions from that peer, in order.
         device: where received tensors live (cpu for gloo, cuda for nccl).
         timeout_s: deadline of every blocking wait.
         sizes: expected message size per channel, kept by the caller across schedules so a
@@ -292,7 +309,7 @@ class P2P:
         self._grad_queue = {p: collections.deque(ids) for p, ids in grad_order.items()}
         self._act_posted: dict[int, collections.deque[_ActRecv]] = {p: collections.deque() for p in act_order}
         self._grad_posted: dict[int, collections.deque[_GradRecv]] = {p: collections.deque() for p in grad_order}
-        self._grad_meta: dict[int, list[TensorMeta]] = {}
+        self._grad_meta: dict[Any, list[TensorMeta]] = {}
         self._sends: list[tuple[Any, Any, str, int]] = []  # (work, tensor kept alive, what, peer)
         self._sizes = sizes if sizes is not None else {}
         self.resizes = 0  # resize messages sent (for tests and reports)
@@ -368,18 +385,18 @@ class P2P:
         if kind != _KIND_RESIZE:
             rec.checked = True
             return False
-        self._sizes[("recv", peer)] = value
+        self._sizes[("recv", *_channel(peer, rec.microbatch))] = value
         buf = torch.empty(value, dtype=torch.uint8, device=self.device)
         posted[0] = _ActRecv(rec.microbatch, buf, post_recv(buf, peer, _TAG_ACT))
         return True
 
-    def _post_act(self, peer: int, microbatch: int) -> None:
-        size = self._sizes.get(("recv", peer), INITIAL_BYTES)
+    def _post_act(self, peer: int, microbatch: Any) -> None:
+        size = self._sizes.get(("recv", *_channel(peer, microbatch)), INITIAL_BYTES)
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._act_posted[peer].append(_ActRecv(microbatch, buf, post_recv(buf, peer, _TAG_ACT)))
 
     # ------------------------------------------------------------------ activations
-    def send_acts(self, peer: int, microbatch: int, samples: int, tensors: list[Any], passengers: list[Any]) -> int:
+    def send_acts(self, peer: int, microbatch: Any, samples: int, tensors: list[Any], passengers: list[Any]) -> int:
         """Send microbatch ``microbatch``'s activations (and passengers: targets) to ``peer``; returns bytes.
 
         Remembers which activations require grad, so the matching gradient receive can be
@@ -389,19 +406,20 @@ class P2P:
             buf = pack(samples, tensors, passengers, self.device)
         except CommError as exc:
             raise CommError(f"{self.describe(self.rank)} -> {self.describe(peer)}: {exc}") from None
-        expected = self._sizes.get(("send", peer), INITIAL_BYTES)
+        channel = ("send", *_channel(peer, microbatch))
+        expected = self._sizes.get(channel, INITIAL_BYTES)
         if buf.numel() != expected:
             note = _resize_message(expected, buf.numel(), self.device)
             self._sends.append((post_send(note, peer, _TAG_ACT), note, "a shape message", peer))
-            self._sizes[("send", peer)] = buf.numel()
+            self._sizes[channel] = buf.numel()
             self.resizes += 1
-        self._sends.append((post_send(buf, peer, _TAG_ACT), buf, f"activations of microbatch {microbatch}", peer))
+        self._sends.append((post_send(buf, peer, _TAG_ACT), buf, f"activations of {_named(microbatch)}", peer))
         self._grad_meta[microbatch] = [
             TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         return int(buf.numel())
 
-    def recv_acts(self, peer: int, microbatch: int) -> tuple[int, list[Any], list[Any], int]:
+    def recv_acts(self, peer: int, microbatch: Any) -> tuple[int, list[Any], list[Any], int]:
         """Block until microbatch ``microbatch``'s activations from ``peer`` arrived.
 
         Returns (samples, activations, passengers, bytes); activations that required grad at
@@ -415,10 +433,10 @@ class P2P:
             rec = posted[0]
             if rec.microbatch != microbatch:
                 raise CommError(
-                    f"{self.describe(self.rank)}: schedule asks for microbatch {microbatch} from {self.describe(peer)} "
-                    f"but the next message on that channel is microbatch {rec.microbatch}"
+                    f"{self.describe(self.rank)}: schedule asks for {_named(microbatch)} from {self.describe(peer)} "
+                    f"but the next message on that channel is {_named(rec.microbatch)}"
                 )
-            self._wait(rec.work, f"the activations of microbatch {microbatch}", peer)
+            self._wait(rec.work, f"the activations of {_named(microbatch)}", peer)
             if rec.checked or not self._check_resize(peer, posted):
                 break
         posted.popleft()
@@ -430,15 +448,15 @@ class P2P:
         return samples, acts, passengers, int(rec.buf.numel())
 
     # ------------------------------------------------------------------ gradients
-    def send_grads(self, peer: int, microbatch: int, grads: list[torch.Tensor]) -> int:
+    def send_grads(self, peer: int, microbatch: Any, grads: list[torch.Tensor]) -> int:
         nbytes = 0
         for g in grads:
             data = g.detach().contiguous()
-            self._sends.append((post_send(data, peer, _TAG_GRAD), data, f"gradients of microbatch {microbatch}", peer))
+            self._sends.append((post_send(data, peer, _TAG_GRAD), data, f"gradients of {_named(microbatch)}", peer))
             nbytes += data.numel() * data.element_size()
         return nbytes
 
-    def recv_grads(self, peer: int, microbatch: int) -> tuple[list[torch.Tensor], int]:
+    def recv_grads(self, peer: int, microbatch: Any) -> tuple[list[torch.Tensor], int]:
         """Block until the gradients of microbatch ``microbatch``'s activations arrive from ``peer``."""
         self.pump()
         posted = self._grad_posted.get(peer)
@@ -450,11 +468,11 @@ class P2P:
         rec = posted[0]
         if rec.microbatch != microbatch:
             raise CommError(
-                f"{self.describe(self.rank)}: schedule asks for gradients of microbatch {microbatch} from "
-                f"{self.describe(peer)} but the next message on that channel is microbatch {rec.microbatch}"
+                f"{self.describe(self.rank)}: schedule asks for gradients of {_named(microbatch)} from "
+                f"{self.describe(peer)} but the next message on that channel is {_named(rec.microbatch)}"
             )
         for w in rec.works:
-            self._wait(w, f"the gradients of microbatch {microbatch}", peer)
+            self._wait(w, f"the gradients of {_named(microbatch)}", peer)
         posted.popleft()
         return rec.tensors, rec.nbytes
 

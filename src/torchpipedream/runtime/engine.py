@@ -40,7 +40,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from ..actions import Action, Kind, split_backwards
+from ..actions import Action, Kind, message_key, split_backwards
 from ..trace import Event
 from . import liveness
 from .buffers import ReplicaBuffers
@@ -49,7 +49,7 @@ from .loss_scaling import LossScaler
 from .split_backward import WeightGradients, backward_inputs
 from .weights import WeightVersions
 
-__all__ = ["Engine", "MicrobatchResult", "as_tuple"]
+__all__ = ["Engine", "MicrobatchResult", "as_tuple", "run_actions"]
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,10 @@ class Engine:
         and the last stage when it is also the first). ``version_base`` is the number of
         updates before this schedule (schedule versions are relative to its start).
         """
+        return run_actions({self.stage: self}, actions, comm, get_microbatch, train, version_base, t0)
+
+    def begin(self, actions: list[Action], train: bool) -> None:
+        """Start a schedule: ``actions`` are this stage's (its part of the rank's list)."""
         self._ctx: dict[int, _Context] = {}
         self._received: dict[int, tuple[int, tuple[Any, ...], tuple[Any, ...]]] = {}
         self._to_send: dict[int, tuple[int, list[torch.Tensor], list[Any]]] = {}
@@ -191,64 +195,66 @@ class Engine:
         self._updates: dict[int, tuple[float, bool]] = {}  # update -> (1 / its loss scale, apply it?)
         self._split = split_backwards(actions) if train else set()
         self._weight_work: dict[int, tuple[WeightGradients | None, _Context, int | None]] = {}  # B done, W to run
-        results: dict[int, MicrobatchResult] = {}
-        events: list[Event] = []
-        for action in actions:
-            start = time.perf_counter()
-            nbytes = 0
-            version = None if action.version is None else action.version + version_base
-            kind = action.kind
-            if kind == Kind.FORWARD:
-                if not train:
-                    version = self.weights.version  # evaluation: always the current weights
-                self._forward(action.id, version, comm, get_microbatch, train, results)
-            elif kind == Kind.BACKWARD:
-                self._backward(action.id, version)
-            elif kind == Kind.WEIGHT_GRAD:
-                self._weight_grad(action.id)
-            elif kind == Kind.SEND_ACT:
-                samples, tensors, passengers = self._to_send.pop(action.id)
-                nbytes = comm.send_acts(action.peer, action.id, samples, tensors, passengers)
-            elif kind == Kind.RECV_ACT:
-                samples, acts, passengers, nbytes = comm.recv_acts(action.peer, action.id)
-                self._received[action.id] = (samples, tuple(acts), tuple(passengers))
-            elif kind == Kind.SEND_GRAD:
-                nbytes = comm.send_grads(action.peer, action.id, self._in_grads.pop(action.id))
-            elif kind == Kind.RECV_GRAD:
-                grads, nbytes = comm.recv_grads(action.peer, action.id)
-                self._out_grads[action.id] = grads
-            elif kind == Kind.ALLREDUCE:
-                nbytes = self.weights.allreduce(self.ar_group, self.timeout_s)
-                if self.buffers is not None:
-                    nbytes += self.buffers.sync(self.timeout_s)
-            elif kind == Kind.OPTIMIZER_STEP:
-                self.weights.step(*self._update(action.id))
-                version = self.weights.version
-            elif kind == Kind.TIED_POST:
-                copy = self.tied[action.tie]
-                nbytes = copy.weights.post_allreduce(copy.group, copy.holders)
-            elif kind == Kind.TIED_REDUCE:
-                unscale, apply = self._update(action.id)
-                self.tied[action.tie].weights.step_posted(self.timeout_s, unscale, apply)
-                version = self.tied[action.tie].weights.version
-            else:  # pragma: no cover - Kind is closed
-                raise RuntimeError(f"unknown action {action}")
-            end = time.perf_counter()
-            liveness.mark()
-            if comm is not None:
-                comm.pump()  # post the receives that became possible (outside the timed action)
-            events.append(Event(
-                rank=self.rank, stage=self.stage, kind=kind.value, id=action.id,
-                start_s=start - t0, end_s=end - t0, bytes=int(nbytes), action=str(action),
-                replica=self.replica, version=version,
-            ))
-        if comm is not None:
-            comm.finish()
-        leftover = [k for k, v in (("forward graphs", self._ctx), ("unsent activations", self._to_send),
-                                   ("unsent gradients", self._in_grads), ("weight gradients", self._weight_work)) if v]
-        if leftover and train:
-            log.warning("rank %d: schedule ended with %s still held", self.rank, ", ".join(leftover))
-        return results, events
+
+    def execute(self, action: Action, comm: P2P | None, get_microbatch: Any, train: bool, version_base: int,
+                results: dict[int, MicrobatchResult]) -> tuple[int, int | None]:
+        """Run one action of this stage; returns (bytes moved, the weight version it used or made)."""
+        nbytes = 0
+        version = None if action.version is None else action.version + version_base
+        kind = action.kind
+        if kind == Kind.FORWARD:
+            if not train:
+                version = self.weights.version  # evaluation: always the current weights
+            self._forward(action.id, version, comm, get_microbatch, train, results)
+        elif kind == Kind.BACKWARD:
+            self._backward(action.id, version)
+        elif kind == Kind.WEIGHT_GRAD:
+            self._weight_grad(action.id)
+        elif kind == Kind.SEND_ACT:
+            samples, tensors, passengers = self._to_send.pop(action.id)
+            nbytes = comm.send_acts(action.peer, message_key(action), samples, tensors, passengers)
+        elif kind == Kind.RECV_ACT:
+            samples, acts, passengers, nbytes = comm.recv_acts(action.peer, message_key(action))
+            self._received[action.id] = (samples, tuple(acts), tuple(passengers))
+        elif kind == Kind.SEND_GRAD:
+            nbytes = comm.send_grads(action.peer, message_key(action), self._in_grads.pop(action.id))
+        elif kind == Kind.RECV_GRAD:
+            grads, nbytes = comm.recv_grads(action.peer, message_key(action))
+            self._out_grads[action.id] = grads
+        elif kind == Kind.ALLREDUCE:
+            nbytes = self.weights.allreduce(self.ar_group, self.timeout_s)
+            if self.buffers is not None:
+                nbytes += self.buffers.sync(self.timeout_s)
+        elif kind == Kind.OPTIMIZER_STEP:
+            self.weights.step(*self._update(action.id))
+            version = self.weights.version
+        elif kind == Kind.TIED_POST:
+            copy = self.tied[action.tie]
+            nbytes = copy.weights.post_allreduce(copy.group, copy.holders)
+        elif kind == Kind.TIED_REDUCE:
+            unscale, apply = self._update(action.id)
+            self.tied[action.tie].weights.step_posted(self.timeout_s, unscale, apply)
+            version = self.tied[action.tie].weights.version
+        else:  # pragma: no cover - Kind is closed
+            raise RuntimeError(f"unknown action {action}")
+        return int(nbytes), version
+
+    def hand_over(self, action: Action, to: "Engine") -> None:
+        """A transfer between two stages of this rank (virtual stages): SA gives ``to`` (the
+        next stage) this microbatch's outputs as its received inputs, SG gives ``to`` (the
+        previous stage) the inputs' gradients, both as the wire would (fresh leaves, copies)."""
+        if action.kind is Kind.SEND_ACT:
+            samples, tensors, passengers = self._to_send.pop(action.id)
+            acts = tuple(t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                         for t in tensors)
+            to._received[action.id] = (samples, acts, tuple(passengers))
+        else:
+            to._out_grads[action.id] = [g.detach().clone() for g in self._in_grads.pop(action.id)]
+
+    def leftovers(self) -> list[str]:
+        """What the schedule left held (for a warning at its end)."""
+        return [k for k, v in (("forward graphs", self._ctx), ("unsent activations", self._to_send),
+                               ("unsent gradients", self._in_grads), ("weight gradients", self._weight_work)) if v]
 
     def _update(self, update: int) -> tuple[float, bool]:
         """(unscale, apply) for this rank's steps of ``update``: (1, True) without a loss
@@ -470,3 +476,48 @@ class Engine:
             copy.weights.release(ctx.tied_versions[k])
         if version is not None:
             self.weights.release(version)
+
+
+def run_actions(
+    engines: dict[int, Engine],
+    actions: list[Action],
+    comm: P2P | None,
+    get_microbatch: Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]] | None,
+    train: bool,
+    version_base: int,
+    t0: float,
+) -> tuple[dict[int, MicrobatchResult], list[Event]]:
+    """Execute one rank's ``actions`` in order, each by the engine of its stage (``engines``:
+    stage -> Engine; several where the rank holds virtual stages). A transfer between two of
+    them (peer = this rank) is a hand-over in memory; its receive only checks that it came.
+    Returns the last stage's per-microbatch results and one event per action."""
+    any_engine = next(iter(engines.values()))
+    rank = any_engine.rank
+    for stage, engine in engines.items():
+        engine.begin([a for a in actions if a.stage == stage], train)
+    results: dict[int, MicrobatchResult] = {}
+    events: list[Event] = []
+    for action in actions:
+        engine = engines[action.stage]
+        start = time.perf_counter()
+        if action.kind.is_transfer and action.peer == rank:
+            nbytes, version = 0, None
+            if action.kind.is_send:
+                engine.hand_over(action, engines[action.stage + (1 if action.kind is Kind.SEND_ACT else -1)])
+        else:
+            nbytes, version = engine.execute(action, comm, get_microbatch, train, version_base, results)
+        end = time.perf_counter()
+        liveness.mark()
+        if comm is not None:
+            comm.pump()  # post the receives that became possible (outside the timed action)
+        events.append(Event(
+            rank=rank, stage=action.stage, kind=action.kind.value, id=action.id,
+            start_s=start - t0, end_s=end - t0, bytes=nbytes, action=str(action),
+            replica=engine.replica, version=version,
+        ))
+    if comm is not None:
+        comm.finish()
+    leftover = sorted({what for engine in engines.values() for what in engine.leftovers()})
+    if leftover and train:
+        log.warning("rank %d: schedule ended with %s still held", rank, ", ".join(leftover))
+    return results, events

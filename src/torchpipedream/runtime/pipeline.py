@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..actions import Action, Kind, Schedule
+from ..actions import Action, Kind, Schedule, message_key
 from ..huge_pages import HUGE_PAGES_ENV
 from ..kinds import UnknownKindError, schedule_kind
 from ..placement import tied_support_problem
@@ -59,7 +59,7 @@ from ..validate import ScheduleError, validate_schedule
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .comm import P2P
-from .engine import Engine, MicrobatchResult, TiedCopy, as_tuple
+from .engine import Engine, MicrobatchResult, TiedCopy, as_tuple, run_actions
 from .loss_scaling import LossScaler, LossScaling
 from .memory_probe import allocation_peak, held_bytes
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
@@ -129,7 +129,8 @@ class Pipeline:
         loss_fn: ``loss_fn(output, *targets) -> scalar``; None when the model computes its own
             loss (``output.loss`` / ``output["loss"]``, e.g. a Hugging Face model given
             ``labels``): a batch is then the model's inputs alone.
-        schedule: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2 or naive (default ``plan.schedule``).
+        schedule: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2, interleaved, zb-v or naive (default
+            ``plan.schedule``; interleaved and zb-v run plans whose ranks hold several stages).
         microbatches: per minibatch for 2bw/flush/gpipe/zb-h1/zb-h2 (default ``plan.microbatches``).
         loss_reduction: "mean" or "sum" (what loss_fn returns; the update applies the same).
         vertical_sync: pipedream only: every stage uses the input stage's weight version.
@@ -239,7 +240,12 @@ class Pipeline:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         plan.validate(world_size=self.world_size)
-        self.stage, self.replica = plan.stage_of_rank(self.rank)
+        # The stages this rank runs: one, or several of one worker each (virtual stages).
+        self.stages_held = plan.stages_of_rank(self.rank)
+        self.stage, self.replica = (self.stages_held[0], 0) if plan.virtual else plan.stage_of_rank(self.rank)
+        if plan.virtual and precision == "fp16":
+            raise PipelineError("precision='fp16' is not supported with virtual stages (a rank holding several "
+                                "stages) yet: use precision='bf16'")
         if device is None:
             backend = dist.get_backend() if self.distributed else "gloo"
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu"
@@ -265,14 +271,15 @@ class Pipeline:
         self._aliases = {k: v for k, v in parameter_aliases(module_or_stages).items() if len(v) > 1} \
             if isinstance(module_or_stages, nn.Module) else {}
         local_tied = {k: split.tied[t.name][self.stage] for k, t in enumerate(plan.tied) if self.stage in t.stages}
-        # The model's name of each entry of this stage's state (checkpoints are keyed by it).
-        self.state_names = model_state_names(split.modules[self.stage],
-                                             module_or_stages if isinstance(module_or_stages, nn.Module) else None)
-        self.module = split.modules[self.stage].to(self.device)
+        # The model's name of each entry of each held stage's state (checkpoints are keyed by it).
+        self._state_names = {s: model_state_names(split.modules[s],
+                                                  module_or_stages if isinstance(module_or_stages, nn.Module) else None)
+                             for s in self.stages_held}
+        modules = {s: split.modules[s].to(self.device) for s in self.stages_held}
         self._stage_inputs, self._finish = split.inputs, split.finish
         # torch.export fixes dropout's mode in the graph: evaluation runs a graph traced for it.
-        self._eval_module = self._evaluation_stage(module_or_stages, plan, call, split) \
-            if split.method == "export" else None
+        self._eval_modules = {s: self._evaluation_stage(module_or_stages, plan, call, split, s, modules[s])
+                              for s in self.stages_held} if split.method == "export" else {}
         del split
         # One process group per replicated stage, created in the same order on every rank.
         self._ar_group = None
@@ -282,31 +289,41 @@ class Pipeline:
                 if s == self.stage:
                     self._ar_group = group
         factory = self._guard_optimizer(optimizer)
-        self.weights = WeightVersions(self.module, factory, loss_reduction, replicated=self._ar_group is not None,
-                                      exclude=set(local_tied.values()))
-        # Each shared parameter's copy: weights of its own, stepped by the TR actions, and a
-        # process group of every rank holding a copy (created in the same order everywhere).
         self.tied: dict[int, TiedCopy] = {}
-        for k, t in enumerate(plan.tied):
-            ranks = sorted(r for s in t.stages for r in plan.stages[s].ranks)
-            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
-            if k in local_tied:
-                weights = WeightVersions(self.module, factory, loss_reduction, replicated=True, only={local_tied[k]})
-                self.tied[k] = TiedCopy(weights, group, holders=len(t.stages))
         n = plan.num_stages
-        self.engine = Engine(
-            self.rank, self.stage, self.replica, self.module,
-            is_first=self.stage == 0, is_last=self.stage == n - 1, weights=self.weights,
-            loss_fn=self._loss_of_output, ar_group=self._ar_group, timeout_s=self.timeout_s,
-            loss_reduction=loss_reduction, tied=self.tied,
-            # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
-            buffers=ReplicaBuffers(self.module, self._ar_group, plan.stages[self.stage].replicas)
-            if self._ar_group is not None else None,
-            device=self.device,
-        )
-        self.engine.draws_random = draws_random_numbers(self.module)
-        self.engine.recompute = plan.stages[self.stage].recompute
-        self.engine.compute_dtype = PRECISIONS[precision]
+        self.engines: dict[int, Engine] = {}
+        for s in self.stages_held:
+            module = modules[s]
+            weights = WeightVersions(module, factory, loss_reduction, replicated=self._ar_group is not None,
+                                     exclude=set(local_tied.values()))
+            if s == self.stage:
+                # Each shared parameter's copy: weights of its own, stepped by the TR actions, and a
+                # process group of every rank holding a copy (created in the same order everywhere).
+                for k, t in enumerate(plan.tied):
+                    ranks = sorted(r for ts in t.stages for r in plan.stages[ts].ranks)
+                    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+                    if k in local_tied:
+                        tied_weights = WeightVersions(module, factory, loss_reduction, replicated=True,
+                                                      only={local_tied[k]})
+                        self.tied[k] = TiedCopy(tied_weights, group, holders=len(t.stages))
+            engine = Engine(
+                self.rank, s, self.replica, module,
+                is_first=s == 0, is_last=s == n - 1, weights=weights,
+                loss_fn=self._loss_of_output, ar_group=self._ar_group, timeout_s=self.timeout_s,
+                loss_reduction=loss_reduction, tied=self.tied if s == self.stage else {},
+                # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
+                buffers=ReplicaBuffers(module, self._ar_group, plan.stages[s].replicas)
+                if self._ar_group is not None else None,
+                device=self.device,
+            )
+            engine.draws_random = draws_random_numbers(module)
+            engine.recompute = plan.stages[s].recompute
+            engine.compute_dtype = PRECISIONS[precision]
+            self.engines[s] = engine
+        # This rank's (first) stage: what a one-stage-per-rank pipeline is made of.
+        self.engine = self.engines[self.stage]
+        self.module, self.weights = self.engine.module, self.engine.weights
+        self.state_names = self._state_names[self.stage]
         if precision == "fp16":
             # every rank's overflow flag, MAX-reduced at each update (a group of its own, made
             # here on every rank like the groups above)
@@ -315,7 +332,8 @@ class Pipeline:
             self.engine.scaler = LossScaler(loss_scaling or LossScaling(), self._overflow_agreement(group))
         # Dropout masks come from (this seed, stage, microbatch): distinct on every replica and
         # reproducible; without a seed, the process's (what torch.manual_seed set, if anything).
-        self.engine.rng_seed = seed if seed is not None else torch.initial_seed()
+        for engine in self.engines.values():
+            engine.rng_seed = seed if seed is not None else torch.initial_seed()
         self._schedules: dict[int, Schedule] = {}
         self._message_sizes: dict[tuple[str, int], int] = {}  # negotiated once per channel
         self._events: list[Any] = []
@@ -364,17 +382,18 @@ class Pipeline:
             return model_loss(output)
         return self.loss_fn(output, *targets)
 
-    def _evaluation_stage(self, model: nn.Module, plan: Plan, call: Any, split: Any) -> nn.Module:
-        """This rank's stage of the graph torch.export traces in evaluation mode: it must read no
+    def _evaluation_stage(self, model: nn.Module, plan: Plan, call: Any, split: Any, s: int,
+                          training: nn.Module) -> nn.Module:
+        """Stage ``s`` of the graph torch.export traces in evaluation mode: it must read no
         parameter or buffer that the training stage does not hold (those are updated elsewhere)."""
-        stage = split_stages(model, plan, sample=call, train=False, follow=split).modules[self.stage].to(self.device)
-        held = {id(t) for t in list(self.module.parameters()) + list(self.module.buffers())}
+        stage = split_stages(model, plan, sample=call, train=False, follow=split).modules[s].to(self.device)
+        held = {id(t) for t in list(training.parameters()) + list(training.buffers())}
         state = {id(t) for t in list(model.parameters()) + list(model.buffers())}  # not export's own constants
         foreign = [name for name, t in list(stage.named_parameters()) + list(stage.named_buffers())
                    if id(t) in state and id(t) not in held]
         if foreign:
             raise PipelineError(
-                f"the graph torch.export traces for evaluation puts {foreign[:3]} in stage {self.stage}, whose training "
+                f"the graph torch.export traces for evaluation puts {foreign[:3]} in stage {s}, whose training "
                 "graph does not hold them; evaluate this model in one process (its state_dict), or re-plan it")
         return stage
 
@@ -412,6 +431,8 @@ class Pipeline:
         return build
 
     def _describe(self, rank: int) -> str:
+        if self.plan.virtual:
+            return f"rank {rank} (stages {', '.join(map(str, self.plan.stages_of_rank(rank)))})"
         s, q = self.plan.stage_of_rank(rank)
         return f"rank {rank} (stage {s}{f' replica {q}' if self.plan.stages[s].replicas > 1 else ''})"
 
@@ -583,23 +604,26 @@ class Pipeline:
             weights.grads_are_means = means
         if train:
             self._expect_uses(actions, base)
-            self.engine.microbatch_base = self.minibatches_done * m
+            for engine in self.engines.values():
+                engine.microbatch_base = self.minibatches_done * m
         comm = None
         if self.world_size > 1:
-            act_order: dict[int, list[int]] = {}
-            grad_order: dict[int, list[int]] = {}
+            act_order: dict[int, list[tuple[int, int]]] = {}
+            grad_order: dict[int, list[tuple[int, int]]] = {}
             for a in actions:
+                if a.peer == self.rank:  # between two stages of this rank: handed over in memory
+                    continue
                 if a.kind == Kind.RECV_ACT:
-                    act_order.setdefault(a.peer, []).append(a.id)
+                    act_order.setdefault(a.peer, []).append(message_key(a))
                 elif a.kind == Kind.RECV_GRAD:
-                    grad_order.setdefault(a.peer, []).append(a.id)
+                    grad_order.setdefault(a.peer, []).append(message_key(a))
             comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s,
                        sizes=self._message_sizes, max_sends=outstanding_sends(actions))
             self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
-        source = self._microbatch_source(iter(batches), m) if (self.stage == 0 and batches is not None) else None
+        source = self._microbatch_source(iter(batches), m) if (0 in self.engines and batches is not None) else None
         t0 = time.perf_counter()
         with self._mode(train), self._memory_measured(train):
-            results, events = self.engine.run(actions, comm, source, train=train, version_base=base, t0=t0)
+            results, events = run_actions(self.engines, actions, comm, source, train=train, version_base=base, t0=t0)
         for weights in self._all_weights():
             weights.reset_versions()
         self._events = events
@@ -613,7 +637,8 @@ class Pipeline:
         if not (train and self.measure_memory):
             yield
             return
-        held = held_bytes(list(self.module.parameters()), list(self.module.buffers()),
+        modules = [engine.module for engine in self.engines.values()]
+        held = held_bytes([p for mod in modules for p in mod.parameters()], [b for mod in modules for b in mod.buffers()],
                           *(w.tensors_held() for w in self._all_weights()))
         with allocation_peak(self.device) as peak:
             yield
@@ -669,7 +694,7 @@ class Pipeline:
         return self.engine.scaler.skipped_updates if self.engine.scaler is not None else 0
 
     def _all_weights(self) -> list[WeightVersions]:
-        return [self.weights] + [copy.weights for copy in self.tied.values()]
+        return [engine.weights for engine in self.engines.values()] + [copy.weights for copy in self.tied.values()]
 
     def _expect_uses(self, actions: list[Action], base: int) -> None:
         """Tell every weight-version holder how many F/B actions will use each version, so a
@@ -679,8 +704,10 @@ class Pipeline:
         tied_uses: dict[int, dict[int, int]] = {k: {} for k in self.tied}
         tied_version = {k: copy.weights.version for k, copy in self.tied.items()}
         at_forward: dict[tuple[int, int], int] = {}
+        stage_uses: dict[int, dict[int, int]] = {s: {} for s in self.engines}
         for a in actions:
             if a.kind in (Kind.FORWARD, Kind.BACKWARD) and a.version is not None:
+                uses = stage_uses[a.stage]
                 uses[base + a.version] = uses.get(base + a.version, 0) + 1
             for k in self.tied:
                 if a.kind is Kind.FORWARD:
@@ -690,7 +717,8 @@ class Pipeline:
                     tied_uses[k][v] = tied_uses[k].get(v, 0) + 1
                 elif a.kind is Kind.TIED_REDUCE and a.tie == k:
                     tied_version[k] += 1
-        self.weights.expect(uses)
+        for s, engine in self.engines.items():
+            engine.weights.expect(stage_uses[s])
         for k, copy in self.tied.items():
             copy.weights.expect(tied_uses[k])
 
@@ -701,15 +729,18 @@ class Pipeline:
         if train:
             yield
             return
-        if self._eval_module is not None:
-            self.engine.module, self.engine.eval_graph = self._eval_module, True
-        else:
-            self.module.eval()
+        training = {s: engine.module for s, engine in self.engines.items()}
+        for s, engine in self.engines.items():
+            if s in self._eval_modules:
+                engine.module, engine.eval_graph = self._eval_modules[s], True
+            else:
+                engine.module.eval()
         try:
             yield
         finally:
-            self.engine.module, self.engine.eval_graph = self.module, False
-            self.module.train()
+            for s, engine in self.engines.items():
+                engine.module, engine.eval_graph = training[s], False
+                engine.module.train()
 
     def _reduce_results(self, results: dict[int, MicrobatchResult], n_minibatches: int, m: int) -> list[tuple[float, int, int]]:
         table = torch.zeros(n_minibatches, 4, dtype=torch.float64)
@@ -792,8 +823,10 @@ class Pipeline:
         return {"loss": loss, "accuracy": acc, "samples": samples}
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's stage parameters and buffers, under the original model's key names."""
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        """This rank's stage parameters and buffers (of every stage it holds), under the original
+        model's key names."""
+        return {k: v.detach().cpu().clone() for engine in self.engines.values()
+                for k, v in engine.module.state_dict().items()}
 
     def state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
         """The full model state, gathered on rank ``dst`` (every rank when ``dst`` is None).
@@ -849,6 +882,7 @@ class Pipeline:
         """
         from .checkpoint import CheckpointError, save_checkpoint
 
+        self._refuse_virtual("save_checkpoint")
         with self._failure_guard("saving a checkpoint", agreed=(CheckpointError,)):
             return save_checkpoint(self, directory, **extra)
 
@@ -862,8 +896,14 @@ class Pipeline:
         """
         from .checkpoint import CheckpointError, load_checkpoint
 
+        self._refuse_virtual("load_checkpoint")
         with self._failure_guard("loading a checkpoint", agreed=(CheckpointError,)):
             return load_checkpoint(self, directory)
+
+    def _refuse_virtual(self, what: str) -> None:
+        if self.plan.virtual:
+            raise PipelineError(f"{what} does not support plans with virtual stages (a rank holding several "
+                                f"stages, {self.plan.summary}) yet; state_dict() gathers the whole model")
 
     def trace(self, dst: int | None = 0) -> Trace | None:
         """The measured trace of the last schedule run, all ranks' events (collective)."""
