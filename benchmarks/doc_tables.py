@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
-           "compare_targets", "main", "memory_budget", "split_backward", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "main", "memory_budget", "split_backward", "virtual_stages", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -175,6 +175,12 @@ def compare_targets(data: Data) -> str:
     return _table(["target", "this run", "result"], out)
 
 
+def _passes(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r['samples_per_s']:.1f} ({', '.join(f'{v:.0f}' for v in r.get('passes_samples_per_s', []))})"
+
+
 #: The targets of issue 19 for the zero-bubble rows, as zero_bubble() tests them.
 TARGET_ZB_VS_TORCH = 1.0
 TARGET_SYNC_VS_FLUSH_LM = 1.15
@@ -189,12 +195,7 @@ def zero_bubble(data: Data) -> str:
             "flush, planner's plan", "best synchronous / flush", "one process, 2 threads",
             "measured / predicted (zb-h1, zb-h2)"]
     body, targets = [], []
-
-    def passes(r: dict | None) -> str:
-        if r is None:
-            return "-"
-        return f"{r['samples_per_s']:.1f} ({', '.join(f'{v:.0f}' for v in r.get('passes_samples_per_s', []))})"
-
+    passes = _passes
     for model in _models(data):
         rows = _model_rows(data, model)
         zb, torch_zb = _row(rows, "torchpipedream zb-h1"), _row(rows, "torch.pipelining InterleavedZeroBubble")
@@ -215,6 +216,49 @@ def zero_bubble(data: Data) -> str:
                      ", ".join(_num(r.get("measured_vs_predicted")) for r in (zb, h2) if r)])
         if vs_torch is not None:
             targets.append(f"{model}: zb-h1 ≥ torch's ZB-H1 {_yes(vs_torch >= TARGET_ZB_VS_TORCH)} ({vs_torch:.2f}×)")
+        if model == "transformer_lm" and vs_flush is not None:
+            targets.append(f"transformer_lm: best synchronous ≥ {TARGET_SYNC_VS_FLUSH_LM:g}× flush "
+                           f"{_yes(vs_flush >= TARGET_SYNC_VS_FLUSH_LM)} ({vs_flush:.2f}×)")
+    probes = data["probes"]
+    caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
+               f"{data['args']['procs']} processes, {data['args']['microbatches']} microbatches, "
+               f"{data['args']['passes']} interleaved passes (samples/s: the median; passes in brackets).")
+    return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
+
+
+def virtual_stages(data: Data) -> str:
+    """compare_virtual.json (compare.py --rows ...) → per model, interleaved and zb-v (two stages
+    per worker) against torch's Interleaved1F1B and ZBVZeroBubble (two stages per rank), against
+    flush on a straight cut and on the planner's own plan, with every pass, and the targets."""
+    head = ["model", "interleaved (passes)", "torch Interleaved1F1B (passes)", "interleaved / torch",
+            "zb-v (passes)", "torch ZBVZeroBubble (passes)", "zb-v / torch", "flush straight (passes)",
+            "interleaved, zb-v / flush straight", "flush, planner's plan", "best synchronous / flush",
+            "one process, 2 threads", "measured / predicted (interleaved, zb-v)"]
+    body, targets = [], []
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        il, torch_il = _row(rows, "torchpipedream interleaved"), _row(rows, "torch.pipelining Interleaved1F1B")
+        zbv, torch_zbv = _row(rows, "torchpipedream zb-v"), _row(rows, "torch.pipelining ZBVZeroBubble")
+        same, flush = _row(rows, "torchpipedream flush straight"), _row(rows, "torchpipedream flush")
+        threads = _row(rows, "single, 2 threads")
+        sync = _best(rows, lambda n: n in ("torchpipedream flush", "torchpipedream flush straight",
+                                           "torchpipedream interleaved", "torchpipedream zb-v"))
+
+        def ratio(a: dict | None, b: dict | None) -> float | None:
+            return a["samples_per_s"] / b["samples_per_s"] if (a and b) else None
+
+        vs_flush = ratio(sync, flush)
+        body.append([model, _passes(il), _passes(torch_il), _num(ratio(il, torch_il)), _passes(zbv),
+                     _passes(torch_zbv), _num(ratio(zbv, torch_zbv)), _passes(same),
+                     f"{_num(ratio(il, same))}, {_num(ratio(zbv, same))}",
+                     f"{flush['samples_per_s']:.1f} ({flush['plan']})" if flush else "-",
+                     f"{_num(vs_flush)} ({_short(sync['row'])})" if vs_flush is not None else "-",
+                     f"{threads['samples_per_s']:.1f}" if threads else "-",
+                     ", ".join(_num(r.get("measured_vs_predicted")) for r in (il, zbv) if r)])
+        for name, ours, theirs in (("interleaved", il, torch_il), ("zb-v", zbv, torch_zbv)):
+            r = ratio(ours, theirs)
+            if r is not None:
+                targets.append(f"{model}: {name} ≥ torch's {_yes(r >= TARGET_ZB_VS_TORCH)} ({r:.2f}×)")
         if model == "transformer_lm" and vs_flush is not None:
             targets.append(f"transformer_lm: best synchronous ≥ {TARGET_SYNC_VS_FLUSH_LM:g}× flush "
                            f"{_yes(vs_flush >= TARGET_SYNC_VS_FLUSH_LM)} ({vs_flush:.2f}×)")
@@ -608,6 +652,7 @@ TABLES: dict[str, Table] = {
     "zero_bubble": Table(("compare_zero_bubble.json",), zero_bubble),
     "zero_bubble_fc_m2": Table(("compare_zero_bubble_fc_m2.json",), zero_bubble),
     "split_backward": Table(("split_backward.json",), split_backward),
+    "virtual_stages": Table(("compare_virtual.json",), virtual_stages),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).
@@ -617,6 +662,7 @@ COMPANIONS: tuple[tuple[str, str, Callable[[Data], str]], ...] = (
     ("compare_run12.md", "compare_run12.json", compare_results),
     ("compare_zero_bubble.md", "compare_zero_bubble.json", compare_results),
     ("compare_zero_bubble_fc_m2.md", "compare_zero_bubble_fc_m2.json", compare_results),
+    ("compare_virtual.md", "compare_virtual.json", compare_results),
     ("split_backward.md", "split_backward.json", split_backward),
     ("statistical_efficiency.md", "statistical_efficiency.json", statistical_efficiency),
     ("statistical_efficiency_momentum.md", "statistical_efficiency_momentum.json", statistical_efficiency),

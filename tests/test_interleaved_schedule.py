@@ -153,8 +153,36 @@ def test_the_planner_cuts_workers_times_chunks_stages_and_loops_them() -> None:
         make_plan(graph, "2:10GB/s", schedule="interleaved", microbatches=3)
 
 
-def test_train_refuses_interleaved_by_name() -> None:
-    from torchpipedream.train.config import TrainConfig, TrainError, check_options
+@pytest.mark.parametrize("kind, place", [("interleaved", lambda k: k % 2), ("zb-v", lambda k: k if k < 2 else 3 - k)])
+def test_the_cut_balances_the_workers_not_only_the_stages(kind: str, place) -> None:
+    """The straight plan of 4 balanced stages, placed looped or in a V, can leave one worker with
+    much more than the other; the planner moves the cuts until no one-block move helps."""
+    from torchpipedream.planner import plan as make_plan
+    from torchpipedream.profiles import load_profile
 
-    with pytest.raises(TrainError, match="--schedule interleaved .* not supported by `train` yet"):
-        check_options(TrainConfig(schedule="interleaved"))
+    graph = load_profile("vgg16")
+    p = make_plan(graph, "2:10GB/s", schedule=kind, microbatches=4)
+    balanced = make_plan(graph, "4:10GB/s", schedule="flush", straight=True, num_stages=4, microbatches=4)
+
+    def busiest(stages) -> float:
+        return max(sum(st.compute_ms + st.comm_ms for k, st in enumerate(stages) if place(k) == r) for r in (0, 1))
+
+    assert [st.ranks for st in p.stages] == [[place(k)] for k in range(4)]
+    assert busiest(p.stages) < 0.95 * busiest(balanced.stages)
+    assert p.meta["planner"].get("rebalanced_for_workers")
+
+
+def test_train_refuses_virtual_stages_by_name(tmp_path) -> None:
+    from torchpipedream.graph import Layer, LayerGraph
+    from torchpipedream.train.config import TrainConfig, TrainError, check_options
+    from torchpipedream.train.preparation import _choose_plan
+
+    for kind in ("interleaved", "zb-v"):
+        with pytest.raises(TrainError, match=f"--schedule {kind} .* not supported by `train` yet"):
+            check_options(TrainConfig(schedule=kind))
+    graph = LayerGraph(layers=[Layer(name=f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)],
+                       edges=[(f"l{i}", f"l{i + 1}") for i in range(3)], batch_size=8)
+    path = tmp_path / "looped.json"
+    looped(2, 2).save(path)
+    with pytest.raises(TrainError, match="4 stages on 2 workers .* not supported by `train` yet"):
+        _choose_plan(TrainConfig(plan_file=str(path)), graph, 2, None)

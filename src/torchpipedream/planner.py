@@ -871,10 +871,30 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     wide = Topology([*topo.levels[:-1], Level(top.count * chunks, top.bandwidth_Bps, top.name)],
                     memory_bytes=None, latency_s=topo.latency_s, name=topo.name,
                     allreduce_efficiency=topo.allreduce_efficiency)
-    deep = plan(graph, wide, schedule="flush", straight=True, num_stages=workers * chunks,
-                memory_bytes=memory / chunks if memory is not None else None, **options)
+    budget = memory / chunks if memory is not None else None
+    deep = plan(graph, wide, schedule="flush", straight=True, num_stages=workers * chunks, memory_bytes=budget,
+                **options)
     n = workers * chunks
     place = (lambda k: k if k < workers else n - 1 - k) if kind.v_shape else (lambda k: k % workers)
+    blocks = graph.linearize()
+    if options.get("recompute"):  # as plan() charges it
+        blocks = [dataclasses.replace(b, backward_ms=b.backward_ms + b.forward_ms) for b in blocks]
+    cut = [(i, j, 1) for i, j in deep.meta["blocks"]]
+    f = options["optimizer_state_factor"]
+    scratch = tuple(options.get("optimizer_scratch", NO_SCRATCH))
+
+    def stage_times(trial: list[tuple[int, int, int]]) -> list[float]:
+        ev = evaluate(blocks, wide, trial, "flush", deep.microbatches, f)
+        return [ev.stage_ms[k] + (ev.cut_ms[k] if k < len(ev.cut_ms) else 0.0) for k in range(len(trial))]
+
+    better = _balance_workers(blocks, cut, place, workers, stage_times)
+    if better != cut:
+        rebuilt = _build_plan(graph, blocks, wide, better, "flush", deep.microbatches, f, budget,
+                              deep.meta["planning_time_s"], deep.meta["feasibility_checks"],
+                              dict(deep.meta["planner"], rebalanced_for_workers=True,
+                                   **({"optimizer_scratch": list(scratch)} if scratch != NO_SCRATCH else {})))
+        if budget is None or max(st.memory_bytes for st in rebuilt.stages) <= budget:
+            deep = rebuilt
     stages = [dataclasses.replace(st, ranks=[place(k)]) for k, st in enumerate(deep.stages)]
     m = deep.microbatches
     held = [[st for st in stages if st.ranks == [r]] for r in range(workers)]
@@ -897,6 +917,40 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
         raise PlanError(f"{schedule}: worker {rank_memory.index(max(rank_memory))} would need "
                         f"{format_bytes(max(rank_memory))}, over the budget of {format_bytes(memory)}")
     return p
+
+
+def _balance_workers(blocks: Sequence[Block], stages: list[tuple[int, int, int]], place: Any, workers: int,
+                     score: Any) -> list[tuple[int, int, int]]:
+    """``stages`` (first block, last block, 1) with their boundaries moved one block at a time
+    while that lowers the busiest worker's time (worker of stage k: ``place(k)``; ``score(stages)``
+    gives each stage's time per minibatch, its compute and its outgoing transfer): a cut balanced
+    stage by stage need not balance the workers' sums (a V puts the first and the last stage on
+    one worker). Local search: each accepted move strictly lowers the maximum."""
+    starts = [i for i, _, _ in stages] + [len(blocks)]
+
+    def as_stages(bounds: list[int]) -> list[tuple[int, int, int]]:
+        return [(bounds[k], bounds[k + 1] - 1, 1) for k in range(len(bounds) - 1)]
+
+    def busiest(bounds: list[int]) -> float:
+        load = [0.0] * workers
+        for k, t in enumerate(score(as_stages(bounds))):
+            load[place(k)] += t
+        return max(load)
+
+    best = busiest(starts)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(1, len(starts) - 1):
+            for step in (-1, 1):
+                moved = starts[k] + step
+                if not starts[k - 1] < moved < starts[k + 1]:
+                    continue
+                trial = starts[:k] + [moved] + starts[k + 1:]
+                value = busiest(trial)
+                if value < best * (1 - 1e-12):
+                    starts, best, improved = trial, value, True
+    return as_stages(starts)
 
 
 def _check_shape_request(layers: int, N: int, W: int, microbatches: int, num_stages: int | None, straight: bool,

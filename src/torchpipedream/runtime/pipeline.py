@@ -278,8 +278,8 @@ class Pipeline:
         modules = {s: split.modules[s].to(self.device) for s in self.stages_held}
         self._stage_inputs, self._finish = split.inputs, split.finish
         # torch.export fixes dropout's mode in the graph: evaluation runs a graph traced for it.
-        self._eval_modules = {s: self._evaluation_stage(module_or_stages, plan, call, split, s, modules[s])
-                              for s in self.stages_held} if split.method == "export" else {}
+        self._eval_modules = self._evaluation_stages(module_or_stages, plan, call, split, modules) \
+            if split.method == "export" else {}
         del split
         # One process group per replicated stage, created in the same order on every rank.
         self._ar_group = None
@@ -382,20 +382,24 @@ class Pipeline:
             return model_loss(output)
         return self.loss_fn(output, *targets)
 
-    def _evaluation_stage(self, model: nn.Module, plan: Plan, call: Any, split: Any, s: int,
-                          training: nn.Module) -> nn.Module:
-        """Stage ``s`` of the graph torch.export traces in evaluation mode: it must read no
-        parameter or buffer that the training stage does not hold (those are updated elsewhere)."""
-        stage = split_stages(model, plan, sample=call, train=False, follow=split).modules[s].to(self.device)
-        held = {id(t) for t in list(training.parameters()) + list(training.buffers())}
+    def _evaluation_stages(self, model: nn.Module, plan: Plan, call: Any, split: Any,
+                           training: dict[int, nn.Module]) -> dict[int, nn.Module]:
+        """This rank's stages of the graph torch.export traces in evaluation mode: each must read
+        no parameter or buffer that its training stage does not hold (those are updated elsewhere)."""
+        modules = split_stages(model, plan, sample=call, train=False, follow=split).modules
         state = {id(t) for t in list(model.parameters()) + list(model.buffers())}  # not export's own constants
-        foreign = [name for name, t in list(stage.named_parameters()) + list(stage.named_buffers())
-                   if id(t) in state and id(t) not in held]
-        if foreign:
-            raise PipelineError(
-                f"the graph torch.export traces for evaluation puts {foreign[:3]} in stage {s}, whose training "
-                "graph does not hold them; evaluate this model in one process (its state_dict), or re-plan it")
-        return stage
+        out = {}
+        for s, trained in training.items():
+            stage = modules[s].to(self.device)
+            held = {id(t) for t in list(trained.parameters()) + list(trained.buffers())}
+            foreign = [name for name, t in list(stage.named_parameters()) + list(stage.named_buffers())
+                       if id(t) in state and id(t) not in held]
+            if foreign:
+                raise PipelineError(
+                    f"the graph torch.export traces for evaluation puts {foreign[:3]} in stage {s}, whose training "
+                    "graph does not hold them; evaluate this model in one process (its state_dict), or re-plan it")
+            out[s] = stage
+        return out
 
     def _ensure_process_group(self, workers: int) -> bool:
         if dist.is_available() and dist.is_initialized():

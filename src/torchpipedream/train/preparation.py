@@ -91,6 +91,10 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
             plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
         except PlanError as exc:
             raise TrainError(f"--plan {cfg.plan_file}: {exc}") from None
+        if plan.virtual:
+            raise TrainError(f"--plan {cfg.plan_file}: {plan.summary}: plans whose workers hold several stages "
+                             "(interleaved, zb-v) are not supported by `train` yet (its checkpoints hold one stage "
+                             "per worker); train them through the Pipeline API")
         if cfg.schedule != AUTO:  # auto: the file's schedule and microbatches
             plan.schedule = cfg.schedule
         return plan.with_recompute(True) if cfg.recompute else plan
