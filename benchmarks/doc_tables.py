@@ -175,6 +175,20 @@ def compare_targets(data: Data) -> str:
     return _table(["target", "this run", "result"], out)
 
 
+def _lm_target(vs_flush: float) -> str:
+    return (f"transformer_lm: best synchronous ≥ {TARGET_SYNC_VS_FLUSH_LM:g}× flush "
+            f"{_yes(vs_flush >= TARGET_SYNC_VS_FLUSH_LM)} ({vs_flush:.2f}×)")
+
+
+def _passes_table(data: Data, head: list[str], body: list[list[str]], targets: list[str]) -> str:
+    """A --rows run's caption (probes, processes, microbatches, passes), its table and targets."""
+    probes = data["probes"]
+    caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
+               f"{data['args']['procs']} processes, {data['args']['microbatches']} microbatches, "
+               f"{data['args']['passes']} interleaved passes (samples/s: the median; passes in brackets).")
+    return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
+
+
 def _passes(r: dict | None) -> str:
     if r is None:
         return "-"
@@ -217,13 +231,8 @@ def zero_bubble(data: Data) -> str:
         if vs_torch is not None:
             targets.append(f"{model}: zb-h1 ≥ torch's ZB-H1 {_yes(vs_torch >= TARGET_ZB_VS_TORCH)} ({vs_torch:.2f}×)")
         if model == "transformer_lm" and vs_flush is not None:
-            targets.append(f"transformer_lm: best synchronous ≥ {TARGET_SYNC_VS_FLUSH_LM:g}× flush "
-                           f"{_yes(vs_flush >= TARGET_SYNC_VS_FLUSH_LM)} ({vs_flush:.2f}×)")
-    probes = data["probes"]
-    caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
-               f"{data['args']['procs']} processes, {data['args']['microbatches']} microbatches, "
-               f"{data['args']['passes']} interleaved passes (samples/s: the median; passes in brackets).")
-    return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
+            targets.append(_lm_target(vs_flush))
+    return _passes_table(data, head, body, targets)
 
 
 def virtual_stages(data: Data) -> str:
@@ -260,13 +269,8 @@ def virtual_stages(data: Data) -> str:
             if r is not None:
                 targets.append(f"{model}: {name} ≥ torch's {_yes(r >= TARGET_ZB_VS_TORCH)} ({r:.2f}×)")
         if model == "transformer_lm" and vs_flush is not None:
-            targets.append(f"transformer_lm: best synchronous ≥ {TARGET_SYNC_VS_FLUSH_LM:g}× flush "
-                           f"{_yes(vs_flush >= TARGET_SYNC_VS_FLUSH_LM)} ({vs_flush:.2f}×)")
-    probes = data["probes"]
-    caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
-               f"{data['args']['procs']} processes, {data['args']['microbatches']} microbatches, "
-               f"{data['args']['passes']} interleaved passes (samples/s: the median; passes in brackets).")
-    return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
+            targets.append(_lm_target(vs_flush))
+    return _passes_table(data, head, body, targets)
 
 
 def split_backward(data: Data) -> str:

@@ -1,4 +1,5 @@
-"""The per-rank interpreter: runs this rank's action list from a Schedule, in order.
+"""The per-rank interpreter: runs this rank's action list from a Schedule, in order
+(``run_actions``), each action by the ``Engine`` of its stage: one per stage the rank holds.
 
 The engine has no schedule logic of its own. What it reads from the schedule beyond its own
 list are static facts computed once before the run: the order of its receives per peer (so
@@ -52,6 +53,10 @@ from .weights import WeightVersions
 __all__ = ["Engine", "MicrobatchResult", "as_tuple", "run_actions"]
 
 log = logging.getLogger(__name__)
+
+
+#: ``get(i) -> (inputs, targets, samples)`` of microbatch ``i``: the first stage's data.
+MicrobatchSource = Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]]
 
 
 def as_tuple(x: Any) -> tuple[Any, ...]:
@@ -110,7 +115,8 @@ class _Context:
 
 
 class Engine:
-    """Executes one rank's actions.
+    """Executes one stage's actions of a rank's list (``run_actions`` drives the engines of a
+    rank's stages through the list: one, or several with virtual stages).
 
     Args:
         rank / stage / replica: who this is.
@@ -167,24 +173,7 @@ class Engine:
         self.rng_seed = 0
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
-    # ------------------------------------------------------------------ run
-    def run(
-        self,
-        actions: list[Action],
-        comm: P2P | None,
-        get_microbatch: Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]] | None,
-        train: bool,
-        version_base: int,
-        t0: float,
-    ) -> tuple[dict[int, MicrobatchResult], list[Event]]:
-        """Execute ``actions``; returns the last stage's per-microbatch results and the events.
-
-        ``get_microbatch(i)`` gives (inputs, targets, samples) of microbatch ``i`` (first stage,
-        and the last stage when it is also the first). ``version_base`` is the number of
-        updates before this schedule (schedule versions are relative to its start).
-        """
-        return run_actions({self.stage: self}, actions, comm, get_microbatch, train, version_base, t0)
-
+    # ------------------------------------------------------------------ run (run_actions drives these)
     def begin(self, actions: list[Action], train: bool) -> None:
         """Start a schedule: ``actions`` are this stage's (its part of the rank's list)."""
         self._ctx: dict[int, _Context] = {}
@@ -482,7 +471,7 @@ def run_actions(
     engines: dict[int, Engine],
     actions: list[Action],
     comm: P2P | None,
-    get_microbatch: Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]] | None,
+    get_microbatch: MicrobatchSource | None,
     train: bool,
     version_base: int,
     t0: float,
@@ -490,6 +479,9 @@ def run_actions(
     """Execute one rank's ``actions`` in order, each by the engine of its stage (``engines``:
     stage -> Engine; several where the rank holds virtual stages). A transfer between two of
     them (peer = this rank) is a hand-over in memory; its receive only checks that it came.
+    ``get_microbatch(i)`` gives (inputs, targets, samples) of microbatch ``i`` (the first
+    stage's rank); ``version_base`` is the number of updates before this schedule (schedule
+    versions are relative to its start); times are relative to ``t0``.
     Returns the last stage's per-microbatch results and one event per action."""
     any_engine = next(iter(engines.values()))
     rank = any_engine.rank
