@@ -1,7 +1,8 @@
-"""``Pipeline``: train a model with pipeline parallelism, one stage per process.
+"""``Pipeline``: train a model with pipeline parallelism, one stage per process (or several:
+virtual stages, under the interleaved and zb-v schedules).
 
 Every rank runs the same script (SPMD; under ``torchrun`` or :func:`~torchpipedream.launch`).
-Each builds the whole model (same seed), keeps only its own stage, and calls the same
+Each builds the whole model (same seed), keeps only its own stage(s), and calls the same
 methods; the data is read only by the first stage's ranks, the targets travel with the
 activations to the last stage (so only the input stage needs a data loader that yields
 data; the other ranks only need ``len(loader)``).
