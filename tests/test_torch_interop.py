@@ -384,3 +384,78 @@ def test_torchs_runtime_trains_our_exported_zb_h1_exactly(tmp_path: Path) -> Non
         torch.testing.assert_close(v, want[f"{int(i) + 3}.{name}"], atol=1e-5, rtol=1e-5,
                                    msg=f"torch running ours: {k}")
     assert set(first) == {"0.weight", "0.bias", "2.weight", "2.bias"} and set(second) == {"1.weight", "1.bias"}
+
+
+# --------------------------------------------------------------------------- two stages per rank, in a V
+def mlp4() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+#: mlp4's children in 4 stages, and the same cut by fx layer names; a V puts stages 0 and 3 on rank 0
+PIECES = [[0, 1], [2, 3], [4, 5], [6]]
+V_CUT = [["input_1", "_0", "_1"], ["_2", "_3"], ["_4", "_5"], ["_6"]]
+
+
+def reference4() -> dict[str, torch.Tensor]:
+    model = mlp4()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for x, y in data():
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def torch_v_worker(rank: int, csv_path: str) -> dict:
+    """Our zb-v, exported as torch's CSV, on torch's runtime with two PipelineStages per rank."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    torch.set_num_threads(1)
+    children = list(mlp4().children())
+    ids = [rank, 3 - rank]
+    pieces = {s: nn.Sequential(*[children[i] for i in PIECES[s]]) for s in ids}
+    stages = [PipelineStage(pieces[s], s, 4, torch.device("cpu")) for s in ids]
+    sched = torch_schedules._PipelineScheduleRuntime(stages, n_microbatches=M, loss_fn=nn.functional.cross_entropy)
+    sched._load_csv(csv_path)
+    opt = torch.optim.SGD([p for s in ids for p in pieces[s].parameters()], lr=LR)
+    for x, y in data():
+        opt.zero_grad()
+        if rank == 0:  # rank 0 holds the first and the last stage
+            sched.step(x, target=y)
+        else:
+            sched.step()
+        opt.step()
+    state: list = [None, None]
+    dist.all_gather_object(state, {s: {k: v.detach() for k, v in pieces[s].state_dict().items()} for s in ids})
+    return {"state": state}
+
+
+def ours_v_worker(rank: int) -> dict:
+    """torch's ZBVZeroBubble order on our runtime (Pipeline.use_schedule, a V-shaped plan)."""
+    torch.set_num_threads(1)
+    pipe = Pipeline(mlp4(), Plan.v_shape(V_CUT, 2, microbatches=M), optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+                    loss_fn=nn.CrossEntropyLoss(), timeout_s=60)
+    pipe.use_schedule(from_torch(torch_order("ZBVZeroBubble", 2, M, 2), plan=pipe.plan, minibatches=BATCHES))
+    pipe.train_minibatches(data())
+    return {"state": pipe.state_dict(dst=0)}
+
+
+def test_torchs_runtime_trains_our_exported_zb_v_and_ours_trains_torchs_zbv(tmp_path: Path) -> None:
+    want = reference4()
+    path = write_torch_csv(build_schedule(Plan.v_shape(V_CUT, 2, microbatches=M), "zb-v", minibatches=1,
+                                          microbatches=M), tmp_path / "zbv.csv")
+    pieces = [piece for rank in launch(torch_v_worker, 2, str(path), timeout_s=240, comm_timeout_s=60)["state"]
+              for piece in rank.items()]
+    assert sorted(s for s, _ in pieces) == [0, 1, 2, 3]
+    for s, state in pieces:  # a piece's child i is the model's child PIECES[s][i]
+        for k, v in state.items():
+            i, name = k.split(".")
+            torch.testing.assert_close(v, want[f"{PIECES[s][int(i)]}.{name}"], atol=1e-5, rtol=1e-5,
+                                       msg=f"torch running our zb-v: stage {s} {k}")
+    got = launch(ours_v_worker, 2, timeout_s=240, comm_timeout_s=60, return_all=True)[0]["state"]
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-5, msg=f"ours running torch's ZBV: {k}")
