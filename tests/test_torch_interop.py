@@ -297,8 +297,9 @@ def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(BATCHES)]
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model = mlp()
+def reference(build=None) -> dict[str, torch.Tensor]:
+    """Plain training of ``build()`` (default ``mlp``) on ``data()``: the weights every run here must equal."""
+    model = (build or mlp)()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for x, y in data():
         opt.zero_grad()
@@ -398,16 +399,6 @@ PIECES = [[0, 1], [2, 3], [4, 5], [6]]
 V_CUT = [["input_1", "_0", "_1"], ["_2", "_3"], ["_4", "_5"], ["_6"]]
 
 
-def reference4() -> dict[str, torch.Tensor]:
-    model = mlp4()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for x, y in data():
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
-
-
 def torch_v_worker(rank: int, csv_path: str) -> dict:
     """Our zb-v, exported as torch's CSV, on torch's runtime with two PipelineStages per rank."""
     import torch.distributed as dist
@@ -444,7 +435,7 @@ def ours_v_worker(rank: int) -> dict:
 
 
 def test_torchs_runtime_trains_our_exported_zb_v_and_ours_trains_torchs_zbv(tmp_path: Path) -> None:
-    want = reference4()
+    want = reference(mlp4)
     path = write_torch_csv(build_schedule(Plan.v_shape(V_CUT, 2, microbatches=M), "zb-v", minibatches=1,
                                           microbatches=M), tmp_path / "zbv.csv")
     pieces = [piece for rank in launch(torch_v_worker, 2, str(path), timeout_s=240, comm_timeout_s=60)["state"]
