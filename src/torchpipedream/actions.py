@@ -135,10 +135,10 @@ def parse_action(text: str) -> Action:
     )
 
 
-def split_backwards(actions: Iterable[Action]) -> set[int]:
-    """The microbatches whose backward one rank's list splits: those it has a W for (their B
-    computes the inputs' gradient only)."""
-    return {a.id for a in actions if a.kind is Kind.WEIGHT_GRAD}
+def split_backwards(actions: Iterable[Action]) -> set[tuple[int, int]]:
+    """(stage, microbatch) of every backward one rank's list splits: those it has a W for (their
+    B computes the inputs' gradient only); keyed by stage, as a rank may hold several."""
+    return {(a.stage, a.id) for a in actions if a.kind is Kind.WEIGHT_GRAD}
 
 
 def message_key(a: Action) -> tuple[int, int]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
-from .kinds import ScheduleKind, VersionRule, schedule_kind
+from .kinds import SCHEDULE_KINDS, ScheduleKind, VersionRule, schedule_kind
 from .plans import Plan
 
 __all__ = ["replica_of", "update_of", "num_updates", "warmup_depth", "interleaved_warmup", "v_shape_inflight",
-           "tied_support_problem"]
+           "tied_support_problem", "virtual_support_problem"]
 
 
 def replica_of(plan: Plan, stage: int, microbatch: int) -> int:
@@ -66,6 +66,21 @@ def v_shape_inflight(plan: Plan, microbatches: int) -> int:
     """Microbatch chunks a ZB-V worker (two stages in a V) holds at most, over both its stages:
     2p + 2 (p + 1 microbatches of its whole layers), at most the batch's two stages' worth."""
     return min(2 * microbatches, 2 * plan.num_workers + 2)
+
+
+def virtual_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None:
+    """Why this kind cannot run this plan's placement, or None: a plan putting several stages on
+    one worker needs a kind with virtual stages, and those run one worker per stage."""
+    info = schedule_kind(kind)
+    if plan.virtual and not info.virtual_stages:
+        virtual = ", ".join(k.name for k in SCHEDULE_KINDS.values() if k.virtual_stages)
+        return (f"the plan puts several stages on one worker ({plan.summary}); {info.name} runs one stage per "
+                f"worker: use {virtual}")
+    replicated = next((s for s, st in enumerate(plan.stages) if st.replicas > 1), None)
+    if info.virtual_stages and replicated is not None:
+        return (f"{info.name} runs stages of one worker each; stage {replicated} has "
+                f"{plan.stages[replicated].replicas} replicas: plan with straight=True, or use flush")
+    return None
 
 
 def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bool = False) -> str | None:

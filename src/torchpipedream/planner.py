@@ -61,7 +61,7 @@ from .graph import Block, LayerGraph, SharedParameter
 from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from .memory_model import (NO_SCRATCH, StageActivations, memory_terms, scratch_of_options, stage_activations,
                            stage_memory_bytes, working_key)
-from .plans import Plan, PlanError, Stage, TiedParameter
+from .plans import Plan, PlanError, Stage, TiedParameter, looped_rank, v_shape_rank
 from .topology import Level, Topology, format_bytes
 
 __all__ = [
@@ -787,15 +787,16 @@ def plan(
                         "(auto_schedule.plan) chooses the kind and the microbatches")
     topo = Topology.from_any(topology)
     try:
-        schedule = schedule_kind(schedule).name
+        kind = schedule_kind(schedule)
     except UnknownKindError as exc:
         raise PlanError(str(exc)) from None
-    if schedule_kind(schedule).split_backward:
+    schedule = kind.name
+    if kind.split_backward:
         straight = True  # zero-bubble schedules run one worker per stage (schedules.build_schedule)
-    if schedule_kind(schedule).virtual_stages:
-        return _plan_virtual(graph, topo, schedule, 2 if schedule_kind(schedule).v_shape else chunks, microbatches=microbatches, memory_bytes=memory_bytes,
-                            optimizer_state_factor=optimizer_state_factor, optimizer_scratch=optimizer_scratch,
-                            rtol=rtol, recompute=recompute)
+    if kind.virtual_stages:
+        return _plan_virtual(graph, topo, schedule, 2 if kind.v_shape else chunks, microbatches=microbatches,
+                             memory_bytes=memory_bytes, optimizer_state_factor=optimizer_state_factor,
+                             optimizer_scratch=optimizer_scratch, rtol=rtol, recompute=recompute)
     if method not in ("fast", "hierarchical"):
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:
@@ -807,9 +808,7 @@ def plan(
     optimizer_scratch = (float(optimizer_scratch[0]), float(optimizer_scratch[1]))
     if not isinstance(recompute, bool):
         raise PlanError(f"recompute must be True or False, got {recompute!r}")
-    blocks = graph.linearize()
-    if recompute:  # the search and the prediction charge the second forward to the backward
-        blocks = [dataclasses.replace(b, backward_ms=b.backward_ms + b.forward_ms) for b in blocks]
+    blocks = _planning_blocks(graph, recompute)
     _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
                          allow_fewer_workers)
     memory = memory_bytes if memory_bytes is not None else topo.memory_bytes
@@ -846,6 +845,15 @@ def plan(
                                                 if optimizer_scratch != NO_SCRATCH else {})))
 
 
+def _planning_blocks(graph: LayerGraph, recompute: bool) -> list[Block]:
+    """The graph's chain of blocks as the planner prices them: with ``recompute`` each backward
+    is charged its block's forward again."""
+    blocks = graph.linearize()
+    if recompute:
+        blocks = [dataclasses.replace(b, backward_ms=b.backward_ms + b.forward_ms) for b in blocks]
+    return blocks
+
+
 def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int, **options: Any) -> Plan:
     """A plan of virtual stages for ``schedule``: the straight plan of workers × ``chunks``
     balanced stages on a topology with ``chunks`` times the workers (each worker's memory shared
@@ -874,28 +882,23 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     budget = memory / chunks if memory is not None else None
     deep = plan(graph, wide, schedule="flush", straight=True, num_stages=workers * chunks, memory_bytes=budget,
                 **options)
-    n = workers * chunks
-    place = (lambda k: k if k < workers else n - 1 - k) if kind.v_shape else (lambda k: k % workers)
-    blocks = graph.linearize()
-    if options.get("recompute"):  # as plan() charges it
-        blocks = [dataclasses.replace(b, backward_ms=b.backward_ms + b.forward_ms) for b in blocks]
+    rank_of = v_shape_rank if kind.v_shape else looped_rank
+    blocks = _planning_blocks(graph, bool(options.get("recompute")))
     cut = [(i, j, 1) for i, j in deep.meta["blocks"]]
     f = options["optimizer_state_factor"]
-    scratch = tuple(options.get("optimizer_scratch", NO_SCRATCH))
 
     def stage_times(trial: list[tuple[int, int, int]]) -> list[float]:
         ev = evaluate(blocks, wide, trial, "flush", deep.microbatches, f)
         return [ev.stage_ms[k] + (ev.cut_ms[k] if k < len(ev.cut_ms) else 0.0) for k in range(len(trial))]
 
-    better = _balance_workers(blocks, cut, place, workers, stage_times)
-    if better != cut:
+    better = _balance_workers(blocks, cut, rank_of, workers, stage_times)
+    if better != cut:  # the deep plan's options (its optimizer scratch included) describe the rebuilt one too
         rebuilt = _build_plan(graph, blocks, wide, better, "flush", deep.microbatches, f, budget,
                               deep.meta["planning_time_s"], deep.meta["feasibility_checks"],
-                              dict(deep.meta["planner"], rebalanced_for_workers=True,
-                                   **({"optimizer_scratch": list(scratch)} if scratch != NO_SCRATCH else {})))
+                              dict(deep.meta["planner"], rebalanced_for_workers=True))
         if budget is None or max(st.memory_bytes for st in rebuilt.stages) <= budget:
             deep = rebuilt
-    stages = [dataclasses.replace(st, ranks=[place(k)]) for k, st in enumerate(deep.stages)]
+    stages = [dataclasses.replace(st, ranks=[rank_of(k, workers)]) for k, st in enumerate(deep.stages)]
     m = deep.microbatches
     held = [[st for st in stages if st.ranks == [r]] for r in range(workers)]
     per_rank = [sum(st.compute_ms + st.comm_ms for st in mine) for mine in held]
@@ -919,10 +922,10 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     return p
 
 
-def _balance_workers(blocks: Sequence[Block], stages: list[tuple[int, int, int]], place: Any, workers: int,
+def _balance_workers(blocks: Sequence[Block], stages: list[tuple[int, int, int]], rank_of: Any, workers: int,
                      score: Any) -> list[tuple[int, int, int]]:
     """``stages`` (first block, last block, 1) with their boundaries moved one block at a time
-    while that lowers the busiest worker's time (worker of stage k: ``place(k)``; ``score(stages)``
+    while that lowers the busiest worker's time (worker of stage k: ``rank_of(k, workers)``; ``score(stages)``
     gives each stage's time per minibatch, its compute and its outgoing transfer): a cut balanced
     stage by stage need not balance the workers' sums (a V puts the first and the last stage on
     one worker). Local search: each accepted move strictly lowers the maximum."""
@@ -934,7 +937,7 @@ def _balance_workers(blocks: Sequence[Block], stages: list[tuple[int, int, int]]
     def busiest(bounds: list[int]) -> float:
         load = [0.0] * workers
         for k, t in enumerate(score(as_stages(bounds))):
-            load[place(k)] += t
+            load[rank_of(k, workers)] += t
         return max(load)
 
     best = busiest(starts)

@@ -22,11 +22,21 @@ from .kinds import UnknownKindError, schedule_kind
 from .memory_model import StageActivations, scratch_of_options
 from .memory_model import stage_memory_bytes as model_memory_bytes
 
-__all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION"]
+__all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION", "looped_rank", "v_shape_rank"]
 
 PLAN_FORMAT_VERSION = 1
 #: Fields that older plan files carry and this version derives or no longer keeps: read and dropped.
 _LEGACY_STAGE_FIELDS = frozenset({"output_tensors"})
+
+
+def looped_rank(stage: int, workers: int) -> int:
+    """The worker of ``stage`` in a looped plan (Megatron's interleaving): stage k on k mod p."""
+    return stage % workers
+
+
+def v_shape_rank(stage: int, workers: int) -> int:
+    """The worker of ``stage`` in a V (ZB-V): worker r holds stages r and 2p − 1 − r."""
+    return stage if stage < workers else 2 * workers - 1 - stage
 
 
 class PlanError(ValueError):
@@ -176,6 +186,10 @@ class Plan:
         if len(held) > 1:
             raise PlanError(f"rank {rank} holds stages {held} (virtual stages); ask stages_of_rank")
         return held[0], self.stages[held[0]].ranks.index(rank)
+
+    def placed_by(self, rank_of: Any) -> bool:
+        """Every stage has one worker, ``rank_of(stage, workers)`` (``looped_rank``, ``v_shape_rank``)."""
+        return all(st.ranks == [rank_of(k, self.num_workers)] for k, st in enumerate(self.stages))
 
     def stages_of_rank(self, rank: int) -> list[int]:
         """The stages a global rank holds, in pipeline order (one, or several with virtual stages)."""
@@ -474,7 +488,8 @@ class Plan:
         holding len(layer_groups) / workers of them (Megatron's interleaved placement)."""
         if workers < 1 or len(layer_groups) % workers:
             raise PlanError(f"{len(layer_groups)} stages do not divide evenly over {workers} workers")
-        stages = [Stage(layers=list(g), replicas=1, ranks=[i % workers]) for i, g in enumerate(layer_groups)]
+        stages = [Stage(layers=list(g), replicas=1, ranks=[looped_rank(k, workers)])
+                  for k, g in enumerate(layer_groups)]
         return cls(stages=stages, schedule=schedule, **kwargs)
 
     @classmethod
@@ -484,7 +499,7 @@ class Plan:
         if workers < 1 or len(layer_groups) != 2 * workers:
             raise PlanError(f"a V-shaped plan has two stages per worker: {2 * workers} layer groups for {workers} "
                             f"workers, got {len(layer_groups)}")
-        stages = [Stage(layers=list(g), replicas=1, ranks=[k if k < workers else 2 * workers - 1 - k])
+        stages = [Stage(layers=list(g), replicas=1, ranks=[v_shape_rank(k, workers)])
                   for k, g in enumerate(layer_groups)]
         return cls(stages=stages, schedule=schedule, **kwargs)
 

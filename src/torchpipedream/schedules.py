@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from .actions import Action, Kind, Schedule
-from .kinds import KIND_NAMES, SCHEDULE_KINDS, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .placement import interleaved_warmup, num_updates, replica_of, tied_support_problem, update_of, warmup_depth
-from .plans import Plan, PlanError
+from .kinds import KIND_NAMES, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from .placement import (interleaved_warmup, num_updates, replica_of, tied_support_problem, update_of,
+                        virtual_support_problem, warmup_depth)
+from .plans import Plan, PlanError, looped_rank, v_shape_rank
 
 __all__ = ["build_schedule", "schedule_from_order", "GENERATORS", "ScheduleBuildError"]
 
@@ -284,8 +285,7 @@ def interleaved(ctx: _Ctx) -> ComputeOrder:
         r1: F0 F1 F0' B0' F1' B1' F2 B0 F3 B1 F2' B2' F3' B3' U0' B2 B3 U0   ' = the rank's 2nd stage)
     """
     plan, m, p, v = ctx.plan, ctx.microbatches, ctx.plan.num_workers, ctx.plan.chunks
-    looped = all(st.ranks == [k % p] for k, st in enumerate(plan.stages))
-    if not looped:
+    if not plan.placed_by(looped_rank):
         raise ScheduleBuildError(f"{ctx.kind.name} needs stage k on rank k mod {p} (Plan.looped); the plan puts "
                                  f"them on {[st.ranks for st in plan.stages]}")
     if m % p:
@@ -385,7 +385,7 @@ def zb_v(ctx: _Ctx) -> ComputeOrder:
                                                               (p = 2, m = 4; ' = stage 2p − 1 − r)
     """
     plan, m, p = ctx.plan, ctx.microbatches, ctx.plan.num_workers
-    if plan.chunks != 2 or any(st.ranks != [k if k < p else 2 * p - 1 - k] for k, st in enumerate(plan.stages)):
+    if plan.chunks != 2 or not plan.placed_by(v_shape_rank):
         raise ScheduleBuildError(f"{ctx.kind.name} needs two stages per worker in a V, worker r holding stages r and "
                                  f"{2 * p - 1} - r (Plan.v_shape); the plan puts them on "
                                  f"{[st.ranks for st in plan.stages]}")
@@ -677,15 +677,9 @@ def build_schedule(
         raise ScheduleBuildError(
             f"{info.name} runs a straight pipeline (one worker per stage); stage {bad} has "
             f"{plan.stages[bad].replicas} replicas: plan with straight=True, or use flush")
-    if plan.virtual and not info.virtual_stages:
-        raise ScheduleBuildError(
-            f"the plan puts several stages on one worker ({plan.summary}); {info.name} runs one stage per "
-            f"worker: use {', '.join(k.name for k in SCHEDULE_KINDS.values() if k.virtual_stages)}")
-    if info.virtual_stages and any(st.replicas > 1 for st in plan.stages):
-        bad = next(i for i, st in enumerate(plan.stages) if st.replicas > 1)
-        raise ScheduleBuildError(
-            f"{info.name} runs stages of one worker each; stage {bad} has {plan.stages[bad].replicas} replicas: "
-            "plan with straight=True, or use flush")
+    problem = virtual_support_problem(plan, info)
+    if problem:
+        raise ScheduleBuildError(problem)
     if vertical_sync and not info.stashes_weights:
         raise ScheduleBuildError(f"vertical_sync applies to schedules with weight stashing (pipedream) only, not {info.name!r}")
     problem = tied_support_problem(plan, info, vertical_sync)
@@ -738,10 +732,9 @@ def schedule_from_order(plan: Plan, kind: str, minibatches: int, microbatches: i
     want = {(s, q) for s, st in enumerate(plan.stages) for q in range(st.replicas)}
     if set(order) != want:
         raise ScheduleBuildError(f"the order lists (stage, replica) {sorted(order)}; the plan has {sorted(want)}")
-    if plan.virtual and not info.virtual_stages:
-        raise ScheduleBuildError(
-            f"the plan puts several stages on one worker ({plan.summary}); {info.name} runs one stage per worker: use "
-            f"{', '.join(k.name for k in SCHEDULE_KINDS.values() if k.virtual_stages)}")
+    problem = virtual_support_problem(plan, info)
+    if problem:
+        raise ScheduleBuildError(problem)
     if plan.virtual and rank_order is None:
         raise ScheduleBuildError(
             f"the plan puts several stages on one worker ({plan.summary}): rank_order is needed (rank -> the stage of "

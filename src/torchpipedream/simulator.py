@@ -345,7 +345,7 @@ def accumulating_backwards(actions: list[Action], replicated: bool) -> set[int]:
     first = True
     split = split_backwards(actions)
     for p, a in enumerate(actions):
-        if a.kind is Kind.WEIGHT_GRAD or (a.kind is Kind.BACKWARD and a.id not in split):
+        if a.kind is Kind.WEIGHT_GRAD or (a.kind is Kind.BACKWARD and (a.stage, a.id) not in split):
             if replicated or not first:
                 out.add(p)
             first = False
@@ -439,7 +439,7 @@ def _run(schedule: Schedule, costs: Costs) -> list[Event]:
     F, B, SA, RA, SG, RG, AR, TP, TR = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD,
                                         Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.TIED_POST, Kind.TIED_REDUCE)
     W, wgrad = Kind.WEIGHT_GRAD, charge.weight_grad
-    split_at = {r: {(a.stage, a.id) for a in lst if a.kind is W} for r, lst in schedule.actions.items()}
+    split_at = {r: split_backwards(lst) for r, lst in schedule.actions.items()}
     tied_size = {k: sum(plan.stages[s].replicas for s in t.stages) for k, t in enumerate(plan.tied)}
     tied_posts: dict[tuple[int, int], dict[int, float]] = {}  # (parameter, update) -> rank -> post time
     tied_waiting: dict[tuple[int, int], set[int]] = {}  # ranks blocked at a TR until every post is in

@@ -32,9 +32,9 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .actions import Kind, Schedule
+from .actions import Kind, Schedule, split_backwards
 from .kinds import SCHEDULE_KINDS, VersionRule, schedule_kind
-from .plans import Plan, Stage
+from .plans import Plan, Stage, looped_rank, v_shape_rank
 from .schedules import schedule_from_order
 from .validate import bounds, rank_inflight_bound, schedule_stats
 
@@ -89,7 +89,7 @@ def _default_plan(placement: Mapping[int, int], workers: int, microbatches: int,
     groups = [[f"stage{s}"] for s in range(len(placement))]
     if all(r == s for s, r in placement.items()):
         return Plan.straight(groups, microbatches=microbatches)
-    if all(r == s % workers for s, r in placement.items()):
+    if all(r == looped_rank(s, workers) for s, r in placement.items()):
         return Plan.looped(groups, workers, schedule=kind, microbatches=microbatches)
     return Plan(stages=[Stage(g, 1, [placement[s]]) for s, g in enumerate(groups)], schedule=kind,
                 microbatches=microbatches)
@@ -147,7 +147,8 @@ def from_torch(actions: Mapping[int, Iterable[str | object | None]], plan: Plan 
                 elif kind_text == "W":
                     weights.add((stage, mb))
         held = sorted(set(rank_order[r]))
-        if len(held) > 1 and (weights or inputs_only) and held != [r, 2 * len(ranks) - 1 - r]:
+        in_a_v = len(held) == 2 and all(v_shape_rank(s, len(ranks)) == r for s in held)
+        if len(held) > 1 and (weights or inputs_only) and not in_a_v:
             raise TorchScheduleError(
                 f"rank {r} runs stages {held} and splits the backward (I and W): several stages per rank with a "
                 "split backward are supported in a V only (rank r holding stages r and 2p - 1 - r: ZBVZeroBubble, "
@@ -225,7 +226,7 @@ def to_torch(schedule: Schedule, batch: int = 0) -> dict[int, list[str]]:
     lo, hi = batch * m, batch * m + m
     out: dict[int, list[str]] = {}
     for r, acts in sorted(schedule.actions.items()):
-        split = {(a.stage, a.id) for a in acts if a.kind is Kind.WEIGHT_GRAD}  # per stage: a rank may hold several
+        split = split_backwards(acts)
         cells = []
         for a in acts:
             if a.kind not in _COMPUTE.values() or not lo <= a.id < hi:

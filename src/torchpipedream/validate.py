@@ -10,8 +10,8 @@ failing action (marked ``>>s1B3v2<<``) and one line saying what is wrong. It che
    backward runs after its forward on the same rank and after its gradient arrived (RG); a
    weight-gradient pass (W, split backward) after its B, with the same version (the
    microbatch's activations count as held until then); a send follows the compute that
-   produced what it sends; the weight versions follow the schedule kind's semantics (docs/architecture.md, "Schedule semantics"); AR/U in update
-   order, after every backward of the update; live weight versions and in-flight
+   produced what it sends; the weight versions follow the schedule kind's semantics
+   (docs/architecture.md, "Schedule semantics"); AR/U in update order, after every backward of the update; live weight versions and in-flight
    activations stay within the kind's bounds; nothing is left undone;
 3. matching — the k-th send from rank a to rank b carries the same microbatch as the k-th
    receive on b from a (the runtime matches point-to-point messages in FIFO order);
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from .actions import Action, Kind, Schedule, message_key, split_backwards
 from .kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .placement import interleaved_warmup, num_updates, v_shape_inflight, replica_of, tied_support_problem, update_of, warmup_depth
+from .placement import (interleaved_warmup, num_updates, replica_of, tied_support_problem, update_of, v_shape_inflight,
+                        virtual_support_problem, warmup_depth)
 from .plans import Plan
 
 __all__ = ["ScheduleError", "validate_schedule", "schedule_stats", "ScheduleStats", "format_grid", "bounds",
@@ -156,7 +157,8 @@ class _RankWalk:
             self.per_batch[j // self.m] = self.per_batch.get(j // self.m, 0) + 1
         self.fwd_ver: dict[int, int] = {}
         self.done_b: set[int] = set()
-        self.split = split_backwards(self.acts[k] for k in self.steps_of_stage)  # their B computes the inputs' gradient only
+        # microbatches whose B computes the inputs' gradient only (a W follows)
+        self.split = {i for s, i in split_backwards(self.acts) if s == self.s}
         self.done_w: set[int] = set()
         self.got_act: set[int] = set()
         self.got_grad: set[int] = set()
@@ -451,7 +453,7 @@ def _check_rank_inflight(schedule: Schedule, kind: ScheduleKind, rank: int) -> N
     if isinstance(declared, int):
         bound = max(bound, declared)
     acts = schedule.actions[rank]
-    split = {(a.stage, a.id) for a in acts if a.kind is Kind.WEIGHT_GRAD}
+    split = split_backwards(acts)
     held: set[tuple[int, int]] = set()
     for k, a in enumerate(acts):
         key = (a.stage, a.id)
@@ -638,9 +640,9 @@ def validate_schedule(schedule: Schedule) -> None:
     problem = tied_support_problem(plan, kind, vsync)
     if problem:
         raise ScheduleError(problem)
-    if plan.virtual != kind.virtual_stages and plan.virtual:
-        raise ScheduleError(f"the plan puts several stages on one worker ({plan.summary}); a {kind.name} schedule "
-                            "runs one stage per worker")
+    problem = virtual_support_problem(plan, kind)
+    if problem:
+        raise ScheduleError(problem)
     if plan.virtual:
         for r, acts in schedule.actions.items():
             held = plan.stages_of_rank(r)
@@ -650,14 +652,12 @@ def validate_schedule(schedule: Schedule) -> None:
             for s in held:
                 _RankWalk(schedule, r, None, stage=s).run()
             _check_rank_inflight(schedule, kind, r)
-        _check_matching(schedule)
-        _check_deadlock(schedule)
-        return
-    order = sorted(schedule.actions, key=lambda r: plan.stage_of_rank(r))
-    for r in order:
-        _RankWalk(schedule, r, v0).run()
-        if vsync and v0 is None and plan.stage_of_rank(r)[0] == 0 and r == plan.stages[0].ranks[-1]:
-            v0 = {a.id: a.version for rr in plan.stages[0].ranks for a in schedule.actions[rr] if a.kind is Kind.FORWARD}  # type: ignore[misc]
+    else:
+        for r in sorted(schedule.actions, key=lambda r: plan.stage_of_rank(r)):
+            _RankWalk(schedule, r, v0).run()
+            if vsync and v0 is None and plan.stage_of_rank(r)[0] == 0 and r == plan.stages[0].ranks[-1]:
+                v0 = {a.id: a.version for rr in plan.stages[0].ranks for a in schedule.actions[rr]  # type: ignore[misc]
+                      if a.kind is Kind.FORWARD}
     _check_matching(schedule)
     _check_deadlock(schedule)
 
@@ -674,7 +674,7 @@ def schedule_stats(schedule: Schedule) -> ScheduleStats:
     naive = schedule_kind(schedule.kind).version_rule is VersionRule.NEWEST
     F, B, W, U = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP
     for r, acts in schedule.actions.items():
-        split = {(a.stage, a.id) for a in acts if a.kind is W}
+        split = split_backwards(acts)
         inflight: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> version
         held: dict[int, dict[int, int]] = {}  # stage -> version -> microbatches stashing it
         steps: dict[int, int] = {}

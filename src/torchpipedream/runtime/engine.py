@@ -434,7 +434,7 @@ class Engine:
             if len(grads) != len(ctx.outputs):
                 raise RuntimeError(f"rank {self.rank}: B{microbatch} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
             roots, grad_outputs = ctx.outputs, grads
-        if microbatch in self._split:
+        if (self.stage, microbatch) in self._split:
             # B: the inputs' gradients now (sent by SG), the weights' at this microbatch's W
             work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
             self._weight_work[microbatch] = (work, ctx, version)
