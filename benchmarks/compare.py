@@ -61,10 +61,12 @@ from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
 TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "Interleaved1F1B")
 #: torchpipedream's rows: name -> (schedule kind, straight plan): "flush straight" runs flush on a
-#: one-worker-per-stage plan, the cut zb-h1 runs (the planner may prefer data parallelism for flush)
+#: one-worker-per-stage plan, the cut zb-h1 runs (the planner may prefer data parallelism for flush);
+#: "2bw straight" likewise, the cut zb-2bw runs
 TPD_ROWS = {"pipedream": ("pipedream", False), "2bw": ("2bw", False), "flush": ("flush", False),
             "flush straight": ("flush", True), "zb-h1": ("zb-h1", False), "zb-h2": ("zb-h2", False),
-            "interleaved": ("interleaved", False), "zb-v": ("zb-v", False)}
+            "interleaved": ("interleaved", False), "zb-v": ("zb-v", False),
+            "2bw straight": ("2bw", True), "zb-2bw": ("zb-2bw", False)}
 #: The rows every table needs (the ratios are to them): kept by --rows whatever it names.
 BASE_ROWS = ("single, 1 thread", "torch DDP")
 

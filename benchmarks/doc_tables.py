@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
-           "compare_targets", "main", "memory_budget", "split_backward", "virtual_stages", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "main", "memory_budget", "split_backward", "virtual_stages", "zb_2bw_depth", "async_split", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -186,7 +186,7 @@ def _passes_table(data: Data, head: list[str], body: list[list[str]], targets: l
     caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
                f"{data['args']['procs']} processes, {data['args']['microbatches']} microbatches, "
                f"{data['args']['passes']} interleaved passes (samples/s: the median; passes in brackets).")
-    return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
+    return caption + "\n\n" + _table(head, body) + ("\n\nTargets: " + "; ".join(targets) + "." if targets else "")
 
 
 def _passes(r: dict | None) -> str:
@@ -273,6 +273,28 @@ def virtual_stages(data: Data) -> str:
     return _passes_table(data, head, body, targets)
 
 
+def async_split(data: Data) -> str:
+    """compare_async_split.json (compare.py --rows "2 threads,2bw") → per model, zb-2bw against 2bw
+    on the same straight cut and on the planner's own plan, with every pass; no targets (no peer
+    has an asynchronous schedule to hold it against)."""
+    head = ["model", "zb-2bw samples/s (passes)", "2bw, same cut (passes)", "zb-2bw / 2bw same cut",
+            "2bw, planner's plan", "torch DDP", "one process, 2 threads", "measured / predicted (zb-2bw, 2bw same cut)"]
+    body = []
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        zb, same, planned = (_row(rows, f"torchpipedream {k}") for k in ("zb-2bw", "2bw straight", "2bw"))
+        ddp, threads = _row(rows, "torch DDP"), _row(rows, "single, 2 threads")
+        if zb is None:
+            continue
+        body.append([model, _passes(zb), _passes(same),
+                     _num(zb["samples_per_s"] / same["samples_per_s"] if same else None),
+                     f"{planned['samples_per_s']:.1f} ({planned['plan']})" if planned else "-",
+                     f"{ddp['samples_per_s']:.1f}" if ddp else "-",
+                     f"{threads['samples_per_s']:.1f}" if threads else "-",
+                     ", ".join(_num(r.get("measured_vs_predicted")) for r in (zb, same) if r)])
+    return _passes_table(data, head, body, [])
+
+
 def split_backward(data: Data) -> str:
     """split_backward.json (benchmarks/split_backward.py) → one stage per row: the full backward
     against B and W of the split one."""
@@ -281,6 +303,25 @@ def split_backward(data: Data) -> str:
              f"{r['split_over_full']:.2f}", f"{r['w_share']:.2f}"] for r in data["rows"]]
     return (_table(head, body) + f"\n\nOne process, {data['threads']} thread, {data['args']['reps']} interleaved "
             f"repetitions (medians); microbatches of batch / {data['args']['microbatches']}.")
+
+
+def zb_2bw_depth(data: Data) -> str:
+    """zb_2bw_depth.json (benchmarks/zb_2bw_depth.py) → per reference model, depth and
+    microbatches: 2bw and zb-2bw simulated on one cut, batches/s, steady bubble, peak memory."""
+    head = ["model", "stages n", "microbatches m", "2bw batches/s", "zb-2bw batches/s", "zb-2bw / 2bw",
+            "steady bubble 2bw, zb-2bw", "peak memory 2bw, zb-2bw (GB, busiest stage)"]
+    body = []
+    for r in data["rows"]:
+        a, z = r["2bw"], r["zb-2bw"]
+        body.append([r["model"], r["stages"], r["microbatches"], f"{a['batches_per_s']:.2f}",
+                     f"{z['batches_per_s']:.2f}", f"**{r['zb-2bw_vs_2bw']:.2f}**",
+                     f"{a['steady_bubble']:.0%}, {z['steady_bubble']:.0%}",
+                     f"{a['peak_memory_bytes'] / 1e9:.2f}, {z['peak_memory_bytes'] / 1e9:.2f}"])
+    meta = data["meta"]
+    return (_table(head, body) + f"\n\nSimulated, not measured: reference GPU profiles, one straight cut per row "
+            f"(planned for 2bw), links of {meta['bandwidth']}, gradients accumulated and stashes copied at "
+            f"{meta['memory_Bps'] / 1e9:.0f} GB/s, {meta['batches']} batches, the steady window; W is "
+            f"{meta['weight_grad_share']:.0%} of each backward (the simulator's assumption).")
 
 
 def compare_runs(*runs: Data) -> str:
@@ -657,6 +698,8 @@ TABLES: dict[str, Table] = {
     "zero_bubble_fc_m2": Table(("compare_zero_bubble_fc_m2.json",), zero_bubble),
     "split_backward": Table(("split_backward.json",), split_backward),
     "virtual_stages": Table(("compare_virtual.json",), virtual_stages),
+    "zb_2bw_depth": Table(("zb_2bw_depth.json",), zb_2bw_depth),
+    "async_split": Table(("compare_async_split.json",), async_split),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).
@@ -667,7 +710,9 @@ COMPANIONS: tuple[tuple[str, str, Callable[[Data], str]], ...] = (
     ("compare_zero_bubble.md", "compare_zero_bubble.json", compare_results),
     ("compare_zero_bubble_fc_m2.md", "compare_zero_bubble_fc_m2.json", compare_results),
     ("compare_virtual.md", "compare_virtual.json", compare_results),
+    ("compare_async_split.md", "compare_async_split.json", compare_results),
     ("split_backward.md", "split_backward.json", split_backward),
+    ("zb_2bw_depth.md", "zb_2bw_depth.json", zb_2bw_depth),
     ("statistical_efficiency.md", "statistical_efficiency.json", statistical_efficiency),
     ("statistical_efficiency_momentum.md", "statistical_efficiency_momentum.json", statistical_efficiency),
     ("recompute.md", "recompute.json", recompute),

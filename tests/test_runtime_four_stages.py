@@ -40,6 +40,9 @@ SCENARIOS = {
     "pipedream_empty": dict(plan="empty", kind="pipedream"),
     "vsync_empty": dict(plan="empty", kind="pipedream", vsync=True),
     "2bw_empty": dict(plan="empty", kind="2bw", m=2),
+    # m = 2 < n − 1: zb-2bw holds up to two batches per stage
+    "zb-2bw_dense": dict(plan="dense", kind="zb-2bw", m=2),
+    "zb-2bw_empty": dict(plan="empty", kind="zb-2bw", m=2),
 }
 
 
@@ -71,7 +74,7 @@ def run_scenario(name: str) -> dict:
     m = sc.get("m", 1)
     plan = Plan.straight(PLANS[sc["plan"]][0], schedule=sc["kind"], microbatches=m)
     pipe = Pipeline(mlp4(), plan, optimizer=momentum, loss_fn=nn.CrossEntropyLoss(), schedule=sc["kind"],
-                    microbatches=m if sc["kind"] == "2bw" else None, vertical_sync=sc.get("vsync", False),
+                    microbatches=m if sc["kind"] in ("2bw", "zb-2bw") else None, vertical_sync=sc.get("vsync", False),
                     timeout_s=30)
     evals = []
     for batches in calls():
@@ -181,6 +184,12 @@ def test_2bw_with_a_weightless_stage(results):
     # Batch t uses version t − 1 on every stage; the microbatches' mean gradient is the batch's.
     v = lambda s, t: max(0, t - 1)  # noqa: E731
     check(results["2bw_empty"], reference("empty", v, v))
+
+
+@pytest.mark.parametrize("plan", ["dense", "empty"])
+def test_zb_2bw_follows_the_2bw_rule(results, plan):
+    v = lambda s, t: max(0, t - 1)  # noqa: E731
+    check(results[f"zb-2bw_{plan}"], reference(plan, v, v))
 
 
 @pytest.mark.parametrize("plan", ["dense", "empty"])

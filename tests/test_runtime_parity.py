@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torchpipedream.kinds import schedule_kind
+from torchpipedream.kinds import VersionRule, schedule_kind
 from torchpipedream.plans import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.loss_scaling import LossScaling
@@ -193,6 +193,12 @@ SCENARIOS: dict[str, dict] = {
     "zb-h2_mlp": dict(model="mlp", kind="zb-h2", m=6, n=3),
     "zb-h2_skip": dict(model="skip", kind="zb-h2", m=2, n=3),
     "zb-h2_shared_param": dict(model="shared_weight", kind="zb-h2", m=4, n=3),
+    # 2bw with the backward split: 2bw's rule. m = 2 ≥ n − 1 holds 2bw's depth; m = 1 < n − 1
+    # holds up to two batches (2m) per stage.
+    "zb-2bw": dict(model="mlp", kind="zb-2bw", m=2, n=6),
+    "zb-2bw_m1": dict(model="mlp", kind="zb-2bw", m=1, n=8),
+    "zb-2bw_skip_momentum": dict(model="skip", kind="zb-2bw", m=2, n=6, opt="momentum"),
+    "zb-2bw_recompute": dict(model="mlp", kind="zb-2bw", m=2, n=6, recompute=True),
 }
 #: The loss scale's policy of the float16 scenarios: starts high enough to overflow.
 FP16_SCALING = dict(init_scale=2.0 ** 18, growth_interval=2)
@@ -408,6 +414,18 @@ def test_2bw_rule(results):
     assert max(r["2bw"]["versions"] for r in results) == 2  # double buffering
 
 
+@pytest.mark.parametrize("name", ["zb-2bw", "zb-2bw_m1", "zb-2bw_skip_momentum"])
+def test_zb_2bw_follows_the_2bw_rule(results, name):
+    """The backward split into B and W changes when each gradient is computed, not which
+    weights it is computed on: W^(t+1) = W^(t) − η ∇f_t(W^(t−1)), as 2bw."""
+    sc = SCENARIOS[name]
+    got = results[0][name]["full"]
+    want = reference_versions(sc["model"], data(sc["n"]), lambda s, t: t - 1, opt=sc.get("opt", "sgd"))
+    assert_close(got, want)
+    assert differs(got, reference_sync(sc["model"], data(sc["n"]), opt=sc.get("opt", "sgd"))) > 1e-5
+    assert max(r[name]["versions"] for r in results) == 2  # double buffering, W included
+
+
 def test_naive_differs_from_stashing(results):
     got = results[0]["naive"]["full"]
     want = reference_versions("mlp", data(12), _pipedream_version(3))
@@ -464,9 +482,10 @@ def _reference_of(name: str) -> dict:
     sc = SCENARIOS[name]
     batches = data(sc["n"])
     opt = sc.get("opt", "sgd")
-    if sc["kind"] in ("flush", "gpipe", "zb-h1", "zb-h2"):
+    rule = schedule_kind(sc["kind"]).version_rule
+    if rule is VersionRule.BATCH:
         return reference_sync(sc["model"], batches, opt)
-    if sc["kind"] == "2bw":
+    if rule is VersionRule.PREVIOUS_BATCH:  # 2bw, zb-2bw
         return reference_versions(sc["model"], batches, lambda s, t: t - 1, opt)
     return reference_versions(sc["model"], batches, _pipedream_version(3), opt)
 
@@ -475,7 +494,7 @@ def _reference_of(name: str) -> dict:
 def test_recomputation_follows_the_same_rule(results, name):
     """A run with recomputation equals its schedule's independent reference, and every stage
     that recomputes ran each forward twice (the one without recomputation once); with a split
-    backward (zb-h1) three times on the stages after the first (the checkpoint region runs again
+    backward (zb-h1, zb-2bw) three times on the stages after the first (the checkpoint region runs again
     for B and for W; the first stage's B has nothing to compute)."""
     assert_close(results[0][name]["full"], _reference_of(name))
     assert results[0][name]["losses"] == pytest.approx(results[0][RECOMPUTED[name]]["losses"], abs=1e-6)
@@ -485,7 +504,7 @@ def test_recomputation_follows_the_same_rule(results, name):
         stage, _ = plan.stage_of_rank(rank)
         once = r[RECOMPUTED[name]]["forwards"]
         assert once > 0
-        runs = 3 if SCENARIOS[name]["kind"] == "zb-h1" and stage > 0 else 2
+        runs = 3 if schedule_kind(SCENARIOS[name]["kind"]).split_backward and stage > 0 else 2
         assert r[name]["forwards"] == (runs * once if chosen is True or stage in chosen else once), (rank, stage)
 
 

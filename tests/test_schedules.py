@@ -33,7 +33,8 @@ def versions(sched: Schedule, kind: Kind) -> dict[tuple[int, int], int]:
 
 
 def test_registry_has_every_kind_with_a_picture() -> None:
-    assert set(GENERATORS) == {"pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v", "naive"}
+    assert set(GENERATORS) == {"pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v", "zb-2bw",
+                               "naive"}
     for fn in GENERATORS.values():
         assert "F0" in (fn.__doc__ or ""), f"{fn.__name__} needs an ASCII picture"
 

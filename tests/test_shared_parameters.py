@@ -137,7 +137,7 @@ def _user_stages() -> list[nn.Module]:
 def worker(rank: int, checkpoint_dir: str) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
-    for kind, m in (("flush", 2), ("pipedream", 1), ("2bw", 2), ("zb-h1", 2), ("zb-h2", 3)):
+    for kind, m in (("flush", 2), ("pipedream", 1), ("2bw", 2), ("zb-h1", 2), ("zb-h2", 3), ("zb-2bw", 1)):
         pipe = _pipeline(Plan.straight(THREE, schedule=kind, microbatches=m))
         pipe.train_minibatches(data(8))
         out[kind] = {"full": pipe.state_dict(dst=0), "stage": pipe.stage_state_dict(),
@@ -221,7 +221,7 @@ def test_fp16_with_tied_weights_skips_what_torchs_grad_scaler_skips(results):
 
 
 def test_copies_stay_bit_identical_under_every_schedule(results):
-    for kind in ("flush", "pipedream", "2bw", "zb-h1", "zb-h2"):
+    for kind in ("flush", "pipedream", "2bw", "zb-h1", "zb-h2", "zb-2bw"):
         first, last = results[0][kind]["stage"]["emb.weight"], results[2][kind]["stage"]["head.weight"]
         assert torch.equal(first, last), kind
         assert not torch.equal(first, tied_lm().emb.weight.detach()), kind  # it trained
@@ -242,8 +242,10 @@ def test_pipedream_tied_rule(results):
     assert events.count("TP") == 2 * 8 and events.count("TR") == 2 * 8
 
 
-def test_2bw_tied_rule(results):
-    got = results[0]["2bw"]["full"]
+@pytest.mark.parametrize("kind", ["2bw", "zb-2bw"])
+def test_2bw_tied_rule(results, kind):
+    # zb-2bw with one microbatch per batch: n = 3 > 2μ, the regime where it holds two batches
+    got = results[0][kind]["full"]
     assert_close(got, reference_versions(data(8), lambda k, t: t - 1))
     assert differs(got, reference_sync(data(8))) > 1e-4
 

@@ -20,6 +20,7 @@ zb-h1       W^(t); backward split into B (inputs) and W (weights)   1
 zb-h2       as zb-h1, twice the warm-up: no bubble between batches  1
 interleaved W^(t); v stages (chunks) per worker, looped placement       1
 zb-v        W^(t); two stages per worker in a V, backward split       1
+zb-2bw      W^(t−1), as 2bw; backward split into B and W             2
 naive       the newest at each of its forward and its backward      1
 =========== ====================================================== =========================
 
@@ -122,22 +123,29 @@ class ScheduleKind:
     def max_inflight(self, warmup: int, local_microbatches: int, first_warmup: int | None = None) -> int:
         """Microbatches whose activations a replica holds at most: the warm-up depth, or for
         ``forwards_first`` kinds every microbatch of a batch that the replica runs, or for
-        ``split_backward`` kinds the input stage's warm-up depth on every stage
-        (:meth:`inflight_depth`)."""
+        ``split_backward`` kinds :meth:`inflight_depth` (at most one batch where the kind
+        flushes, two for zb-2bw)."""
         if self.forwards_first:
             return local_microbatches
         if self.split_backward:
-            return min(self.inflight_depth(warmup, first_warmup), max(1, local_microbatches))
+            batches = 1 if self.flushes else 2
+            return min(self.inflight_depth(warmup, first_warmup, local_microbatches),
+                       batches * max(1, local_microbatches))
         return warmup
 
-    def inflight_depth(self, depth: int, first_depth: int | None) -> int:
+    def inflight_depth(self, depth: int, first_depth: int | None, microbatches: int | None = None) -> int:
         """The in-flight count the memory model charges a stage whose warm-up depth is
-        ``depth`` in a pipeline whose input stage's is ``first_depth``: ZB-H1 delays every
-        stage's W passes until it holds as many microbatches as the input stage does, ZB-H2
-        until it holds 2 × that − 1."""
+        ``depth`` in a pipeline whose input stage's is ``first_depth``, with ``microbatches``
+        per batch: ZB-H1 delays every stage's W passes until it holds as many microbatches as
+        the input stage does, ZB-H2 until it holds 2 × that − 1. zb-2bw holds 2bw's warm-up
+        depth where 2bw runs without a bubble (μ ≥ n − 1), and else up to two batches (2μ) on
+        every stage: as many as its version rule lets in flight (schedules.zb_2bw)."""
         if not self.split_backward:
             return depth
         first = max(depth, first_depth or depth)
+        if self.version_rule is VersionRule.PREVIOUS_BATCH:
+            mu = first if microbatches is None else max(1, microbatches)
+            return depth if mu + 1 >= first else 2 * mu
         return 2 * first - 1 if self.double_warmup else first
 
     def fill_drain_factor(self, microbatches: int, depth: int, chunks: int = 1) -> float:
@@ -146,9 +154,14 @@ class ScheduleKind:
         a split-backward one in μ + (n − 1)/3 (ZB-H1's (n − 1)(T_F + T_B − T_W) with
         T_F = T_B = T_W), ZB-H2 in μ + max(0, 2n − 1 − μ)/3 (batch after batch: none once
         μ ≥ 2n − 1); interleaved 1F1B over ``depth`` workers of ``chunks`` stages each in
-        μ + (n − 1)/v (Narayanan et al., SC'21); ZB-V in μ + (n − 1)/6 (μ ≥ 2n); the others
-        keep the pipeline full across minibatches."""
+        μ + (n − 1)/v (Narayanan et al., SC'21); ZB-V in μ + (n − 1)/6 (μ ≥ 2n). The others
+        keep the pipeline full across minibatches, zb-2bw once μ ≥ n/2: below, a batch takes
+        max(3μ, n + μ) slots for 3μ (equal F, B and W; schedules.zb_2bw). (2bw's order, 1F1B
+        with its warm-up capped at μ + 1, takes n − μ times the ideal for μ ≤ n − 2, which this
+        model does not charge: the paper asks μ ≥ n.)"""
         if not self.flushes:
+            if self.split_backward:  # zb-2bw
+                return max(1.0, (depth + microbatches) / (3 * microbatches))
             return 1.0
         if self.v_shape:  # ZB-V: the forward wave's start, (p − 1) of 6 chunk passes per microbatch
             return (microbatches + (depth - 1) / 6) / microbatches
@@ -204,6 +217,9 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
                  "synchronous, only the forward wave's start idles once m >= 2p",
                  VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True, virtual_stages=True,
                  v_shape=True),
+    ScheduleKind("zb-2bw", "2bw with the backward split into B and W (asynchronous, one update stale): "
+                 "W fills the slots where 2bw waits, so fewer, larger microbatches (m >= n/2) keep the pipeline full",
+                 VersionRule.PREVIOUS_BATCH, microbatched=True, split_backward=True),
     ScheduleKind("naive", "pipelining without weight stashing (for experiments: wrong gradients)",
                  VersionRule.NEWEST, microbatched=False),
 )}

@@ -221,7 +221,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         bw = topology.allreduce_bandwidth(ranks[s])
         ar_ms.append(allreduce_ms(own, m, bw) + exchange[s])
         stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches) + exchange[s])
-        depth = kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth)
+        depth = kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth, microbatches)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
                                       optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch))
         if s + 1 < len(stages):
@@ -454,8 +454,9 @@ class _Problem:
         comp = self.Cp[j1] - self.Cp[I]
         w = self.Wp[j1] - self.Wp[I]
         togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
-        if self.kind.split_backward:  # every stage holds the input stage's count (ZB-H1), or 2n − 1 (ZB-H2)
-            togo = np.full_like(togo, self.kind.inflight_depth(1, self.num_stages or Wu))
+        if self.kind.split_backward:  # the input stage's count (ZB-H1), 2n − 1 (ZB-H2), or 2μ (zb-2bw)
+            first = self.num_stages or Wu
+            togo = np.array([[self.kind.inflight_depth(int(d), first, self.mu) for d in togo[0]]], dtype=togo.dtype)
         acts = self.activations(I, j1)
 
         def replicas_for_memory(replicas: int) -> np.ndarray:
@@ -988,14 +989,16 @@ def _search_depths(problem: Any, blocks: Sequence[Block], W: int, num_stages: in
                    allow_fewer: bool, budgeted: bool, rtol: float) -> tuple[list[tuple[int, int, int]], int]:
     """The best stages over the depths worth searching, and the feasibility tests it took.
 
-    Flushing kinds pay (μ + n − 1)/μ on the bottleneck, so depth is part of the objective: each
+    Flushing kinds pay (μ + n − 1)/μ on the bottleneck (zb-2bw (n + μ)/3μ once n > 2μ), so
+    depth is part of the objective: each
     depth n is searched exactly (``problem(n)``) from shallow to deep, and the search stops once
     even a perfectly balanced plan of that depth (total compute / W) cannot win. The other kinds
     search all depths at once (``problem(None)``).
     """
     first = problem(num_stages)
     depths: list[int | None] = [num_stages]
-    if num_stages is None and first.kind.fill_drain_factor(first.mu, 2) > 1 and not (straight and not allow_fewer):
+    deepest = min(len(blocks), W)
+    if num_stages is None and first.kind.fill_drain_factor(first.mu, deepest) > 1 and not (straight and not allow_fewer):
         depths = list(range(1, min(len(blocks), W) + 1))
     result: tuple[float, list[tuple[int, int, int]]] | None = None
     checks = 0

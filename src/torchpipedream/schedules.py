@@ -399,6 +399,76 @@ def zb_v(ctx: _Ctx) -> ComputeOrder:
     return out
 
 
+def zb_2bw_cap(n: int, m: int, s: int) -> int:
+    """Microbatches stage ``s`` of ``n`` holds at most under zb-2bw (F to W), ``m`` per batch:
+    2bw's warm-up depth n − s where 2bw itself runs without a bubble (m ≥ n − 1); else no cap
+    beyond the version rule's, two batches (2m): the unit-time search (issue 19's note) found
+    any lower cap on any stage slows the pipeline there."""
+    return n - s if m + 1 >= n else 2 * m
+
+
+def _zb_2bw_order(n: int, m: int, total: int) -> list[list[_C]]:
+    """zb-2bw's compute order of each of ``n`` stages for ``total`` microbatches, ``m`` per
+    batch: a greedy list schedule in unit time (F, B and W one step each, transfers free).
+    Each stage, when free, runs the first ready of
+
+    1. B of its oldest microbatch whose output gradient is in;
+    2. F of its next microbatch, if its input is in, the stage holds fewer than
+       :func:`zb_2bw_cap` microbatches, and the version it needs exists (batch t's F uses
+       W^(t−1), made by ``U t−2``: every W of batch t − 2 done);
+    3. W of its oldest microbatch past B.
+
+    B, F and W each run in microbatch order, so three counters per stage are the whole state.
+    """
+    cap = [zb_2bw_cap(n, m, s) for s in range(n)]
+    f_end = [[0] * total for _ in range(n)]
+    b_end = [[0] * total for _ in range(n)]
+    nf, nb, nw = [0] * n, [0] * n, [0] * n
+    out: list[list[_C]] = [[] for _ in range(n)]
+    t = 0
+    while min(nw) < total:
+        for s in range(n):
+            i = nb[s]
+            if i < nf[s] and f_end[s][i] <= t and (s == n - 1 or (nb[s + 1] > i and b_end[s + 1][i] <= t)):
+                out[s].append(_C(Kind.BACKWARD, i))
+                b_end[s][i] = t + 1
+                nb[s] += 1
+                continue
+            i = nf[s]
+            if (i < total and i - nw[s] < cap[s] and i // m - 1 <= nw[s] // m
+                    and (s == 0 or (nf[s - 1] > i and f_end[s - 1][i] <= t))):
+                out[s].append(_C(Kind.FORWARD, i))
+                f_end[s][i] = t + 1
+                nf[s] += 1
+                continue
+            i = nw[s]
+            if i < nb[s] and b_end[s][i] <= t:
+                out[s].append(_C(Kind.WEIGHT_GRAD, i))
+                nw[s] += 1
+        t += 1
+        assert t <= 4 * (total + n) * n, "zb-2bw's list schedule made no progress"
+    return out
+
+
+def zb_2bw(ctx: _Ctx) -> ComputeOrder:
+    """2bw with the backward split (asynchronous, one update stale, two weight versions): every
+    F, B and W of batch t uses W^(t−1) and ``U t`` follows the stage's last W of batch t, as
+    2bw's rule (``two_bw``), so its weights equal 2bw's. W leaves the critical path: the input
+    gradient climbs the pipeline a B per stage, not a whole backward, so the update that batch
+    t + 2 waits for comes sooner. The order is ``_zb_2bw_order``'s. On stages of equal F, B and
+    W the pipeline stays full once m ≥ n/2 microbatches per batch (2bw needs m ≥ n − 1), for
+    up to two batches of activations held (2m microbatches, held until W) where m < n − 1;
+    from m ≥ n − 1 on it holds 2bw's n − s::
+
+        s0: F0 F1 F2 F3 B0 W0 B1 W1 B2 F4 B3 F5 W2 W3 F6 F7 B4 W4 B5 W5 B6 W6 B7 W7   (m = 2, n = 4)
+        s3: F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3 F4 B4 F5 B5 W4 W5 F6 B6 F7 B7 W6 W7
+
+    (F4, batch 2, waits for ``U 0``, after W1; stage 3 holds two batches, F0 to W3.)
+    """
+    n, m = ctx.plan.num_stages, ctx.microbatches
+    return {(s, 0): items for s, items in enumerate(_zb_2bw_order(n, m, ctx.total_mbs))}
+
+
 GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
     "pipedream": pipedream,
     "2bw": two_bw,
@@ -408,6 +478,7 @@ GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
     "zb-h2": zb_h2,
     "interleaved": interleaved,
     "zb-v": zb_v,
+    "zb-2bw": zb_2bw,
     "naive": naive,
 }
 assert set(GENERATORS) == set(KIND_NAMES), "every schedule kind needs a generator"
@@ -642,10 +713,10 @@ def build_schedule(
 
     Args:
         plan: a valid plan (stages, replicas, ranks).
-        kind: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2, interleaved, zb-v or naive; defaults to
+        kind: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2, interleaved, zb-v, zb-2bw or naive; defaults to
             ``plan.schedule``.
         minibatches: minibatches (pipedream, naive) or batches (the microbatched kinds) to cover.
-        microbatches: microbatches per batch for 2bw/flush/gpipe/zb-h1/zb-h2 (default ``plan.microbatches``);
+        microbatches: microbatches per batch for the microbatched kinds (default ``plan.microbatches``);
             always 1 for pipedream and naive.
         vertical_sync: pipedream only — every stage uses the input stage's version.
 

@@ -92,7 +92,7 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
     input stage's warm-up depth of activations on every stage (held until W); zb-h2: twice that
     − 1; interleaved: 1 version, its rank's warm-up depth (``interleaved_warmup``), at most the
     batch; zb-v: 1 version, the chunks a worker holds at most (``v_shape_inflight``), at most the
-    batch.
+    batch; zb-2bw: 2 versions, 2bw's depth where m ≥ n − 1, else two batches (2m) on every stage.
     """
     try:
         info = schedule_kind(kind)

@@ -199,13 +199,15 @@ def draw_timeline(trace: Trace, out: str | Path, title: str | None = None, width
 
 
 def schedules_figure(out: str | Path, stages: int = 4) -> Path:
-    """The README picture: pipedream, 2bw, flush, gpipe, zb-h1 and zb-h2 on one straight ``stages``-stage plan,
+    """The README picture: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2 and zb-2bw on one straight ``stages``-stage plan,
     and interleaved and zb-v on the same model cut into twice the stages, two per worker.
 
     Equal stages, backward = 2 × forward (zb-h1, zb-h2: B and W one each), zero communication cost; every box is one unit of
     work (a pipedream minibatch or a microbatch of the others), 8 units in all: pipedream runs
     8 minibatches, the batched schedules 2 batches of 4 microbatches; zb-h2 2 batches of 8 (16
-    units), the count from which its batches follow each other without a bubble; interleaved's
+    units), the count from which its batches follow each other without a bubble; 2bw and zb-2bw
+    also with 4 batches of 2 microbatches (fewer than 2bw needs to stay full, enough for
+    zb-2bw); interleaved's
     and zb-v's boxes are half a unit (half a worker's layers each; zb-v: 2 batches of 8).
     """
     from .plans import Plan
@@ -217,7 +219,7 @@ def schedules_figure(out: str | Path, stages: int = 4) -> Path:
     costs = Costs(forward_s=[1.0] * stages, backward_s=[2.0] * stages, weight_grad_s=[1.0] * stages)
     panels = []
     for kind, minibatches, m in (("pipedream", 8, None), ("2bw", 2, 4), ("flush", 2, 4), ("gpipe", 2, 4),
-                                 ("zb-h1", 2, 4), ("zb-h2", 2, 8)):
+                                 ("zb-h1", 2, 4), ("zb-h2", 2, 8), ("2bw", 4, 2), ("zb-2bw", 4, 2)):
         res = simulate(build_schedule(plan, kind, minibatches=minibatches, microbatches=m), costs)
         what = "8 minibatches" if m is None else f"{minibatches} batches × {m} microbatches"
         versions = "/".join(str(v) for v in res.max_versions)

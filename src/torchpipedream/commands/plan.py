@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--allow-stale", action="store_true",
                    help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
     p.add_argument("--microbatches", type=int, default=1,
-                   help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2, zb-v; interleaved: a multiple of "
+                   help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2, zb-v, zb-2bw; interleaved: a multiple of "
                         "the workers)")
     p.add_argument("--chunks", type=int, default=2, metavar="V",
                    help="interleaved: stages per worker, the model cut into workers x V stages (default: %(default)s)")

@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Hugging Face GPT-2 on the same text; needs transformers), or a "
                         "user's module:function returning an nn.Module for (N,1,8,8) digits (default: %(default)s)")
     p.add_argument("--schedule", default=d.schedule, choices=[*KIND_NAMES, AUTO],
-                   help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe, zb-h1, zb-h2 (zero bubble), naive, "
+                   help="pipedream (1F1B + weight stashing), 2bw, flush, gpipe, zb-h1, zb-h2 (zero bubble), zb-2bw (2bw "
+                        "with the backward split), naive, "
                         "or auto: the fastest predicted synchronous kind and microbatch count (default: %(default)s)")
     p.add_argument("--allow-stale", action="store_true",
                    help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
@@ -48,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training data (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per minibatch (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=d.microbatches,
-                   help="microbatches per minibatch for 2bw, flush, gpipe (default: %(default)s)")
+                   help="microbatches per minibatch for 2bw, flush, gpipe, zb-h1, zb-h2, zb-2bw (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default: %(default)s)")
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS,
                    help="sgd, momentum (SGD with momentum 0.9) or adam (default: %(default)s)")

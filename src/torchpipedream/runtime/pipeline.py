@@ -130,9 +130,10 @@ class Pipeline:
         loss_fn: ``loss_fn(output, *targets) -> scalar``; None when the model computes its own
             loss (``output.loss`` / ``output["loss"]``, e.g. a Hugging Face model given
             ``labels``): a batch is then the model's inputs alone.
-        schedule: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2, interleaved, zb-v or naive (default
+        schedule: pipedream, 2bw, flush, gpipe, zb-h1, zb-h2, interleaved, zb-v, zb-2bw or naive (default
             ``plan.schedule``; interleaved and zb-v run plans whose ranks hold several stages).
-        microbatches: per minibatch for 2bw/flush/gpipe/zb-h1/zb-h2 (default ``plan.microbatches``).
+        microbatches: per minibatch for the microbatched kinds (all but pipedream and naive; default
+            ``plan.microbatches``).
         loss_reduction: "mean" or "sum" (what loss_fn returns; the update applies the same).
         vertical_sync: pipedream only: every stage uses the input stage's weight version.
         timeout_s: deadline of every wait for a peer (a hung-but-alive peer fails after it).
