@@ -156,7 +156,7 @@ def test_the_planner_cuts_workers_times_chunks_stages_and_loops_them() -> None:
 @pytest.mark.parametrize("kind, place", [("interleaved", lambda k: k % 2), ("zb-v", lambda k: k if k < 2 else 3 - k)])
 def test_the_cut_balances_the_workers_not_only_the_stages(kind: str, place) -> None:
     """The straight plan of 4 balanced stages, placed looped or in a V, can leave one worker with
-    much more than the other; the planner moves the cuts until no one-block move helps."""
+    much more than the other; the planner moves the cuts to balance the workers."""
     from torchpipedream.planner import plan as make_plan
     from torchpipedream.profiles import load_profile
 
@@ -170,6 +170,44 @@ def test_the_cut_balances_the_workers_not_only_the_stages(kind: str, place) -> N
     assert [st.ranks for st in p.stages] == [[place(k)] for k in range(4)]
     assert busiest(p.stages) < 0.95 * busiest(balanced.stages)
     assert p.meta["planner"].get("rebalanced_for_workers")
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_the_workers_cut_is_the_best_where_moving_one_block_at_a_time_stops_short(many: bool, monkeypatch) -> None:
+    """Blocks of times 8 8 9 4 6 4, cut into 4 stages in a V on 2 workers from the stage-balanced
+    cut [8] [8] [9 4] [6 4] (workers 18 and 21): no boundary moved by one block lowers 21, but
+    [8] [8 9] [4 6] [4] gives 12 and 20. The planner tries every cut where there are few and
+    finds that; where there are too many it moves each boundary to its best place, which ends
+    in a local optimum (here the start: no single boundary move helps)."""
+    import itertools
+
+    from torchpipedream import planner
+    from torchpipedream.plans import v_shape_rank
+
+    times = [8.0, 8.0, 9.0, 4.0, 6.0, 4.0]
+
+    def score(stages):
+        return [sum(times[i:j + 1]) for i, j, _ in stages]
+
+    def busiest(bounds) -> float:
+        load = [0.0, 0.0]
+        for k in range(4):
+            load[v_shape_rank(k, 2)] += sum(times[bounds[k]:bounds[k + 1]])
+        return max(load)
+
+    best = min(busiest([0, *c, 6]) for c in itertools.combinations(range(1, 6), 3))
+    assert best == 20.0
+    if many:  # as if the model had too many blocks to try every cut
+        monkeypatch.setattr(planner, "EXHAUSTIVE_CUTS", 1)
+    got = planner._balance_workers([None] * 6, [(0, 0, 1), (1, 1, 1), (2, 3, 1), (4, 5, 1)], v_shape_rank, 2, score)
+    bounds = [i for i, _, _ in got] + [6]
+    if not many:
+        assert busiest(bounds) == best
+        return
+    assert busiest(bounds) == 21.0  # no better than the start, and no one boundary can move to help:
+    for k in range(1, 4):
+        for moved in range(bounds[k - 1] + 1, bounds[k + 1]):
+            assert busiest(bounds[:k] + [moved] + bounds[k + 1:]) >= busiest(bounds)
 
 
 def test_train_refuses_virtual_stages_by_name(tmp_path) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -923,14 +924,23 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     return p
 
 
+#: Cuts of a virtual plan searched exhaustively up to this many candidates (50-70 µs each:
+#: vgg16's 4 stages on 2 workers, 6545 cuts, about 0.4 s; resnet50's 632710 take the local search).
+EXHAUSTIVE_CUTS = 40000
+
+
 def _balance_workers(blocks: Sequence[Block], stages: list[tuple[int, int, int]], rank_of: Any, workers: int,
                      score: Any) -> list[tuple[int, int, int]]:
-    """``stages`` (first block, last block, 1) with their boundaries moved one block at a time
-    while that lowers the busiest worker's time (worker of stage k: ``rank_of(k, workers)``; ``score(stages)``
-    gives each stage's time per minibatch, its compute and its outgoing transfer): a cut balanced
-    stage by stage need not balance the workers' sums (a V puts the first and the last stage on
-    one worker). Local search: each accepted move strictly lowers the maximum."""
-    starts = [i for i, _, _ in stages] + [len(blocks)]
+    """``stages`` (first block, last block, 1) with their boundaries moved to lower the busiest
+    worker's time (worker of stage k: ``rank_of(k, workers)``; ``score(stages)`` gives each stage's
+    time per minibatch, its compute and its outgoing transfer): a cut balanced stage by stage
+    need not balance the workers' sums (a V puts the first and the last stage on one worker).
+    Every cut is tried where there are at most ``EXHAUSTIVE_CUTS`` (the best is exact: moving one
+    block at a time stopped short of the best cut of small_cnn's V, 0.86× torch's ZBV measured);
+    else each boundary in turn moves to its best place between its neighbours until none moves,
+    a local optimum."""
+    n = len(blocks)
+    starts = [i for i, _, _ in stages] + [n]
 
     def as_stages(bounds: list[int]) -> list[tuple[int, int, int]]:
         return [(bounds[k], bounds[k + 1] - 1, 1) for k in range(len(bounds) - 1)]
@@ -942,14 +952,18 @@ def _balance_workers(blocks: Sequence[Block], stages: list[tuple[int, int, int]]
         return max(load)
 
     best = busiest(starts)
+    if math.comb(n - 1, len(starts) - 2) <= EXHAUSTIVE_CUTS:
+        for inner in itertools.combinations(range(1, n), len(starts) - 2):
+            trial = [0, *inner, n]
+            value = busiest(trial)
+            if value < best * (1 - 1e-12):
+                starts, best = trial, value
+        return as_stages(starts)
     improved = True
     while improved:
         improved = False
         for k in range(1, len(starts) - 1):
-            for step in (-1, 1):
-                moved = starts[k] + step
-                if not starts[k - 1] < moved < starts[k + 1]:
-                    continue
+            for moved in range(starts[k - 1] + 1, starts[k + 1]):
                 trial = starts[:k] + [moved] + starts[k + 1:]
                 value = busiest(trial)
                 if value < best * (1 - 1e-12):
