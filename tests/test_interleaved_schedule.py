@@ -173,12 +173,12 @@ def test_the_cut_balances_the_workers_not_only_the_stages(kind: str, place) -> N
 
 
 @pytest.mark.parametrize("many", [False, True])
-def test_the_workers_cut_is_the_best_where_moving_one_block_at_a_time_stops_short(many: bool, monkeypatch) -> None:
+def test_the_cuts_worth_simulating_include_the_best_where_one_block_moves_stop_short(many: bool, monkeypatch) -> None:
     """Blocks of times 8 8 9 4 6 4, cut into 4 stages in a V on 2 workers from the stage-balanced
     cut [8] [8] [9 4] [6 4] (workers 18 and 21): no boundary moved by one block lowers 21, but
-    [8] [8 9] [4 6] [4] gives 12 and 20. The planner tries every cut where there are few and
-    finds that; where there are too many it moves each boundary to its best place, which ends
-    in a local optimum (here the start: no single boundary move helps)."""
+    [8] [8 9] [4 6] [4] gives 12 and 20. Where every cut can be tried, the best (what every
+    cut, enumerated here, gives at best) comes first; where there are too many, the local search
+    ends where no single boundary move helps. The starting cut is always last."""
     import itertools
 
     from torchpipedream import planner
@@ -199,15 +199,18 @@ def test_the_workers_cut_is_the_best_where_moving_one_block_at_a_time_stops_shor
     assert best == 20.0
     if many:  # as if the model had too many blocks to try every cut
         monkeypatch.setattr(planner, "EXHAUSTIVE_CUTS", 1)
-    got = planner._balance_workers([None] * 6, [(0, 0, 1), (1, 1, 1), (2, 3, 1), (4, 5, 1)], v_shape_rank, 2, score)
-    bounds = [i for i, _, _ in got] + [6]
+    start = [(0, 0, 1), (1, 1, 1), (2, 3, 1), (4, 5, 1)]
+    cuts = planner._worker_cuts([None] * 6, start, v_shape_rank, 2, score)
+    assert cuts[-1] == start and len(cuts) == len({tuple(c) for c in cuts})
+    values = [busiest([i for i, _, _ in c] + [6]) for c in cuts]
     if not many:
-        assert busiest(bounds) == best
+        assert values[0] == best and len(cuts) <= planner.SIMULATED_CUTS + 2
         return
-    assert busiest(bounds) == 21.0  # no better than the start, and no one boundary can move to help:
+    assert cuts == [start] and values == [21.0]  # the local search stays at the start:
+    bounds = [0, 1, 2, 4, 6]
     for k in range(1, 4):
         for moved in range(bounds[k - 1] + 1, bounds[k + 1]):
-            assert busiest(bounds[:k] + [moved] + bounds[k + 1:]) >= busiest(bounds)
+            assert busiest(bounds[:k] + [moved] + bounds[k + 1:]) >= 21.0
 
 
 def test_train_refuses_virtual_stages_by_name(tmp_path) -> None:
