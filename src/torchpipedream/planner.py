@@ -864,8 +864,8 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     stage need not balance the workers, so the cuts ``_worker_cuts`` proposes (that one, the
     best few for the busiest worker's compute and transfers, and a local search's) are each
     simulated with the plan's profile and the fastest kept: the busiest worker's sum misses
-    what the order costs (on fc_heavy and the LM its best cut simulated and measured 0.77-0.83×
-    the local search's). Its prediction: the busiest worker's compute and transfers per
+    what the order costs (on fc_heavy and the LM its best cut simulated slower than the local
+    search's). Its prediction: the busiest worker's compute and transfers per
     minibatch, times the kind's fill and drain (interleaved (μ + (p − 1)/v)/μ, zb-v
     (μ + (p − 1)/6)/μ). Its memory: the flush model of that deeper pipeline, summed per worker
     (an approximation: the interleaved order holds up to 2(p − r − 1) + (v − 1)p + 1
