@@ -1,7 +1,8 @@
 """zb-2bw (2bw with the backward split into B and W) as data: its version rule, the pipeline it
 keeps full, what it holds, the validator's rules and the planner's handling. No processes here:
 tests/test_runtime_parity.py, test_runtime_four_stages.py and test_shared_parameters.py run it
-against the independent reference of 2bw's rule."""
+against the independent reference of 2bw's rule; the planner's handling and the refusal of a
+replicated plan are in tests/test_zero_bubble_schedule.py, beside zb-h1's."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import dataclasses
 import pytest
 
 from torchpipedream.actions import Kind, Schedule
-from torchpipedream.graph import Layer, LayerGraph
 from torchpipedream.kinds import schedule_kind
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import Plan, Stage
-from torchpipedream.schedules import ScheduleBuildError, build_schedule
+from torchpipedream.plans import Plan
+from torchpipedream.schedules import build_schedule
 from torchpipedream.simulator import Costs, simulate
 from torchpipedream.validate import ScheduleError, schedule_stats, validate_schedule
 
@@ -114,37 +113,3 @@ def test_the_validator_refuses_a_forward_before_its_version_exists() -> None:
     acts.insert(text.index("s0F2v1") + 2, u0)
     with pytest.raises(ScheduleError, match="version 1 is not one of the two alive"):
         validate_schedule(dataclasses.replace(s, actions={**s.actions, 0: acts}))
-
-
-def test_a_replicated_plan_is_refused_by_name() -> None:
-    stages = [Stage(layers=["a"], replicas=2, ranks=[0, 1]), Stage(layers=["b"], replicas=1, ranks=[2])]
-    plan = Plan(stages=stages, schedule="zb-2bw", microbatches=4)
-    with pytest.raises(ScheduleBuildError, match="stage 0 has 2 replicas"):
-        build_schedule(plan, "zb-2bw", minibatches=1)
-
-
-def _chain(n: int) -> LayerGraph:
-    layers = [Layer(name=f"l{i}", forward_ms=1.0, backward_ms=2.0, activation_bytes=1000,
-                    parameter_bytes=4000) for i in range(n)]
-    return LayerGraph(layers=layers, edges=[(f"l{i}", f"l{i + 1}") for i in range(n - 1)], batch_size=8)
-
-
-def test_the_planner_plans_it_straight_with_its_factor_and_depth() -> None:
-    graph = _chain(8)
-    full = make_plan(graph, "local:4", schedule="zb-2bw", microbatches=4)
-    two_bw = make_plan(graph, "local:4", schedule="2bw", microbatches=4, straight=True)
-    assert [st.replicas for st in full.stages] == [1, 1, 1, 1]
-    # m = 4 ≥ n − 1: 2bw's time and memory (n − s microbatches held)
-    assert full.predicted["time_per_minibatch_s"] == pytest.approx(two_bw.predicted["time_per_minibatch_s"])
-    assert [full.stage_memory_bytes(s) for s in range(4)] == pytest.approx(
-        [two_bw.stage_memory_bytes(s, "2bw") for s in range(4)])
-    # m = 1 < n − 1: two batches (2m = 2 microbatches) on every stage, and (n + m)/3m of the ideal
-    small = make_plan(graph, "local:4", schedule="zb-2bw", microbatches=1, num_stages=4)
-    small_2bw = make_plan(graph, "local:4", schedule="2bw", microbatches=1, num_stages=4, straight=True)
-    per = small_2bw.stage_memory_bytes(2) - small_2bw.stage_memory_bytes(3)  # one microbatch's bytes
-    assert per > 0
-    for s in range(1, 4):  # (stage 0 stashes no input of its own: the data is the loader's)
-        held = 4 - s  # what the 2bw model charges
-        assert small.stage_memory_bytes(s) - small_2bw.stage_memory_bytes(s) == pytest.approx((2 - held) * per)
-    assert small.predicted["time_per_minibatch_s"] == pytest.approx(
-        small_2bw.predicted["time_per_minibatch_s"] * (4 + 1) / 3)

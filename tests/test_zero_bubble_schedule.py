@@ -107,11 +107,12 @@ def test_activations_count_as_held_until_w() -> None:
         validate_schedule(dataclasses.replace(s, actions={**s.actions, 1: deferred}))
 
 
-def test_a_replicated_plan_is_refused_by_name() -> None:
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-2bw"])
+def test_a_replicated_plan_is_refused_by_name(kind: str) -> None:
     stages = [Stage(layers=["a"], replicas=2, ranks=[0, 1]), Stage(layers=["b"], replicas=1, ranks=[2])]
-    plan = Plan(stages=stages, schedule="zb-h1", microbatches=4)
+    plan = Plan(stages=stages, schedule=kind, microbatches=4)
     with pytest.raises(ScheduleBuildError, match="stage 0 has 2 replicas"):
-        build_schedule(plan, "zb-h1", minibatches=1)
+        build_schedule(plan, kind, minibatches=1)
 
 
 def _chain(n: int) -> LayerGraph:
@@ -135,6 +136,27 @@ def test_the_planner_plans_zb_h1_straight_and_charges_the_input_stages_depth_eve
         assert zb.stage_memory_bytes(s) > flush.stage_memory_bytes(s)
     extra = [zb.stage_memory_bytes(s) - flush.stage_memory_bytes(s) for s in range(4)]
     assert extra[1] * 2 == pytest.approx(extra[2]) and extra[1] * 3 == pytest.approx(extra[3])  # s more each
+
+
+def test_the_planner_plans_it_straight_with_its_factor_and_depth() -> None:
+    graph = _chain(8)
+    full = make_plan(graph, "local:4", schedule="zb-2bw", microbatches=4)
+    two_bw = make_plan(graph, "local:4", schedule="2bw", microbatches=4, straight=True)
+    assert [st.replicas for st in full.stages] == [1, 1, 1, 1]
+    # m = 4 ≥ n − 1: 2bw's time and memory (n − s microbatches held)
+    assert full.predicted["time_per_minibatch_s"] == pytest.approx(two_bw.predicted["time_per_minibatch_s"])
+    assert [full.stage_memory_bytes(s) for s in range(4)] == pytest.approx(
+        [two_bw.stage_memory_bytes(s, "2bw") for s in range(4)])
+    # m = 1 < n − 1: two batches (2m = 2 microbatches) on every stage, and (n + m)/3m of the ideal
+    small = make_plan(graph, "local:4", schedule="zb-2bw", microbatches=1, num_stages=4)
+    small_2bw = make_plan(graph, "local:4", schedule="2bw", microbatches=1, num_stages=4, straight=True)
+    per = small_2bw.stage_memory_bytes(2) - small_2bw.stage_memory_bytes(3)  # one microbatch's bytes
+    assert per > 0
+    for s in range(1, 4):  # (stage 0 stashes no input of its own: the data is the loader's)
+        held = 4 - s  # what the 2bw model charges
+        assert small.stage_memory_bytes(s) - small_2bw.stage_memory_bytes(s) == pytest.approx((2 - held) * per)
+    assert small.predicted["time_per_minibatch_s"] == pytest.approx(
+        small_2bw.predicted["time_per_minibatch_s"] * (4 + 1) / 3)
 
 
 # --------------------------------------------------------------------------- ZB-H2
