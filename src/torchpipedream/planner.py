@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
+import heapq
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -979,13 +980,10 @@ def _worker_cuts(blocks: Sequence[Block], stages: list[tuple[int, int, int]], ra
             load[rank_of(k, workers)] += t
         return max(load)
 
-    found: list[tuple[float, list[int]]] = [(busiest(starts), starts)]
+    found: list[tuple[float, list[int]]] = []
     if math.comb(n - 1, len(starts) - 2) <= EXHAUSTIVE_CUTS:
-        for inner in itertools.combinations(range(1, n), len(starts) - 2):
-            bounds = [0, *inner, n]
-            found.append((busiest(bounds), bounds))
-        found.sort(key=lambda vb: vb[0])
-        found = found[:SIMULATED_CUTS]
+        every = ([0, *inner, n] for inner in itertools.combinations(range(1, n), len(starts) - 2))
+        found = heapq.nsmallest(SIMULATED_CUTS, ((busiest(b), b) for b in every), key=lambda vb: vb[0])
     local, best = starts, busiest(starts)
     improved = True
     while improved:
@@ -998,8 +996,8 @@ def _worker_cuts(blocks: Sequence[Block], stages: list[tuple[int, int, int]], ra
                     local, best, improved = trial, value, True
     found.append((best, local))
     out: list[list[tuple[int, int, int]]] = []
-    for _, bounds in sorted(found, key=lambda vb: vb[0]) + [(0.0, starts)]:
-        if as_stages(bounds) not in out and bounds != starts:
+    for _, bounds in sorted(found, key=lambda vb: vb[0]):
+        if bounds != starts and as_stages(bounds) not in out:
             out.append(as_stages(bounds))
     return out + [as_stages(starts)]
 

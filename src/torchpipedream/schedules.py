@@ -399,28 +399,22 @@ def zb_v(ctx: _Ctx) -> ComputeOrder:
     return out
 
 
-def zb_2bw_cap(n: int, m: int, s: int) -> int:
-    """Microbatches stage ``s`` of ``n`` holds at most under zb-2bw (F to W), ``m`` per batch:
-    2bw's warm-up depth n − s where 2bw itself runs without a bubble (m ≥ n − 1); else no cap
-    beyond the version rule's, two batches (2m): the unit-time search (issue 19's note) found
-    any lower cap on any stage slows the pipeline there."""
-    return n - s if m + 1 >= n else 2 * m
-
-
-def _zb_2bw_order(n: int, m: int, total: int) -> list[list[_C]]:
+def _zb_2bw_order(kind: ScheduleKind, n: int, m: int, total: int) -> list[list[_C]]:
     """zb-2bw's compute order of each of ``n`` stages for ``total`` microbatches, ``m`` per
     batch: a greedy list schedule in unit time (F, B and W one step each, transfers free).
     Each stage, when free, runs the first ready of
 
     1. B of its oldest microbatch whose output gradient is in;
     2. F of its next microbatch, if its input is in, the stage holds fewer than
-       :func:`zb_2bw_cap` microbatches, and the version it needs exists (batch t's F uses
-       W^(t−1), made by ``U t−2``: every W of batch t − 2 done);
+       the kind's ``inflight_depth`` (2bw's depth n − s where m ≥ n − 1, else 2m: the
+       unit-time search of issue 19's note found any lower cap slows the pipeline there), and
+       the version it needs exists (batch t's F uses W^(t−1), made by ``U t−2``: every W of
+       batch t − 2 done);
     3. W of its oldest microbatch past B.
 
     B, F and W each run in microbatch order, so three counters per stage are the whole state.
     """
-    cap = [zb_2bw_cap(n, m, s) for s in range(n)]
+    cap = [kind.inflight_depth(n - s, n, m) for s in range(n)]
     f_end = [[0] * total for _ in range(n)]
     b_end = [[0] * total for _ in range(n)]
     nf, nb, nw = [0] * n, [0] * n, [0] * n
@@ -466,7 +460,7 @@ def zb_2bw(ctx: _Ctx) -> ComputeOrder:
     (F4, batch 2, waits for ``U 0``, after W1; stage 3 holds two batches, F0 to W3.)
     """
     n, m = ctx.plan.num_stages, ctx.microbatches
-    return {(s, 0): items for s, items in enumerate(_zb_2bw_order(n, m, ctx.total_mbs))}
+    return {(s, 0): items for s, items in enumerate(_zb_2bw_order(ctx.kind, n, m, ctx.total_mbs))}
 
 
 GENERATORS: dict[str, Callable[[_Ctx], ComputeOrder]] = {
