@@ -34,6 +34,7 @@ Writes benchmarks/results/compare.json, compare.md and compare.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import sys
@@ -52,8 +53,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import (Workload, peak_rss_mb, probed, run_ddp, run_single, run_torch_pipelining,  # noqa: E402
-                   training_step, write_results)
+from peers import (CUTS, Workload, layer_times, peak_rss_mb, probed, run_ddp, run_single,  # noqa: E402
+                   run_torch_pipelining, split_sequential, training_step, write_results)
 from doc_tables import compare_results  # noqa: E402  (the docs render compare.md the same way)
 
 from torchpipedream.kinds import schedule_kind  # noqa: E402
@@ -69,6 +70,8 @@ TPD_ROWS = {"pipedream": ("pipedream", False), "2bw": ("2bw", False), "flush": (
             "2bw straight": ("2bw", True), "zb-2bw": ("zb-2bw", False)}
 #: The rows every table needs (the ratios are to them): kept by --rows whatever it names.
 BASE_ROWS = ("single, 1 thread", "torch DDP")
+#: Microbatch counts tried for each torch.distributed.pipelining row (with each of peers.CUTS).
+TORCH_MICROBATCHES = (2, 4, 8)
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -133,6 +136,14 @@ WORKLOADS = {
 
 
 # ----------------------------------------------------------------------------- torchpipedream rows
+def split_built(build, parts: int) -> nn.Module:
+    """``build()`` with its wide linear layers split into ``parts`` column parts (picklable with
+    functools.partial, for the baselines run on the model as torchpipedream runs it)."""
+    from torchpipedream.layer_split import split_wide_layers
+
+    return split_wide_layers(build(), parts)
+
+
 def tpd_model(work: Workload, split_parts: int) -> nn.Module:
     """The model as torchpipedream runs it: wide linear layers split into column parts so the
     planner may cut inside them (same function, same training; see layer_split.py)."""
@@ -218,8 +229,6 @@ def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: in
     run against the same medians in the simulation), and the schedule's waiting and
     communication (what is left against ``predicted_with_run_compute``).
     """
-    import dataclasses
-
     from torchpipedream.simulator import simulate
 
     predicted, costs, sim = predict(work, plan, sched, split_parts)
@@ -240,11 +249,12 @@ def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: in
 
 def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
                 per_window: int, split_parts: int) -> dict:
-    pipe = Pipeline(tpd_model(work, split_parts), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
-                    loss_fn=work.loss_fn, schedule=schedule,
-                    microbatches=microbatches if schedule_kind(schedule).microbatched else None, timeout_s=120)
     g = torch.Generator().manual_seed(0)
     data = [work.make_batch(work.batch_size, g) for _ in range(per_window)]
+    # the sample lets torch.export trace what torch.fx cannot (the held-out Hugging Face models)
+    pipe = Pipeline(tpd_model(work, split_parts), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
+                    loss_fn=work.loss_fn, schedule=schedule, sample=data[0][0],
+                    microbatches=microbatches if schedule_kind(schedule).microbatched else None, timeout_s=120)
     for _ in range(warmup):
         pipe.train_minibatches(data)
     times = []
@@ -261,38 +271,90 @@ def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: in
 
 
 def _peer_worker(rank: int, work: Workload, which: str, microbatches: int, warmup: int, windows: int,
-                 steps: int) -> dict:
+                 steps: int, cost: list[float] | None = None) -> dict:
     if which == "DDP":
         return run_ddp(work, warmup, windows, steps)
-    return run_torch_pipelining(work, which, microbatches, warmup, windows, steps)
+    return run_torch_pipelining(work, which, microbatches, warmup, windows, steps, cost)
+
+
+def _pieces(schedule: str, procs: int) -> int:
+    return 2 * procs if schedule in ("ZBVZeroBubble", "Interleaved1F1B") else procs
+
+
+def tune_torch_pipelining(work: Workload, procs: int, schedule: str) -> tuple[int, list[float] | None, str]:
+    """torch.distributed.pipelining's own best configuration of ``schedule`` for ``work``: every
+    microbatch count of TORCH_MICROBATCHES that divides the batch, with each cut of peers.CUTS
+    (identical cuts tried once), run for one short window; returns the fastest's (microbatches,
+    per-layer cost for split_sequential, label)."""
+    best: tuple[float, int, list[float] | None, str] | None = None
+    for m in TORCH_MICROBATCHES:
+        if work.batch_size % m:
+            continue
+        seen = set()
+        for cut in CUTS:
+            cost = layer_times(work, m) if cut == "time" else None
+            sizes = tuple(len(piece) for piece in split_sequential(work.build(), _pieces(schedule, procs), cost))
+            if sizes in seen:
+                continue
+            seen.add(sizes)
+            label = f"{m} microbatches, cut by {cut} {'-'.join(map(str, sizes))}"
+            try:
+                got = launch(_peer_worker, procs, work, schedule, m, 1, 1, 3, cost, timeout_s=300)["samples_per_s"]
+            except Exception as exc:  # a configuration torch refuses is skipped
+                print(f"  {work.name:<15} torch.pipelining {schedule} [{label}]: failed: "
+                      f"{str(exc).splitlines()[0][:150]}", flush=True)
+                continue
+            print(f"  {work.name:<15} torch.pipelining {schedule} [{label}]: {got:.1f} samples/s (tuning)", flush=True)
+            if best is None or got > best[0]:
+                best = (got, m, cost, label)
+    if best is None:
+        raise RuntimeError(f"torch.pipelining {schedule}: no configuration ran")
+    return best[1], best[2], best[3]
 
 
 # ----------------------------------------------------------------------------- the run
+def _baseline_jobs(work: Workload, procs: int, windows: int, microbatches: int, suffix: str) -> list:
+    return [
+        (f"single, 1 thread{suffix}", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), ""),
+        (f"single, {procs} threads{suffix}", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), ""),
+        (f"torch DDP{suffix}",
+         lambda: launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900), ""),
+    ]
+
+
 def compare_model(work: Workload, procs: int, microbatches: int, windows: int, per_window: int,
-                  split_parts: int = 1, passes: int = 3, rows: tuple[str, ...] = ()) -> list[dict]:
+                  split_parts: int = 1, passes: int = 3, rows: tuple[str, ...] = (),
+                  tune_torch: bool = True) -> list[dict]:
     """Every row of one model, measured in ``passes`` interleaved passes (row 1, row 2, ...,
     row 1, row 2, ...): the machine's speed drifts by 20-30% within minutes, and interleaving
     spreads a slow spell over every row instead of the rows that happened to run in it. A
     row's samples/s is the median over its passes of each pass's median window. ``rows``, when
-    given, keeps the rows whose name contains one of them (and ``BASE_ROWS``)."""
+    given, keeps the rows whose name contains one of them (and ``BASE_ROWS``).
+
+    The single-process and DDP rows run both the model as given and, with ``split_parts`` > 1,
+    the model as torchpipedream's rows run it (", split model"). Each torch.distributed.pipelining
+    row runs its own best microbatch count and cut (``tune_torch_pipelining``), or with
+    ``tune_torch=False`` ``microbatches`` and the parameter-balanced cut."""
     torch.set_num_threads(1)
-    jobs: list[tuple[str, Any, str]] = [  # (row, run one pass, plan)
-        ("single, 1 thread", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), ""),
-        (f"single, {procs} threads", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), ""),
-        ("torch DDP", lambda: launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900),
-         ""),
-    ]
+    wanted = (lambda name: name in BASE_ROWS or any(r in name for r in rows)) if rows else (lambda name: True)
+    jobs: list[tuple[str, Any, str]] = _baseline_jobs(work, procs, windows, microbatches, "")  # (row, run, plan)
+    if split_parts > 1:
+        split = dataclasses.replace(work, build=functools.partial(split_built, work.build, split_parts))
+        jobs += _baseline_jobs(split, procs, windows, microbatches, ", split model")
     for s in TORCH_SCHEDULES:
-        jobs.append((f"torch.pipelining {s}", lambda s=s: launch(_peer_worker, procs, work, s, microbatches, 2,
-                                                                 windows, 3, timeout_s=900), ""))
+        name = f"torch.pipelining {s}"
+        if not wanted(name):
+            continue
+        m, cost, label = tune_torch_pipelining(work, procs, s) if tune_torch else (microbatches, None, "")
+        jobs.append((name, lambda s=s, m=m, cost=cost: launch(_peer_worker, procs, work, s, m, 2, windows, 3, cost,
+                                                              timeout_s=900), label))
     for row, (s, straight) in TPD_ROWS.items():
         if rows and not any(r in f"torchpipedream {row}" for r in rows):
             continue
         plan, sched = choose_plan(work, procs, s, microbatches, split_parts, minibatches=per_window, straight=straight)
         jobs.append((f"torchpipedream {row}", functools.partial(_predict_and_run, work, plan, sched, microbatches,
                                                               windows, per_window, split_parts), plan.summary))
-    if rows:
-        jobs = [j for j in jobs if j[0] in BASE_ROWS or any(r in j[0] for r in rows)]
+    jobs = [j for j in jobs if wanted(j[0])]
     results: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
     failed: dict[str, str] = {}
     for pass_ in range(passes):
@@ -403,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="",
                     help="comma-separated parts of row names to run (e.g. 'flush,zb-h1,ZeroBubble'); the single "
                          "1-thread and DDP rows always run (default: every row)")
+    ap.add_argument("--no-tune-torch", dest="tune_torch", action="store_false",
+                    help="torch.pipelining rows: --microbatches and the parameter-balanced cut instead of their best "
+                         "of 2, 4 and 8 microbatches with each cut (peers.CUTS)")
     ap.add_argument("--out", default="benchmarks/results/compare")
     args = ap.parse_args(argv)
     for name in args.models.split(","):
@@ -410,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
     rows, probes, _ = probed(lambda: [row for name in args.models.split(",") for row in compare_model(
         WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window, args.split_wide, args.passes,
-        tuple(r for r in args.rows.split(",") if r))])
+        tuple(r for r in args.rows.split(",") if r), args.tune_torch)])
     result = {"probes": probes, "args": vars(args), "huge_pages": huge_pages_on(),
               "keeps_freed_memory": KEEPS_FREED_MEMORY, "rows": rows}
     # the same function renders docs/benchmarks.md's table

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
-           "compare_targets", "main", "memory_budget", "split_backward", "virtual_stages", "zb_2bw_depth", "async_split", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "held_out_results", "main", "memory_budget", "split_backward", "virtual_stages", "zb_2bw_depth", "async_split", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -293,6 +293,50 @@ def async_split(data: Data) -> str:
                      f"{threads['samples_per_s']:.1f}" if threads else "-",
                      ", ".join(_num(r.get("measured_vs_predicted")) for r in (zb, same) if r)])
     return _passes_table(data, head, body, [])
+
+
+#: The targets of issue 22 for the held-out validation, as held_out_results() tests them.
+TARGET_HELD_OUT_SHARE = 0.80  # of pass-level ratios within 1 ± TARGET_PREDICTION
+TARGET_HELD_OUT_WORST = 0.30  # no pass-level ratio outside 1 ± this
+
+
+def held_out_results(data: Data) -> str:
+    """held_out.json (benchmarks/held_out.py) → every kind of every held-out model with each
+    pass's measured / predicted, the count within the targets, and the refusals."""
+    probes = data["probes"]
+    args = data["args"]
+    body, ratios = [], []
+    for r in data["rows"]:
+        if "refused" in r or "failed" in r:
+            why = f"refused: {r['refused']}" if "refused" in r else f"FAILED: {r['failed']}"
+            body.append([r["model"], r["kind"], "-", "-", "-", why.replace("|", "/"), "-", "-"])
+            continue
+        got = r["passes"]
+        ratios += [p["ratio"] for p in got]
+        body.append([
+            r["model"], r["kind"], r["plan"],
+            ", ".join(f"{p['samples_per_s']:.0f}" for p in got),
+            ", ".join(f"{p['predicted_samples_per_s']:.0f}" for p in got),
+            ", ".join(f"**{p['ratio']:.2f}**" if abs(p["ratio"] - 1) > TARGET_PREDICTION else f"{p['ratio']:.2f}"
+                      for p in got),
+            ", ".join(f"{p['samples_per_s'] / p['predicted_with_run_compute']:.2f}" for p in got),
+            ", ".join(f"{p['run_compute_vs_profile']:.2f}" for p in got)])
+    within = sum(abs(x - 1) <= TARGET_PREDICTION for x in ratios)
+    worst = sum(abs(x - 1) > TARGET_HELD_OUT_WORST for x in ratios)
+    share = within / len(ratios) if ratios else 0.0
+    caption = (f"Commit {data['commit']}, torch {data['torch']}. CPU probe (2 concurrent processes / 1): start "
+               f"{probes[0]:.2f}, end {probes[1]:.2f}; {args['procs']} processes, {args['microbatches']} microbatches "
+               f"for the microbatched kinds, {args['passes']} interleaved passes of {args['windows']} windows of "
+               f"{args['per_window']} minibatches; each pass predicted right before it ran. Bold: outside "
+               f"±{TARGET_PREDICTION:.0%}.")
+    head = ["model", "kind", "plan", "measured samples/s, per pass", "predicted, per pass",
+            "measured / predicted, per pass", "measured / predicted from the run's compute (diagnostic)",
+            "run's compute / profiled"]
+    targets = [f"pass-level ratios within ±{TARGET_PREDICTION:.0%}: {within} of {len(ratios)} ({share:.0%}; target "
+               f"≥ {TARGET_HELD_OUT_SHARE:.0%}: {_yes(share >= TARGET_HELD_OUT_SHARE)})",
+               f"outside ±{TARGET_HELD_OUT_WORST:.0%}: {worst} (target none: {_yes(worst == 0)})",
+               f"range {_range(ratios)}"]
+    return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
 
 
 def split_backward(data: Data) -> str:
@@ -700,6 +744,7 @@ TABLES: dict[str, Table] = {
     "virtual_stages": Table(("compare_virtual.json",), virtual_stages),
     "zb_2bw_depth": Table(("zb_2bw_depth.json",), zb_2bw_depth),
     "async_split": Table(("compare_async_split.json",), async_split),
+    "held_out": Table(("held_out.json",), held_out_results),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 import json
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,8 @@ class Workload:
     """A model, how to make its batches, and where to split it into pipeline stages."""
 
     name: str
-    build: Callable[[], nn.Sequential]
-    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    build: Callable[[], nn.Module]  # an nn.Sequential for the peers that cut it (DDP takes any module)
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor | dict, torch.Tensor]]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batch_size: int
     lr: float = 0.01
@@ -72,6 +72,15 @@ def _batches(work: Workload, seed: int, count: int) -> list[tuple[torch.Tensor, 
     return [work.make_batch(work.batch_size, g) for _ in range(count)]
 
 
+def chunk_inputs(x: torch.Tensor | dict, parts: int) -> list:
+    """A model's inputs (a tensor, or a dict of keyword arguments) in ``parts`` pieces along
+    dimension 0; a dict's non-tensor values go to every piece."""
+    if not isinstance(x, dict):
+        return list(x.chunk(parts))
+    pieces = {k: v.chunk(parts) if isinstance(v, torch.Tensor) else [v] * parts for k, v in x.items()}
+    return [{k: pieces[k][i] for k in x} for i in range(parts)]
+
+
 def _plain_step(work: Workload, threads: int, batches: int, microbatches: int = 1) -> Callable[[], None]:
     """One training step of ``work`` in this process per call (``threads`` intra-op threads),
     cycling over ``batches`` fixed minibatches, each in ``microbatches`` accumulated parts."""
@@ -86,8 +95,8 @@ def _plain_step(work: Workload, threads: int, batches: int, microbatches: int = 
         x, y = data[i[0] % len(data)]
         i[0] += 1
         opt.zero_grad(set_to_none=True)
-        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            work.loss_fn(model(xs), ys).backward()
+        for xs, ys in zip(chunk_inputs(x, microbatches), y.chunk(microbatches)):
+            work.loss_fn(model(**xs) if isinstance(xs, dict) else model(xs), ys).backward()
         opt.step()
 
     return step
@@ -139,9 +148,38 @@ def run_ddp(work: Workload, warmup: int = 2, windows: int = 5, steps: int = 3) -
     return {"samples_per_s": work.batch_size / slowest, "peak_rss_mb": _gather(peak_rss_mb())}
 
 
-def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
+#: How the torch.distributed.pipelining rows may cut the model: balance the pieces' parameter
+#: counts, or their forward + backward time measured layer by layer (``layer_times``).
+CUTS = ("parameters", "time")
+
+
+def layer_times(work: Workload, microbatches: int = 1, repeats: int = 5) -> list[float]:
+    """Median forward + backward seconds of each child of ``work``'s Sequential on one
+    microbatch, one thread: the weights of the "time" cut."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = list(work.build().children())
+    x, _ = _batches(work, 0, 1)[0]
+    x = x.chunk(microbatches)[0]
+    out = []
+    for layer in layers:
+        times = []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            y = layer(inp)
+            if y.requires_grad:
+                y.backward(torch.ones_like(y))
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+        x = y.detach()
+    return out
+
+
+def split_sequential(model: nn.Sequential, parts: int, cost: Sequence[float] | None = None) -> list[nn.Sequential]:
     """Cut a Sequential into ``parts`` pieces, each with at least one parameterised layer where
-    the model has enough of them, minimising the largest piece's parameter count.
+    the model has enough of them, minimising the largest piece's cost: its parameter count, or
+    ``cost`` per child (e.g. ``layer_times``).
 
     A piece without parameters (small_cnn's ReLU, MaxPool, Flatten) breaks
     ScheduleZBVZeroBubble, whose weight-gradient step needs weights on every stage.
@@ -150,14 +188,16 @@ def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
     n = len(layers)
     if parts > n:
         raise ValueError(f"cannot split {n} layers into {parts} stages")
-    weights = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    need_params = sum(w > 0 for w in weights) >= parts
-    prefix = [0]
-    for w in weights:
+    params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    need_params = sum(w > 0 for w in params) >= parts
+    weights = list(cost) if cost is not None else params
+    prefix, held = [0], [0]
+    for w, q in zip(weights, params):
         prefix.append(prefix[-1] + w)
+        held.append(held[-1] + q)
 
     def ok(a: int, b: int) -> bool:  # layers[a:b] may be a piece
-        return not need_params or prefix[b] > prefix[a]
+        return not need_params or held[b] > held[a]
 
     inf = float("inf")
     # best[k][i]: smallest possible largest piece when layers[:i] form k pieces; cut[k][i]: where the last starts
@@ -180,11 +220,13 @@ def split_sequential(model: nn.Sequential, parts: int) -> list[nn.Sequential]:
 
 
 def run_torch_pipelining(
-    work: Workload, schedule: str, microbatches: int, warmup: int = 2, windows: int = 5, steps: int = 3
+    work: Workload, schedule: str, microbatches: int, warmup: int = 2, windows: int = 5, steps: int = 3,
+    cost: Sequence[float] | None = None,
 ) -> dict:
     """torch.distributed.pipelining with manual stages (one per rank; two per rank, V-shaped, for ZBV;
     two per rank, looped (rank r holds stages r and r + w), for Interleaved1F1B;
-    InterleavedZeroBubble, torch's ZB1P = ZB-H1, with one stage per rank)."""
+    InterleavedZeroBubble, torch's ZB1P = ZB-H1, with one stage per rank), cut by parameter
+    count or by ``cost`` per layer (``split_sequential``)."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                               ScheduleZBVZeroBubble)
@@ -194,21 +236,21 @@ def run_torch_pipelining(
     full = work.build()
     device = torch.device("cpu")
     if schedule == "ZBVZeroBubble":
-        pieces = split_sequential(full, 2 * world)
+        pieces = split_sequential(full, 2 * world, cost)
         stage_ids = [rank, 2 * world - 1 - rank]  # V shape: rank r holds stages r and 2w-1-r
         stages = [PipelineStage(pieces[s], s, 2 * world, device) for s in stage_ids]
         params = [p for s in stage_ids for p in pieces[s].parameters()]
         sched = ScheduleZBVZeroBubble(stages, n_microbatches=microbatches, loss_fn=work.loss_fn)
         has_input = has_loss = rank == 0  # rank 0 holds both the first and the last stage
     elif schedule == "Interleaved1F1B":
-        pieces = split_sequential(full, 2 * world)
+        pieces = split_sequential(full, 2 * world, cost)
         stage_ids = [rank, rank + world]  # looped: rank r holds stages r and r + w
         stages = [PipelineStage(pieces[s], s, 2 * world, device) for s in stage_ids]
         params = [p for s in stage_ids for p in pieces[s].parameters()]
         sched = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=work.loss_fn)
         has_input, has_loss = rank == 0, rank == world - 1
     else:
-        pieces = split_sequential(full, world)
+        pieces = split_sequential(full, world, cost)
         stage = PipelineStage(pieces[rank], rank, world, device)
         params = list(pieces[rank].parameters())
         if schedule == "InterleavedZeroBubble":  # its ZB1P (ZB-H1) with one stage per rank
