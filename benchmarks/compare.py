@@ -22,11 +22,21 @@ environment sets it: ``THP_MEM_ALLOC_ENABLE=0`` runs every row on PyTorch's defa
 also keeps freed memory for reuse (freed_memory.py; the launcher's workers, the peers' too, and
 this process): ``TORCHPIPEDREAM_KEEP_FREED_MEMORY=0`` runs every row on glibc's defaults.
 
+Fair rows: where ``--split-wide`` splits a layer, the single-process and DDP rows also run the
+split model (rows ", split model"), so both forms are reported. Each torch.distributed.pipelining
+row first tries 2, 4 and 8 microbatches with the cut balancing parameters and the cut balancing
+measured layer times (one short window each) and then runs its fastest (the plan column names
+it); ``--no-tune-torch`` gives them ``--microbatches`` and the parameter cut. ``--microbatches 0``
+gives each microbatched torchpipedream row the count its planner predicts fastest.
+
     .venv/bin/python benchmarks/compare.py                       # all models
     .venv/bin/python benchmarks/compare.py --models fc_heavy --windows 3
     .venv/bin/python benchmarks/compare.py --rows "2 threads,InterleavedZeroBubble,flush,zb-h"
     .venv/bin/python benchmarks/compare.py --rows "2 threads,Interleaved1F1B,ZBVZeroBubble,flush,interleaved,zb-v" \
         --out benchmarks/results/compare_virtual
+    .venv/bin/python benchmarks/compare.py --microbatches 0 --rows "2 threads,split model,pipelining GPipe,\
+pipelining 1F1B,ZBVZeroBubble,=torchpipedream pipedream,=torchpipedream 2bw,=torchpipedream flush,\
+=torchpipedream zb-h1"                                       # the fair rows (docs/benchmarks.md)
 
 Writes benchmarks/results/compare.json, compare.md and compare.png.
 """
@@ -184,6 +194,24 @@ def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, 
     return plan, build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
 
 
+def planned_microbatches(work: Workload, workers: int, schedule: str, split_parts: int = 1, minibatches: int = 32,
+                         straight: bool = False) -> int:
+    """The microbatch count the planner predicts fastest for ``schedule`` (``choose_schedule``
+    with this kind alone over auto_schedule.DEFAULT_MICROBATCHES, this host's costs measured
+    for each candidate as ``predict`` measures them)."""
+    from torchpipedream.auto_schedule import choose_schedule
+    from torchpipedream.runtime.measure import measure_local_costs
+    from torchpipedream.topology import Topology
+
+    if not schedule_kind(schedule).microbatched:
+        return 1
+    plan = choose_schedule(
+        lambda m: _profile(work, m, split_parts), Topology.local(workers), kinds=[schedule], minibatches=minibatches,
+        batch_size=work.batch_size, straight=straight,
+        host_costs=lambda plan, m: measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m)))
+    return int(plan.meta["auto"]["chosen"]["microbatches"])
+
+
 def predict(work: Workload, plan, sched, split_parts: int = 1):
     """The simulator's samples/s for ``sched`` from costs measured now: a fresh profile and this
     host's terms (runtime.measure.py: message overhead, copy and accumulate bandwidth, all-reduces,
@@ -313,6 +341,34 @@ def tune_torch_pipelining(work: Workload, procs: int, schedule: str) -> tuple[in
 
 
 # ----------------------------------------------------------------------------- the run
+def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_parts: int) -> tuple[str, Any, str]:
+    """The row of ``train --schedule auto`` on this host: ``choose_layout`` over every way of
+    using ``procs`` cores (workers × threads) and the synchronous kinds at 1, 2, 4 and 8
+    microbatches, priced with this host's measured costs as auto_choice.py does; run on the
+    chosen layout (not predicted per pass: its threads need a profile of their own)."""
+    from torchpipedream.auto_schedule import choose_layout, local_layouts, threads_per_worker
+    from torchpipedream.runtime.measure import measure_local_costs
+    from torchpipedream.topology import Topology
+
+    def host(plan, m: int) -> dict:  # a single worker sends and reduces nothing
+        if plan.num_workers < 2:
+            return {}
+        return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
+
+    plan = choose_layout(lambda m, threads: _profile(work, m, split_parts, threads), local_layouts(procs, procs),
+                         Topology.local, batch_size=work.batch_size, host_costs=host, minibatches=per_window)
+    threads, m = threads_per_worker(plan), plan.microbatches
+    label = f"{plan.summary}, {plan.num_workers} × {threads} threads, {plan.schedule}, {m} microbatches"
+
+    def run() -> dict:
+        res = launch(_tpd_worker, plan.num_workers, work, plan, plan.schedule, m, 1, windows, per_window, split_parts,
+                     timeout_s=900, threads=threads)
+        res.pop("trace", None)
+        return res
+
+    return "torchpipedream auto", run, label
+
+
 def _baseline_jobs(work: Workload, procs: int, windows: int, microbatches: int, suffix: str) -> list:
     return [
         (f"single, 1 thread{suffix}", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), ""),
@@ -336,24 +392,30 @@ def compare_model(work: Workload, procs: int, microbatches: int, windows: int, p
     row runs its own best microbatch count and cut (``tune_torch_pipelining``), or with
     ``tune_torch=False`` ``microbatches`` and the parameter-balanced cut."""
     torch.set_num_threads(1)
-    wanted = (lambda name: name in BASE_ROWS or any(r in name for r in rows)) if rows else (lambda name: True)
+    def wanted(name: str) -> bool:  # "=NAME" keeps that row only, any other token every row containing it
+        return not rows or name in BASE_ROWS or any(name == r[1:] if r.startswith("=") else r in name for r in rows)
+
     jobs: list[tuple[str, Any, str]] = _baseline_jobs(work, procs, windows, microbatches, "")  # (row, run, plan)
-    if split_parts > 1:
-        split = dataclasses.replace(work, build=functools.partial(split_built, work.build, split_parts))
-        jobs += _baseline_jobs(split, procs, windows, microbatches, ", split model")
+    split = dataclasses.replace(work, build=functools.partial(split_built, work.build, split_parts))
+    if split_parts > 1 and len(list(split.build().modules())) != len(list(work.build().modules())):
+        jobs += _baseline_jobs(split, procs, windows, microbatches, ", split model")  # only where a layer was split
     for s in TORCH_SCHEDULES:
         name = f"torch.pipelining {s}"
         if not wanted(name):
             continue
-        m, cost, label = tune_torch_pipelining(work, procs, s) if tune_torch else (microbatches, None, "")
+        m, cost, label = tune_torch_pipelining(work, procs, s) if tune_torch else (microbatches or 4, None, "")
         jobs.append((name, lambda s=s, m=m, cost=cost: launch(_peer_worker, procs, work, s, m, 2, windows, 3, cost,
                                                               timeout_s=900), label))
     for row, (s, straight) in TPD_ROWS.items():
-        if rows and not any(r in f"torchpipedream {row}" for r in rows):
+        if not wanted(f"torchpipedream {row}"):
             continue
-        plan, sched = choose_plan(work, procs, s, microbatches, split_parts, minibatches=per_window, straight=straight)
-        jobs.append((f"torchpipedream {row}", functools.partial(_predict_and_run, work, plan, sched, microbatches,
-                                                              windows, per_window, split_parts), plan.summary))
+        m = microbatches or planned_microbatches(work, procs, s, split_parts, per_window, straight)
+        plan, sched = choose_plan(work, procs, s, m, split_parts, minibatches=per_window, straight=straight)
+        label = plan.summary + (f", {m} microbatches" if not microbatches and schedule_kind(s).microbatched else "")
+        jobs.append((f"torchpipedream {row}", functools.partial(_predict_and_run, work, plan, sched, m,
+                                                              windows, per_window, split_parts), label))
+    if wanted("torchpipedream auto"):
+        jobs.append(auto_job(work, procs, windows, per_window, split_parts))
     jobs = [j for j in jobs if wanted(j[0])]
     results: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
     failed: dict[str, str] = {}
@@ -452,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(WORKLOADS))
     ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="microbatches per minibatch of torchpipedream's microbatched rows; 0: each row's count the "
+                         "planner predicts fastest of 1, 2, 4 and 8")
     ap.add_argument("--windows", type=int, default=3, help="timed windows per row and pass")
     ap.add_argument("--passes", type=int, default=3,
                     help="interleaved passes over all rows of a model (3: the median rejects one slow pass)")
@@ -463,8 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torchpipedream rows: split linear layers with >= 1024 outputs into PARTS column parts so "
                          "stages can balance (1 = off; default 4)")
     ap.add_argument("--rows", default="",
-                    help="comma-separated parts of row names to run (e.g. 'flush,zb-h1,ZeroBubble'); the single "
-                         "1-thread and DDP rows always run (default: every row)")
+                    help="comma-separated parts of row names to run (e.g. 'flush,zb-h1,ZeroBubble'), or =NAME for "
+                         "exactly that row ('=torchpipedream 2bw'); the single 1-thread and DDP rows always run "
+                         "(default: every row)")
     ap.add_argument("--no-tune-torch", dest="tune_torch", action="store_false",
                     help="torch.pipelining rows: --microbatches and the parameter-balanced cut instead of their best "
                          "of 2, 4 and 8 microbatches with each cut (peers.CUTS)")

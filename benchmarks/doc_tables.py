@@ -69,6 +69,10 @@ def _range(values: Sequence[float], spec: str = ".2f") -> str:
 TARGET_FC_VS_DDP = 1.5
 TARGET_FC_PERFECT_SCALING = 0.90
 TARGET_PREDICTION = 0.15  # measured / predicted within 1 ± this
+TARGET_SYNC_PERFECT_SCALING = 0.70  # issue 22: the best synchronous row on fc_heavy
+#: compare.py's torchpipedream rows by semantics: plain training, and 2BW's one-update-stale rule
+SYNCHRONOUS_ROWS = ("flush", "flush straight", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v")
+ONE_STALE_ROWS = ("2bw", "2bw straight", "zb-2bw")
 
 
 def compare_results(data: Data) -> str:
@@ -94,7 +98,9 @@ def compare_results(data: Data) -> str:
 
 
 def _is_peer(row: str) -> bool:
-    return row == "torch DDP" or row.startswith("torch.pipelining")
+    """Every row that is not torchpipedream's: DDP, torch.pipelining and the single process
+    (its one-thread row is never the best, its two-thread row may be), as given or split."""
+    return not row.startswith("torchpipedream")
 
 
 def _model_rows(data: Data, model: str) -> list[dict]:
@@ -144,6 +150,17 @@ def compare_targets(data: Data) -> str:
         out.append([f"fc_heavy: best torchpipedream row ≥ {TARGET_FC_PERFECT_SCALING:.2f} of perfect scaling",
                     f"{best_fc['vs_perfect_scaling']:.2f} ({_short(best_fc['row'])}); {ceiling}",
                     _yes(best_fc["vs_perfect_scaling"] >= TARGET_FC_PERFECT_SCALING)])
+    for label, names in (("synchronous (plain training: " + ", ".join(SYNCHRONOUS_ROWS) + ")", SYNCHRONOUS_ROWS),
+                         ("one update stale (2BW's rule: " + ", ".join(ONE_STALE_ROWS) + ")", ONE_STALE_ROWS)):
+        best = _best(fc, lambda n, names=names: n.removeprefix("torchpipedream ") in names)
+        if best is None:
+            continue
+        out.append([f"fc_heavy: best {label} row ≥ {TARGET_FC_VS_DDP:g}× DDP and ≥ {TARGET_SYNC_PERFECT_SCALING:.2f} "
+                    "of perfect scaling (issue 22)",
+                    f"{_short(best['row'])} ({best['plan']}): {best['vs_ddp']:.2f}× DDP, "
+                    f"{best['vs_perfect_scaling']:.2f} of perfect scaling",
+                    f"{_yes(best['vs_ddp'] >= TARGET_FC_VS_DDP)}, "
+                    f"{_yes(best['vs_perfect_scaling'] >= TARGET_SYNC_PERFECT_SCALING)}"])
     parts, all_ok = [], True
     for model in _models(data):
         rows = _model_rows(data, model)
@@ -154,8 +171,8 @@ def compare_targets(data: Data) -> str:
         all_ok &= ratio >= 1.0
         parts.append(f"{model} {ratio:.2f}× ({_short(ours['row'])} {ours['samples_per_s']:.1f} against "
                      f"{peer['row']} {peer['samples_per_s']:.1f})")
-    out.append(["every model: best torchpipedream row ≥ every peer row (DDP, torch.pipelining)", "; ".join(parts),
-                _yes(all_ok)])
+    out.append(["every model: best torchpipedream row ≥ every other row (DDP, torch.pipelining, one process with "
+                "several threads; the model as given and split)", "; ".join(parts), _yes(all_ok)])
     parts, all_ok = [], True
     for model in _models(data):
         rows = _model_rows(data, model)
@@ -167,8 +184,13 @@ def compare_targets(data: Data) -> str:
         parts.append(f"{model} {ratio:.2f}×")
     out.append(["every model: torchpipedream flush ≥ torch.pipelining 1F1B", ", ".join(parts), _yes(all_ok)])
     ok, n, values = _within(data, "measured_vs_predicted")
-    out.append([f"torchpipedream rows: measured within {TARGET_PREDICTION:.0%} of the simulator's prediction",
-                f"{ok} of {n} rows (measured / predicted {_range(values)})", _yes(ok == n)])
+    passes = [m / p for r in data["rows"] for m, p in zip(r.get("passes_samples_per_s", []),
+                                                           r.get("passes_predicted_samples_per_s") or [])]
+    inside = sum(abs(v - 1.0) <= TARGET_PREDICTION for v in passes)
+    out.append([f"torchpipedream rows: measured within {TARGET_PREDICTION:.0%} of the simulator's prediction, every "
+                "pass (the models the cost model was tuned on: held_out.py checks others)",
+                f"{inside} of {len(passes)} passes ({_range(passes)}); by each row's median over passes {ok} of {n}",
+                _yes(inside == len(passes))])
     ok, n, values = _within(data, "measured_vs_run_compute")
     out.append(["the same, predicted from the run's own compute (a diagnostic)",
                 f"{ok} of {n} rows ({_range(values)})", "-"])

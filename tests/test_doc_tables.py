@@ -83,3 +83,37 @@ def test_the_command_line_check_imports_no_torch() -> None:
 def test_each_table_renders_from_its_results(name: str) -> None:
     text = doc_tables.render(name)
     assert "| --- |" in text
+
+
+def _held_out_row(model: str, kind: str, measured: list[float], predicted: list[float]) -> dict:
+    return {"model": model, "kind": kind, "plan": "straight ×2", "passes": [
+        {"samples_per_s": m, "predicted_samples_per_s": p, "predicted_with_run_compute": m, "run_compute_vs_profile": 1.0,
+         "slowdown": 1.0, "ratio": m / p} for m, p in zip(measured, predicted)]}
+
+
+def test_held_out_targets_count_every_pass_not_medians() -> None:
+    # ratios 1.0, 0.9, 1.2 | 0.6, 1.0, 1.0 | refused: 4 of 6 within ±15%, one outside ±30% (0.6)
+    data = {"probes": [2.0, 2.0], "commit": "abc1234", "torch": "2.13.0",
+            "args": {"procs": 2, "microbatches": 4, "passes": 3, "windows": 3, "per_window": 16},
+            "rows": [_held_out_row("a", "flush", [100, 90, 120], [100, 100, 100]),
+                     _held_out_row("b", "zb-h1", [60, 100, 100], [100, 100, 100]),
+                     {"model": "b", "kind": "zb-v", "refused": "zb-v: shares parameters"}]}
+    text = doc_tables.held_out_results(data)
+    assert "4 of 6 (67%; target ≥ 80%: **missed**)" in text
+    assert "outside ±30%: 1 (target none: **missed**)" in text
+    assert "**1.20**" in text and "**0.60**" in text and "0.90," in text  # outside ±15% in bold, inside not
+    assert "refused: zb-v: shares parameters" in text
+
+
+def test_compare_prediction_target_counts_each_pass() -> None:
+    def row(name: str, measured: list[float], predicted: list[float]) -> dict:
+        return {"model": "fc_heavy", "row": name, "samples_per_s": sorted(measured)[1], "vs_ddp": 1.0,
+                "vs_perfect_scaling": 0.5, "vs_side_by_side_ceiling": 0.6, "passes_samples_per_s": measured,
+                "passes_predicted_samples_per_s": predicted, "measured_vs_predicted": 1.0,
+                "measured_vs_run_compute": 1.0}
+    # the median pass is within 15% in both rows, but two passes of six are not
+    ddp = {**row("torch DDP", [50, 50, 50], []), "measured_vs_predicted": None, "measured_vs_run_compute": None}
+    data = {"rows": [ddp, row("torchpipedream flush", [100, 100, 70], [100, 100, 100]),
+                     row("torchpipedream zb-h1", [100, 130, 100], [100, 100, 100])]}
+    text = doc_tables.compare_targets(data)
+    assert "4 of 6 passes (0.70–1.30); by each row's median over passes 2 of 2" in text
