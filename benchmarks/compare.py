@@ -36,7 +36,7 @@ gives each microbatched torchpipedream row the count its planner predicts fastes
         --out benchmarks/results/compare_virtual
     .venv/bin/python benchmarks/compare.py --microbatches 0 --rows "2 threads,split model,pipelining GPipe,\
 pipelining 1F1B,ZBVZeroBubble,=torchpipedream pipedream,=torchpipedream 2bw,=torchpipedream flush,\
-=torchpipedream zb-h1"                                       # the fair rows (docs/benchmarks.md)
+=torchpipedream zb-h1,=torchpipedream zb-h2,=torchpipedream auto"   # compare.json (docs/benchmarks.md)
 
 Writes benchmarks/results/compare.json, compare.md and compare.png.
 """

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["COMPANIONS", "TABLES", "block", "check", "auto_choice", "cli_startup", "compare_results", "compare_runs", "recompute",
-           "compare_targets", "held_out_results", "main", "memory_budget", "split_backward", "virtual_stages", "zb_2bw_depth", "async_split", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
+           "compare_targets", "held_out_results", "main", "memory_budget", "split_backward", "sync_breakdown", "virtual_stages", "zb_2bw_depth", "async_split", "zero_bubble", "memory_model", "memory_optimizer", "model_zoo", "planner_reference", "planner_speed", "profile_overhead", "render",
            "runtime_vs_sim", "simulator_speed", "soak", "statistical_efficiency", "statistical_efficiency_agreement",
            "statistical_efficiency_by_epoch", "update_text", "write"]
 
@@ -359,6 +359,29 @@ def held_out_results(data: Data) -> str:
                f"outside ±{TARGET_HELD_OUT_WORST:.0%}: {worst} (target none: {_yes(worst == 0)})",
                f"range {_range(ratios)}"]
     return caption + "\n\n" + _table(head, body) + "\n\nTargets: " + "; ".join(targets) + "."
+
+
+def sync_breakdown(data: Data) -> str:
+    """sync_breakdown.json (benchmarks/sync_breakdown.py) → per kind, where each rank's time per
+    minibatch goes, beside the one-thread single process."""
+    probes = data["probes"]
+    body = []
+    for r in data["rows"]:
+        ranks = r["ranks"]
+        body.append([r["kind"], r["plan"], r["microbatches"], f"{r['samples_per_s']:.1f}",
+                     f"{r['vs_perfect_scaling']:.2f}", f"{r['compute_inflation']:.2f}",
+                     f"{r['ceiling_samples_per_s'] / (2 * r['single_1_thread_samples_per_s']):.2f}",
+                     " / ".join(f"{x['window_ms']:.1f}" for x in ranks),
+                     " / ".join(f"{x['compute_ms']:.1f}" for x in ranks),
+                     " / ".join(f"{x['communication_and_waiting_ms']:.1f}" for x in ranks),
+                     " / ".join(f"{x['outside_actions_ms']:.1f}" for x in ranks)])
+    caption = (f"{data['model']}, commit {data['commit']}, 2 workers; CPU probe (2 concurrent processes / 1): start "
+               f"{probes[0]:.2f}, end {probes[1]:.2f}. Milliseconds per minibatch, rank 0 / rank 1, in the last of "
+               f"{data['args']['windows']} windows of {data['args']['per_window']} minibatches.")
+    head = ["kind", "plan", "microbatches", "samples/s", "× perfect scaling",
+            "compute per minibatch, both ranks, × one thread's step", "× perfect scaling if only computing",
+            "window", "compute", "transfers and waits", "outside actions"]
+    return caption + "\n\n" + _table(head, body)
 
 
 def split_backward(data: Data) -> str:
@@ -767,6 +790,7 @@ TABLES: dict[str, Table] = {
     "zb_2bw_depth": Table(("zb_2bw_depth.json",), zb_2bw_depth),
     "async_split": Table(("compare_async_split.json",), async_split),
     "held_out": Table(("held_out.json",), held_out_results),
+    "sync_breakdown": Table(("sync_breakdown.json",), sync_breakdown),
 }
 
 #: Markdown files the benchmark scripts write next to their JSON: (file, JSON, renderer).
