@@ -760,7 +760,7 @@ class Table:
 TABLES: dict[str, Table] = {
     "compare_results": Table(("compare.json",), compare_results),
     "compare_targets": Table(("compare.json",), compare_targets),
-    "compare_runs": Table(("compare_run11.json", "compare_run12.json", "compare.json"), compare_runs),
+    "compare_runs": Table(("compare_run11.json", "compare_run12.json", "compare_run13.json"), compare_runs),
     "planner_reference": Table(("planner_speed.json",), planner_reference),
     "planner_speed": Table(("planner_speed.json",), planner_speed),
     "soak": Table(("soak.json",), soak),
