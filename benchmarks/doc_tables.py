@@ -212,9 +212,11 @@ def _passes_table(data: Data, head: list[str], body: list[list[str]], targets: l
 
 
 def _passes(r: dict | None) -> str:
+    """A row's samples/s, each pass's in brackets, and a tuned torch.pipelining row's configuration."""
     if r is None:
         return "-"
-    return f"{r['samples_per_s']:.1f} ({', '.join(f'{v:.0f}' for v in r.get('passes_samples_per_s', []))})"
+    tuned = f" [{r['plan']}]" if r["row"].startswith("torch.pipelining") and r.get("plan") else ""
+    return f"{r['samples_per_s']:.1f} ({', '.join(f'{v:.0f}' for v in r.get('passes_samples_per_s', []))}){tuned}"
 
 
 #: The targets of issue 19 for the zero-bubble rows, as zero_bubble() tests them.

@@ -5,7 +5,8 @@ same optimizer and reports samples/s as the median of several timed windows afte
 and the peak resident memory of its process. Used by ``benchmarks/compare.py``.
 
 Runners: a single process (1 thread, or all threads), torch DistributedDataParallel, and
-torch.distributed.pipelining with ScheduleGPipe, Schedule1F1B and ScheduleZBVZeroBubble.
+torch.distributed.pipelining with ScheduleGPipe, Schedule1F1B and ScheduleZBVZeroBubble (and the
+interleaved ones), cut by parameter count or by measured layer time (``CUTS``, ``layer_times``).
 """
 
 from __future__ import annotations
