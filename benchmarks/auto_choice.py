@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import WORKLOADS, _profile, _tpd_worker  # noqa: E402  (also tunes this process's allocator)
+from compare import WORKLOADS, _profile, _tpd_worker, host_costs  # noqa: E402  (also tunes this process's allocator)
 from doc_tables import auto_choice as auto_choice_table  # noqa: E402  (the docs render it the same way)
-from peers import probed, training_step, write_results  # noqa: E402
+from peers import probed, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -59,7 +59,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def run_model(name: str, procs: int, windows: int, per_window: int, passes: int, split_parts: int) -> dict:
     from torchpipedream.auto_schedule import choose_layout, local_layouts, threads_per_worker
-    from torchpipedream.runtime.measure import measure_local_costs
     from torchpipedream.topology import Topology
 
     work = WORKLOADS[name]
@@ -70,11 +69,6 @@ def run_model(name: str, procs: int, windows: int, per_window: int, passes: int,
             graphs[(m, threads)] = _profile(work, m, split_parts, threads)
         return graphs[(m, threads)]
 
-    def host(plan, m: int) -> dict:  # as train's: a single worker sends and reduces nothing
-        if plan.num_workers < 2:
-            return {}
-        return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
-
     plans = {}  # every candidate's plan, as choose_layout planned it
 
     def keep(cand, plan) -> None:
@@ -82,7 +76,7 @@ def run_model(name: str, procs: int, windows: int, per_window: int, passes: int,
             plans[(cand.schedule, cand.microbatches, cand.threads)] = plan
 
     chosen = choose_layout(graph_for, local_layouts(procs, procs), Topology.local, batch_size=work.batch_size,
-                           host_costs=host, minibatches=per_window, progress=keep)
+                           host_costs=functools.partial(host_costs, work), minibatches=per_window, progress=keep)
     cands = [c for c in chosen.meta["auto"]["candidates"] if not c["error"]]
     measured: dict[tuple[str, int, int], list[float]] = {k: [] for k in plans}
     for pass_ in range(passes):

@@ -194,21 +194,29 @@ def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, 
     return plan, build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
 
 
+def host_costs(work: Workload, plan, m: int) -> dict:
+    """This host's measured terms for ``plan`` at ``m`` microbatches, as ``host_costs`` of
+    ``choose_schedule``/``choose_layout`` (as train's: a single worker sends and reduces nothing)."""
+    from torchpipedream.runtime.measure import measure_local_costs
+
+    if plan.num_workers < 2:
+        return {}
+    return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
+
+
 def planned_microbatches(work: Workload, workers: int, schedule: str, split_parts: int = 1, minibatches: int = 32,
                          straight: bool = False) -> int:
     """The microbatch count the planner predicts fastest for ``schedule`` (``choose_schedule``
     with this kind alone over auto_schedule.DEFAULT_MICROBATCHES, this host's costs measured
     for each candidate as ``predict`` measures them)."""
     from torchpipedream.auto_schedule import choose_schedule
-    from torchpipedream.runtime.measure import measure_local_costs
     from torchpipedream.topology import Topology
 
     if not schedule_kind(schedule).microbatched:
         return 1
     plan = choose_schedule(
         lambda m: _profile(work, m, split_parts), Topology.local(workers), kinds=[schedule], minibatches=minibatches,
-        batch_size=work.batch_size, straight=straight,
-        host_costs=lambda plan, m: measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m)))
+        batch_size=work.batch_size, straight=straight, host_costs=functools.partial(host_costs, work))
     return int(plan.meta["auto"]["chosen"]["microbatches"])
 
 
@@ -347,16 +355,11 @@ def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_pa
     microbatches, priced with this host's measured costs as auto_choice.py does; run on the
     chosen layout (not predicted per pass: its threads need a profile of their own)."""
     from torchpipedream.auto_schedule import choose_layout, local_layouts, threads_per_worker
-    from torchpipedream.runtime.measure import measure_local_costs
     from torchpipedream.topology import Topology
 
-    def host(plan, m: int) -> dict:  # a single worker sends and reduces nothing
-        if plan.num_workers < 2:
-            return {}
-        return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
-
     plan = choose_layout(lambda m, threads: _profile(work, m, split_parts, threads), local_layouts(procs, procs),
-                         Topology.local, batch_size=work.batch_size, host_costs=host, minibatches=per_window)
+                         Topology.local, batch_size=work.batch_size, host_costs=functools.partial(host_costs, work),
+                         minibatches=per_window)
     threads, m = threads_per_worker(plan), plan.microbatches
     label = f"{plan.summary}, {plan.num_workers} × {threads} threads, {plan.schedule}, {m} microbatches"
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare  # noqa: E402  (sets up the allocator as for compare.py's rows)
 from doc_tables import held_out_results  # noqa: E402
-from peers import Workload, probed, run_single, write_results  # noqa: E402
+from peers import Workload, git_commit, probed, run_single, write_results  # noqa: E402
 
 KINDS = ("pipedream", "2bw", "zb-2bw", "flush", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v")
 VOCAB = 2048
@@ -145,14 +144,6 @@ def validate_model(work: Workload, kinds: tuple[str, ...], procs: int, microbatc
     return list(rows.values())
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(WORKLOADS))
@@ -174,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
     rows, probes, _ = probed(lambda: [row for name in models for row in validate_model(
         WORKLOADS[name], kinds, args.procs, args.microbatches, args.windows, args.per_window, args.passes)])
-    result = {"probes": probes, "args": vars(args), "commit": _commit(), "torch": torch.__version__,
+    result = {"probes": probes, "args": vars(args), "commit": git_commit(), "torch": torch.__version__,
               "huge_pages": compare.huge_pages_on(), "keeps_freed_memory": compare.KEEPS_FREED_MEMORY, "rows": rows}
     write_results(args.out, result, held_out_results(result))
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import resource
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 import json
@@ -298,6 +299,15 @@ def probed(run: Callable[[], T]) -> tuple[T, list[float], bool]:
     if not agree:
         print("WARNING: the CPU probes disagree by more than 15%: the machine's capacity changed; repeat the run")
     return value, [start, end], agree
+
+
+def git_commit() -> str:
+    """The short hash of the checked-out commit the benchmark ran ("unknown" outside a git clone)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def write_results(out: str, result: dict, table: str) -> None:

@@ -25,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare  # noqa: E402  (sets up the allocator as for compare.py's rows)
 from doc_tables import sync_breakdown as sync_breakdown_table  # noqa: E402
-from held_out import _commit  # noqa: E402
-from peers import probed, run_single, write_results  # noqa: E402
+from peers import git_commit, probed, run_single, write_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -34,27 +33,20 @@ from torchpipedream.runtime import launch  # noqa: E402
 from torchpipedream.trace import COMPUTE_KINDS, Trace  # noqa: E402
 
 
-def _union_s(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 def split_window(trace: Trace, minibatches: int) -> list[dict]:
-    """Per rank, milliseconds per minibatch of: the window, compute, the transfers and waits
-    that no compute overlaps, and the time outside any recorded action."""
+    """Per rank, milliseconds per minibatch of: the window (the rank's first action to its last),
+    compute, the transfers and waits that no compute overlaps, and the time outside any
+    recorded action."""
+    compute = trace.busy_time(COMPUTE_KINDS)
+    anything = trace.busy_time({e.kind for e in trace.events})
     out = []
     for rank in trace.ranks:
         ev = [e for e in trace.events if e.rank == rank]
         span = max(e.end_s for e in ev) - min(e.start_s for e in ev)
-        compute = _union_s([(e.start_s, e.end_s) for e in ev if e.kind in COMPUTE_KINDS])
-        anything = _union_s([(e.start_s, e.end_s) for e in ev])
-        out.append({"rank": rank, "window_ms": span * 1e3 / minibatches, "compute_ms": compute * 1e3 / minibatches,
-                    "communication_and_waiting_ms": (anything - compute) * 1e3 / minibatches,
-                    "outside_actions_ms": (span - anything) * 1e3 / minibatches})
+        out.append({"rank": rank, "window_ms": span * 1e3 / minibatches,
+                    "compute_ms": compute[rank] * 1e3 / minibatches,
+                    "communication_and_waiting_ms": (anything[rank] - compute[rank]) * 1e3 / minibatches,
+                    "outside_actions_ms": (span - anything[rank]) * 1e3 / minibatches})
     return out
 
 
@@ -98,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return rows
 
     rows, probes, _ = probed(run)
-    result = {"probes": probes, "args": vars(args), "model": args.model, "commit": _commit(), "rows": rows}
+    result = {"probes": probes, "args": vars(args), "model": args.model, "commit": git_commit(), "rows": rows}
     write_results(args.out, result, sync_breakdown_table(result))
     return 0
 
