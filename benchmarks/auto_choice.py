@@ -1,7 +1,8 @@
 """Is ``--schedule auto``'s choice the fastest measured? Every candidate run side by side.
 
-For each model, ``choose_layout`` plans every synchronous kind (flush, gpipe) at 1, 2, 4 and 8
-microbatches for every way of using the ``--procs`` cores (``--procs`` one-thread workers, ...,
+For each model, ``choose_layout`` plans every synchronous kind that ``--schedule auto`` tries
+(flush, gpipe; on two or more workers also zb-h1, zb-h2, interleaved and zb-v, priced from the
+profile's timed split backward) at 1, 2, 4 and 8 microbatches for every way of using the ``--procs`` cores (``--procs`` one-thread workers, ...,
 one worker with ``--procs`` threads: ``auto_schedule.local_layouts``), each from a profile at
 its own microbatch size and thread count and priced with this host's measured costs (as
 ``train --schedule auto`` does on local workers); then every candidate's plan runs, on its

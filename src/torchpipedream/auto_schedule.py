@@ -36,7 +36,7 @@ from .plans import Plan, PlanError
 from .topology import Topology
 from .units import human_bytes
 
-__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
+__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +80,22 @@ def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedr
     return plan_one_kind(graph, topology, schedule=schedule, **options)
 
 
-def candidate_kinds(allow_stale: bool) -> list[str]:
+def candidate_kinds(allow_stale: bool, split_profiled: bool = True) -> list[str]:
     """Kinds with true gradients: the synchronous ones, and with ``allow_stale`` the asynchronous.
 
-    Not yet the split-backward kinds (zb-h1): their prediction rests on an assumed share of the
-    backward for the weight-gradient pass (``simulator.WEIGHT_GRAD_SHARE``), not on a profile;
-    ``choose_schedule(kinds=[...])`` takes them when asked."""
+    The split-backward kinds (zb-h1, zb-h2, zb-v, zb-2bw) only where the profile timed each
+    layer's split backward (``split_profiled``; ``profile(split_backward=True)``, the default):
+    otherwise their prediction would rest on an assumed share of the backward for the
+    weight-gradient pass (``simulator.WEIGHT_GRAD_SHARE``), and splitting costs more than one
+    backward on small layers. ``choose_schedule(kinds=[...])`` takes them when asked."""
     return [k.name for k in SCHEDULE_KINDS.values()
-            if k.true_gradients and (allow_stale or not k.asynchronous) and not k.split_backward
-            and not k.virtual_stages]
+            if k.true_gradients and (allow_stale or not k.asynchronous) and (split_profiled or not k.split_backward)]
+
+
+def split_profiled(graph: LayerGraph) -> bool:
+    """Whether every layer of ``graph`` with a backward has its split backward timed."""
+    return all(l.input_grad_ms is not None and l.weight_grad_ms is not None
+               for l in graph.layers if not l.is_input)
 
 
 def choose_schedule(
@@ -131,14 +138,6 @@ def choose_schedule(
     from .schedules import build_schedule
     from .simulator import Costs, simulate
 
-    names = list(kinds) if kinds is not None else candidate_kinds(allow_stale)
-    for name in names:
-        if not schedule_kind(name).true_gradients:
-            raise PlanError(f"schedule auto: {name!r} computes no true gradient and is never chosen")
-    if "schedule" in plan_options or "microbatches" in plan_options:
-        raise PlanError("schedule auto chooses the schedule and the microbatches itself; do not pass them")
-    if not isinstance(minibatches, int) or minibatches < 1:
-        raise PlanError(f"minibatches must be a positive integer, got {minibatches!r}")
     cache: dict[int, LayerGraph] = {}
 
     def graph(m: int) -> LayerGraph:
@@ -148,6 +147,14 @@ def choose_schedule(
             cache[m] = graph_for(m)
         return cache[m]
 
+    names = list(kinds) if kinds is not None else candidate_kinds(allow_stale, split_profiled(graph(1)))
+    for name in names:
+        if not schedule_kind(name).true_gradients:
+            raise PlanError(f"schedule auto: {name!r} computes no true gradient and is never chosen")
+    if "schedule" in plan_options or "microbatches" in plan_options:
+        raise PlanError("schedule auto chooses the schedule and the microbatches itself; do not pass them")
+    if not isinstance(minibatches, int) or minibatches < 1:
+        raise PlanError(f"minibatches must be a positive integer, got {minibatches!r}")
     counts = sorted({int(m) for m in microbatches if int(m) >= 1})
     if not counts:
         raise PlanError(f"schedule auto: no microbatch count to try in {list(microbatches)!r}")
@@ -163,6 +170,8 @@ def choose_schedule(
         tried: list[tuple[Candidate, Plan | None]] = []
         for name in names:
             kind = schedule_kind(name)
+            if (kind.virtual_stages or kind.split_backward) and topo.num_workers < 2 and kinds is None:
+                continue  # one worker has no bubble to fill: they would only add hand-overs or a split
             for m in counts if kind.microbatched else [1]:
                 if batch and m > batch:
                     continue

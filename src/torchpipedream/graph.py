@@ -41,6 +41,10 @@ class Layer:
     loading, not compute, and the planner does not charge it to a stage. ``optimizer_ms`` is
     one optimizer step over the layer's parameters (once per update; 0 when not measured):
     on small stages it is as large as the backward, and a plan that ignores it mispredicts.
+    ``input_grad_ms`` and ``weight_grad_ms`` are the two halves of the backward as a split
+    backward runs them (B: the inputs' gradients, W: the weights'; runtime/split_backward.py),
+    timed separately; their sum exceeds ``backward_ms`` by what splitting costs. None where
+    not measured (profiles of older versions, PipeDream's files, the reference profiles).
     """
 
     name: str
@@ -57,6 +61,8 @@ class Layer:
     saved_bytes: int | None = None
     saved_output_bytes: int | None = None
     released_bytes: int | None = None
+    input_grad_ms: float | None = None
+    weight_grad_ms: float | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -98,6 +104,8 @@ class Block:
     what of that layer's output later layers' backward has freed by its own;
     ``largest_parameter_bytes``, the parameters of its largest layer; ``saves_measured``, whether
     the profile measured what its layers save (not PipeDream's files nor the reference profiles).
+    ``input_grad_ms`` / ``weight_grad_ms``: its layers' split backward (:class:`Layer`), None
+    unless every layer's was measured.
     """
 
     layers: list[str]
@@ -113,6 +121,8 @@ class Block:
     released_bytes: int = 0
     largest_parameter_bytes: int = 0
     saves_measured: bool = False
+    input_grad_ms: float | None = None
+    weight_grad_ms: float | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -126,7 +136,18 @@ class Block:
                    sum(b.parameter_bytes for b in run), run[-1].cut_bytes, list(run[-1].cut_tensors),
                    sum(b.optimizer_ms for b in run), sum(b.saved_bytes for b in run), run[-1].unsaved_cut_bytes,
                    *max(((b.working_bytes, b.released_bytes) for b in run), key=lambda wr: working_key(*wr)),
-                   max(b.largest_parameter_bytes for b in run), all(b.saves_measured for b in run))
+                   max(b.largest_parameter_bytes for b in run), all(b.saves_measured for b in run),
+                   measured_sum(b.input_grad_ms for b in run), measured_sum(b.weight_grad_ms for b in run))
+
+
+def measured_sum(values: Iterable[float | None]) -> float | None:
+    """The sum of measured times, or None when any of them was not measured."""
+    total = 0.0
+    for v in values:
+        if v is None:
+            return None
+        total += v
+    return total
 
 
 @dataclass
@@ -240,6 +261,9 @@ class LayerGraph:
                 raise GraphError(f"{where}: duplicate layer name")
             for attr in ("forward_ms", "backward_ms", "optimizer_ms"):
                 _check_number(getattr(layer, attr), f"{where}: field {attr!r}")
+            for attr in ("input_grad_ms", "weight_grad_ms"):
+                if getattr(layer, attr) is not None:
+                    _check_number(getattr(layer, attr), f"{where}: field {attr!r}")
             for attr in ("activation_bytes", "parameter_bytes"):
                 _check_number(getattr(layer, attr), f"{where}: field {attr!r}", integer=True)
                 setattr(layer, attr, int(getattr(layer, attr)))
@@ -355,11 +379,17 @@ class LayerGraph:
                 if working_key(working, layer.released) > working_key(prev.working_bytes, prev.released_bytes):
                     prev.working_bytes, prev.released_bytes = working, layer.released
                 prev.saves_measured = prev.saves_measured and layer.saved_bytes is not None
+                if not layer.is_input:
+                    prev.input_grad_ms = measured_sum([prev.input_grad_ms, layer.input_grad_ms])
+                    prev.weight_grad_ms = measured_sum([prev.weight_grad_ms, layer.weight_grad_ms])
             else:
                 saved = sum(self._by_name[n].stash_bytes for n in leading) + layer.stash_bytes
                 measured = all(self._by_name[n].saved_bytes is not None for n in leading + [name])
+                split = [self._by_name[n] for n in leading + [name] if not self._by_name[n].is_input]
                 blocks.append(Block(leading + [name], fwd, bwd, layer.parameter_bytes, cut_bytes, crossing, opt,
-                                    saved, unsaved, working, layer.released, layer.parameter_bytes, measured))
+                                    saved, unsaved, working, layer.released, layer.parameter_bytes, measured,
+                                    measured_sum(l.input_grad_ms for l in split),
+                                    measured_sum(l.weight_grad_ms for l in split)))
                 leading = []
         if leading:  # a graph of free layers only
             blocks.append(Block(leading, 0.0, 0.0, 0, 0, [], 0.0, sum(self._by_name[n].stash_bytes for n in leading)))
@@ -371,7 +401,7 @@ class LayerGraph:
         for layer in self.layers:
             d = asdict(layer)
             for key in ("output_shapes", "output_dtypes", "stage_id", "saved_bytes", "saved_output_bytes",
-                        "released_bytes"):
+                        "released_bytes", "input_grad_ms", "weight_grad_ms"):
                 if d[key] is None:
                     del d[key]
             if not d["is_input"]:

@@ -59,7 +59,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .graph import Block, LayerGraph, SharedParameter
+from .graph import Block, LayerGraph, SharedParameter, measured_sum
 from .kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from .memory_model import (NO_SCRATCH, StageActivations, memory_terms, scratch_of_options, stage_activations,
                            stage_memory_bytes, working_key)
@@ -797,7 +797,12 @@ def plan(
     if kind.split_backward:
         straight = True  # zero-bubble schedules run one worker per stage (schedules.build_schedule)
     if kind.virtual_stages:
-        return _plan_virtual(graph, topo, schedule, 2 if kind.v_shape else chunks, microbatches=microbatches,
+        per_worker = 2 if kind.v_shape else chunks
+        if num_stages is not None and isinstance(per_worker, int) and num_stages != topo.num_workers * per_worker:
+            raise PlanError(f"num_stages={num_stages}: {schedule} plans {per_worker} stages on each of the "
+                            f"{topo.num_workers} workers ({topo.num_workers * per_worker} stages); leave num_stages "
+                            "unset or use a kind with one stage per worker")
+        return _plan_virtual(graph, topo, schedule, per_worker, microbatches=microbatches,
                              memory_bytes=memory_bytes, optimizer_state_factor=optimizer_state_factor,
                              optimizer_scratch=optimizer_scratch, rtol=rtol, recompute=recompute)
     if method not in ("fast", "hierarchical"):
@@ -1209,6 +1214,8 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
             optimizer_ms=sum(b.optimizer_ms for b in bl), parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
             comm_ms=comm, memory_bytes=int(math.ceil(ev.memory_bytes[s])),
             activations=stage_activations(blocks, i, j),
+            input_grad_ms=measured_sum(b.input_grad_ms for b in bl),
+            weight_grad_ms=measured_sum(b.weight_grad_ms for b in bl),
         ))
     workers = sum(m for _, _, m in stages)
     dp = evaluate(blocks, topo, [(0, len(blocks) - 1, topo.num_workers)], schedule, microbatches, f)

@@ -39,6 +39,15 @@ def v_shape_rank(stage: int, workers: int) -> int:
     return stage if stage < workers else 2 * workers - 1 - stage
 
 
+def _stage_dict(stage: Stage) -> dict[str, Any]:
+    """A stage as JSON; unmeasured split-backward times are left out (files as before them)."""
+    d = asdict(stage)
+    for key in ("input_grad_ms", "weight_grad_ms"):
+        if d[key] is None:
+            del d[key]
+    return d
+
+
 class PlanError(ValueError):
     """A plan is malformed or does not fit the model, topology or launch; the message says why."""
 
@@ -65,6 +74,9 @@ class Stage:
         activations: the memory model's activation terms of the stage (memory_model.py), so
             that its memory can be predicted again for another schedule, microbatch count or
             recomputation; None in plans written before they existed.
+        input_grad_ms / weight_grad_ms: the stage's backward split as the zero-bubble kinds
+            run it (B: input gradients, W: weight gradients), from the profile's per-layer
+            times (``Layer.input_grad_ms``); None where the profile did not time it.
     """
 
     layers: list[str]
@@ -79,6 +91,8 @@ class Stage:
     optimizer_ms: float = 0.0
     recompute: bool = False
     activations: StageActivations | None = None
+    input_grad_ms: float | None = None
+    weight_grad_ms: float | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -237,8 +251,11 @@ class Plan:
             seen_ranks.update(stage.ranks)
             if not isinstance(stage.recompute, bool):
                 raise PlanError(f"stage {s}: recompute must be true or false, got {stage.recompute!r}")
-            for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes", "memory_bytes"):
+            for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes",
+                         "memory_bytes", "input_grad_ms", "weight_grad_ms"):
                 v = getattr(stage, attr)
+                if v is None and attr.endswith("_grad_ms"):
+                    continue
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
                     raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
         if seen_ranks != set(range(self.num_workers)):
@@ -322,7 +339,7 @@ class Plan:
             "noam": self.noam,
             "topology": self.topology,
             "predicted": dict(self.predicted),
-            "stages": [asdict(s) for s in self.stages],
+            "stages": [_stage_dict(s) for s in self.stages],
             "tied": [asdict(t) for t in self.tied],
             "meta": self.meta,
         }

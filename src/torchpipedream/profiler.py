@@ -64,6 +64,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate, map_arg
 
 from .graph import Layer, LayerGraph, SharedParameter
+from .runtime.split_backward import backward_inputs
 from .tracing import TraceError, as_call, first_samples, canonical_names, mutates_first_input, trace
 
 __all__ = ["profile", "ProfilerError"]
@@ -386,6 +387,40 @@ def _backward_once(step: _Step, env: dict[str, Any], timer: _Timer) -> Any:
     return pending
 
 
+def _split_backward_once(step: _Step, env: dict[str, Any], timer: _Timer) -> tuple[Any, Any] | None:
+    """Re-run ``step`` on detached inputs and time its backward split as the zero-bubble kinds run
+    it (runtime/split_backward.py): B, the inputs' gradients, then W, the weights'. (None, None)
+    when the layer has no backward; None when the split fails (its layer stays unmeasured)."""
+    a, k = step.resolve(env)
+    own = {id(p): p for p in step.own_params if p.requires_grad}
+    # the layer's own parameters passed as arguments (an fx get_attr folded into its user) stay
+    # parameters, differentiated in W as the runtime does; everything else is a fresh input
+    a, k = map_aggregate((a, k), lambda v: v if id(v) in own and not step.mutates else _detached(v, step.mutates))
+    out = step.invoke(a, k)
+    roots = [t for t in _tensors(out) if t.requires_grad]
+    if not roots:
+        return None, None
+    inputs = [t for t in _tensors((a, k)) if t.requires_grad and id(t) not in own]
+    params = list(own.values())
+    grads = [torch.ones_like(t) for t in roots]
+    for p in params:
+        p.grad = None
+    timer.sync()
+    try:
+        start = timer.start()
+        work = backward_inputs(roots, grads, inputs, params)
+        input_half = timer.stop(start)
+        start = timer.start()
+        work.run()
+        weight_half = timer.stop(start)
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
+        log.debug("profile: layer %r: split backward not timed (%s)", step.name, _first_line(exc))
+        return None
+    for p in params:
+        p.grad = None
+    return input_half, weight_half
+
+
 def _loss_once(loss_fn: Callable, output: Any, target: Any, timer: _Timer) -> tuple[Any, Any]:
     """Time the loss's forward and backward on a detached copy of the model output."""
     out = _detached(output, clone=False)
@@ -420,6 +455,7 @@ def profile(
     num_threads: int | None = 1,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     microbatches: int = 1,
+    split_backward: bool = True,
 ) -> LayerGraph:
     """Profile ``module`` on ``sample_input`` and return its layer graph.
 
@@ -450,6 +486,11 @@ def profile(
             measured microbatch cost back; small microbatches are less efficient than a
             fraction of a large one (small matrix products, per-call overhead), and profiling
             at the minibatch size would predict flush, gpipe and 2bw too fast.
+        split_backward: also time each layer's backward split in two as the zero-bubble kinds
+            run it (``Layer.input_grad_ms`` / ``weight_grad_ms``): splitting costs more than
+            one backward (up to 1.7x on small layers), and the simulator charges what was timed.
+            About a third more profiling time; False leaves them unmeasured (the simulator then
+            assumes ``simulator.WEIGHT_GRAD_SHARE``).
 
     The times include what this process's allocator pays. The command line and the workers of
     ``launch`` keep freed memory for reuse (``tuning.py``); in a process of your own, call
@@ -487,7 +528,8 @@ def profile(
             torch.set_num_threads(num_threads)
         with _model_state_kept(traced):
             with torch.enable_grad():
-                graph = _measure(program, flat, loss_fn, target, _Timer(dev), warmup, iters, batch_size)
+                graph = _measure(program, flat, loss_fn, target, _Timer(dev), warmup, iters, batch_size,
+                                 split_backward)
                 _measure_saved(program, flat, loss_fn, target, graph)
             if optimizer is not None:
                 _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
@@ -496,6 +538,9 @@ def profile(
             for layer in graph.layers:
                 layer.forward_ms *= microbatches
                 layer.backward_ms *= microbatches
+                for attr in ("input_grad_ms", "weight_grad_ms"):
+                    if getattr(layer, attr) is not None:
+                        setattr(layer, attr, getattr(layer, attr) * microbatches)
                 layer.activation_bytes *= microbatches
                 layer.saved_bytes = None if layer.saved_bytes is None else layer.saved_bytes * microbatches
                 layer.saved_output_bytes = (None if layer.saved_output_bytes is None
@@ -582,17 +627,20 @@ def _measure(
     warmup: int,
     iters: int,
     batch_size: int | None,
+    split_backward: bool = True,
 ) -> LayerGraph:
     any_mutation = any(s.mutates for s in program.steps)
     fwd: dict[str, list[float]] = {s.name: [] for s in program.steps}
     bwd: dict[str, list[float]] = {s.name: [] for s in program.steps}
     loss_fwd: list[float] = []
     loss_bwd: list[float] = []
+    split: dict[str, list[tuple[float, float]] | None] = {s.name: [] for s in program.steps} if split_backward else {}
     env: dict[str, Any] = {}
     for i in range(warmup + iters):
         run_args = _detached(args, clone=True) if any_mutation else args
         env, pending = _forward_pass(program, run_args, timer, first=(i == 0))
         pending_bwd = {s.name: _backward_once(s, env, timer) for s in program.steps}
+        pending_split = {s.name: _split_backward_once(s, env, timer) for s in program.steps if split.get(s.name) is not None}
         pending_loss = _loss_once(loss_fn, program.finish(program.output(env)), target, timer) if loss_fn \
             else (None, None)
         timer.sync()
@@ -602,6 +650,11 @@ def _measure(
             fwd[step.name].append(timer.ms(pending[step.name]))
             pb = pending_bwd[step.name]
             bwd[step.name].append(timer.ms(pb) if pb is not None else 0.0)
+            if step.name in pending_split:
+                halves = pending_split[step.name]
+                split[step.name] = None if halves is None else split[step.name] + [  # type: ignore[operator]
+                    (timer.ms(halves[0]) if halves[0] is not None else 0.0,
+                     timer.ms(halves[1]) if halves[1] is not None else 0.0)]
         if loss_fn:
             loss_fwd.append(timer.ms(pending_loss[0]))
             loss_bwd.append(timer.ms(pending_loss[1]) if pending_loss[1] is not None else 0.0)
@@ -621,10 +674,13 @@ def _measure(
         # A node with no tensor output is shape arithmetic (x.shape[1]): about a microsecond
         # of Python. It is recorded as free so that LayerGraph.linearize() merges it away.
         free = not _tensors(env[step.name]) and not pbytes
-        layers.append(
-            _layer(step.name, step.kind, env[step.name], 0.0 if free else statistics.median(fwd[step.name]),
-                   statistics.median(bwd[step.name]), pbytes)
-        )
+        layer = _layer(step.name, step.kind, env[step.name], 0.0 if free else statistics.median(fwd[step.name]),
+                       statistics.median(bwd[step.name]), pbytes)
+        halves = split.get(step.name)
+        if halves:
+            layer.input_grad_ms = statistics.median(b for b, _ in halves)
+            layer.weight_grad_ms = statistics.median(w for _, w in halves)
+        layers.append(layer)
         edges.extend((src, step.name) for src in step.inputs)
     meta: dict[str, Any] = {"loss_layer": None}
     if loss_fn and program.output_producers:
@@ -633,6 +689,8 @@ def _measure(
         layer = next(l for l in layers if l.name == last)
         layer.forward_ms += statistics.median(loss_fwd)
         layer.backward_ms += statistics.median(loss_bwd)
+        if layer.input_grad_ms is not None:  # B starts at the loss: its backward is B's
+            layer.input_grad_ms += statistics.median(loss_bwd)
         meta["loss_layer"] = last
     return LayerGraph(layers, edges, batch_size=batch_size, meta=meta)
 

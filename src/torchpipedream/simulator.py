@@ -71,7 +71,8 @@ DEFAULT_ACCUMULATE_BPS = 5e9
 #: Share of a stage's backward that its weight-gradient pass (W) takes when the backward is
 #: split, for every stage but the first (whose B has no input gradient to compute and costs
 #: nothing; its W is the whole backward): the weight GEMM of a linear layer costs what its input
-#: GEMM does. An assumption, not a measurement: docs/benchmarks.md shows predicted beside measured.
+#: GEMM does. An assumption, used only where the profile did not time the split
+#: (``Layer.weight_grad_ms``; the profiler times it by default).
 WEIGHT_GRAD_SHARE = 0.5
 #: Optimizer state (+ gradient buffer) per worker in multiples of the stage's weights; the
 #: planner's default (momentum buffer + gradient), so simulated and planned memory agree.
@@ -111,7 +112,8 @@ class Costs:
             (``Topology.allreduce_efficiency``; ``from_plan`` takes the plan topology's).
         weight_grad_s: seconds of one microbatch's weight-gradient pass (W) per stage, part of
             ``backward_s`` (a split B takes the rest); ``from_plan``: the first stage's whole
-            backward, ``WEIGHT_GRAD_SHARE`` of it elsewhere.
+            backward, elsewhere the profiled W (``Stage.weight_grad_ms``, with ``backward_s``
+            the profiled B + W), or ``WEIGHT_GRAD_SHARE`` of the backward where not profiled.
         allreduce_s: measured seconds of each stage's all-reduce (``measure_allreduce`` at the
             stage's weight size and replica count), replacing the ring formula; None (or a
             None entry) keeps the formula. Collectives on a CPU cost far more than their bytes
@@ -150,15 +152,17 @@ class Costs:
         # backward is split, at its B and again at its W (the first stage's B computes nothing)
         split = _splits_backward(plan.schedule)
         again = [(2 if split and s > 0 else 1) * st.forward_ms if st.recompute else 0.0 for s, st in enumerate(plan.stages)]
+        backward, weight_grad = _split_backward_ms(plan) if split else ([st.backward_ms for st in plan.stages], None)
         kw: dict[str, Any] = dict(
             forward_s=[st.forward_ms / 1e3 / m for st in plan.stages],
-            backward_s=[(st.backward_ms + again[s]) / 1e3 / m for s, st in enumerate(plan.stages)],
+            backward_s=[(backward[s] + again[s]) / 1e3 / m for s in range(n)],
             output_bytes=[st.output_bytes / m for st in plan.stages],
             parameter_bytes=[float(st.parameter_bytes) for st in plan.stages],
             activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],
             step_s=[st.optimizer_ms / 1e3 for st in plan.stages],  # once per update, not per microbatch
-            weight_grad_s=[(st.backward_ms * (1.0 if s == 0 else WEIGHT_GRAD_SHARE) + (again[s] / 2 if s > 0 else again[s]))
-                           / 1e3 / m for s, st in enumerate(plan.stages)],
+            weight_grad_s=[((weight_grad[s] if weight_grad is not None else
+                             plan.stages[s].backward_ms * (1.0 if s == 0 else WEIGHT_GRAD_SHARE))
+                            + (again[s] / 2 if s > 0 else again[s])) / 1e3 / m for s in range(n)],
         )
         options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
         if plan.stages and all(st.activations is not None for st in plan.stages):  # the memory model's terms
@@ -414,6 +418,18 @@ class _Charges:
                    step=[u * slow for u in steps], copy=[b / costs.copy_Bps for b in params],
                    add=[b / costs.accumulate_Bps for b in params], output_bytes=costs.output_bytes or [0.0] * n,
                    allreduce=allreduce, allreduce_bytes=moved, tied=tied, tied_bytes=tied_moved)
+
+
+def _split_backward_ms(plan: Plan) -> tuple[list[float], list[float] | None]:
+    """Each stage's backward and W (ms per minibatch) under a split backward, as profiled
+    (``Stage.input_grad_ms`` / ``weight_grad_ms``), or (the unsplit backwards, None) where a
+    stage's split was not profiled. The first stage's B has no input to differentiate: its W is
+    one backward over its weights, whose cost is the unsplit one."""
+    stages = plan.stages
+    if any(st.input_grad_ms is None or st.weight_grad_ms is None for st in stages[1:]):
+        return [st.backward_ms for st in stages], None
+    backward = [stages[0].backward_ms] + [st.input_grad_ms + st.weight_grad_ms for st in stages[1:]]  # type: ignore[operator]
+    return backward, [stages[0].backward_ms] + [float(st.weight_grad_ms) for st in stages[1:]]  # type: ignore[arg-type]
 
 
 def _ring_allreduce_s(costs: Costs, ranks: list[int], nbytes: float) -> float:

@@ -287,6 +287,8 @@ class P2P:
         sizes: expected message size per channel, kept by the caller across schedules so a
             shape is negotiated once, not once per schedule (updated in place).
         max_sends: sends kept outstanding at most (see ``pump``); None = no bound.
+        drain_at_update: wait for every outstanding send after each optimizer step
+            (:meth:`drain`; synchronous kinds, whose update ends a minibatch).
     """
 
     def __init__(
@@ -299,9 +301,11 @@ class P2P:
         timeout_s: float,
         sizes: dict[tuple[str, int], int] | None = None,
         max_sends: int | None = None,
+        drain_at_update: bool = False,
     ) -> None:
         self.rank = rank
         self.max_sends = max_sends
+        self.drain_at_update = drain_at_update
         self.describe = describe
         self.device = device
         self.timeout_s = float(timeout_s)
@@ -477,11 +481,22 @@ class P2P:
         return rec.tensors, rec.nbytes
 
     # ------------------------------------------------------------------ end
-    def finish(self) -> None:
-        """Wait for every outstanding send (call at the end of a schedule)."""
+    def drain(self) -> None:
+        """Wait for every outstanding send.
+
+        Under a synchronous kind the receivers have posted the receives of every message sent
+        before an update (a gradient's when its activations went out, an activation's
+        consumed before its gradient came back), so this costs at most a transfer. Without it
+        GPipe's last stage kept its minibatch's gradient sends (all μ of them: its bound)
+        through the next minibatch's forwards, a minibatch of input gradients more than the
+        memory model charges."""
         for send in self._sends:
             self._finish_send(*send)
         self._sends = []
+
+    def finish(self) -> None:
+        """Wait for every outstanding send (call at the end of a schedule)."""
+        self.drain()
         leftover = {p: len(q) for p, q in self._act_posted.items() if q}
         if leftover:
             log.warning("%s: unmatched activation receives left: %s", self.describe(self.rank), leftover)

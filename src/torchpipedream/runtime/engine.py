@@ -501,6 +501,8 @@ def run_actions(
         end = time.perf_counter()
         liveness.mark()
         if comm is not None:
+            if action.kind is Kind.OPTIMIZER_STEP and comm.drain_at_update:
+                comm.drain()
             comm.pump()  # post the receives that became possible (outside the timed action)
         events.append(Event(
             rank=rank, stage=action.stage, kind=action.kind.value, id=action.id,

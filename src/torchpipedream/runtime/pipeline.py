@@ -624,7 +624,8 @@ class Pipeline:
                 elif a.kind == Kind.RECV_GRAD:
                     grad_order.setdefault(a.peer, []).append(message_key(a))
             comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s,
-                       sizes=self._message_sizes, max_sends=outstanding_sends(actions))
+                       sizes=self._message_sizes, max_sends=outstanding_sends(actions),
+                       drain_at_update=not schedule_kind(sched.kind).asynchronous)
             self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(iter(batches), m) if (0 in self.engines and batches is not None) else None
         t0 = time.perf_counter()
