@@ -1,8 +1,8 @@
 """Is ``--schedule auto``'s choice the fastest measured? Every candidate run side by side.
 
 For each model, ``choose_layout`` plans every synchronous kind that ``--schedule auto`` tries
-(flush, gpipe; on two or more workers also zb-h1, zb-h2, interleaved and zb-v, priced from the
-profile's timed split backward) at 1, 2, 4 and 8 microbatches for every way of using the ``--procs`` cores (``--procs`` one-thread workers, ...,
+(flush, gpipe; on two or more workers also zb-h1 and zb-h2, priced from the profile's timed
+split backward; not interleaved or zb-v, which ``train`` cannot run yet) at 1, 2, 4 and 8 microbatches for every way of using the ``--procs`` cores (``--procs`` one-thread workers, ...,
 one worker with ``--procs`` threads: ``auto_schedule.local_layouts``), each from a profile at
 its own microbatch size and thread count and priced with this host's measured costs (as
 ``train --schedule auto`` does on local workers); then every candidate's plan runs, on its
@@ -77,7 +77,8 @@ def run_model(name: str, procs: int, windows: int, per_window: int, passes: int,
             plans[(cand.schedule, cand.microbatches, cand.threads)] = plan
 
     chosen = choose_layout(graph_for, local_layouts(procs, procs), Topology.local, batch_size=work.batch_size,
-                           host_costs=functools.partial(host_costs, work), minibatches=per_window, progress=keep)
+                           host_costs=functools.partial(host_costs, work), minibatches=per_window, progress=keep,
+                           virtual_stages=False)
     cands = [c for c in chosen.meta["auto"]["candidates"] if not c["error"]]
     measured: dict[tuple[str, int, int], list[float]] = {k: [] for k in plans}
     for pass_ in range(passes):

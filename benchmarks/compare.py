@@ -359,7 +359,7 @@ def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_pa
 
     plan = choose_layout(lambda m, threads: _profile(work, m, split_parts, threads), local_layouts(procs, procs),
                          Topology.local, batch_size=work.batch_size, host_costs=functools.partial(host_costs, work),
-                         minibatches=per_window)
+                         minibatches=per_window, virtual_stages=False)  # as train's
     threads, m = threads_per_worker(plan), plan.microbatches
     label = f"{plan.summary}, {plan.num_workers} × {threads} threads, {plan.schedule}, {m} microbatches"
 

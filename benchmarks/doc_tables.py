@@ -792,6 +792,7 @@ TABLES: dict[str, Table] = {
     "zb_2bw_depth": Table(("zb_2bw_depth.json",), zb_2bw_depth),
     "async_split": Table(("compare_async_split.json",), async_split),
     "held_out": Table(("held_out.json",), held_out_results),
+    "held_out_split": Table(("held_out_split.json",), held_out_results),
     "sync_breakdown": Table(("sync_breakdown.json",), sync_breakdown),
 }
 

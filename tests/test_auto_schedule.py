@@ -114,7 +114,9 @@ def test_train_schedule_auto_trains_with_the_chosen_kind(tmp_path: Path, capsys)
     report = json.loads((out / "report.json").read_text())
     chosen = report["auto"]["chosen"]
     assert report["config"]["schedule"] == "auto"
-    assert report["schedule"] == chosen["schedule"] and report["schedule"] in ("flush", "gpipe")
+    # synchronous, one stage per worker (train cannot checkpoint interleaved or zb-v)
+    assert report["schedule"] == chosen["schedule"] and report["schedule"] in ("flush", "gpipe", "zb-h1", "zb-h2")
+    assert not {"interleaved", "zb-v"} & {c["schedule"] for c in report["auto"]["candidates"]}
     assert report["microbatches"] == chosen["microbatches"]
     console = capsys.readouterr().out
     assert f"schedule {report['schedule']}" in console and "auto           chosen" in console
@@ -212,7 +214,10 @@ def test_with_a_memory_budget_auto_recomputes_and_says_what_the_budget_cost() ->
         free.meta["auto"]["chosen"]["time_per_minibatch_s"], rel=1e-9)
     # nothing without recomputation fits; the chosen plan recomputes and is slower than the free one
     assert all(c["error"] for c in auto["candidates"] if not c["recompute"])
-    assert auto["chosen"]["recompute"] and all(st.recompute for st in bounded.stages)
+    assert auto["chosen"]["recompute"] and any(st.recompute for st in bounded.stages)
+    # a stage that does not recompute fits without it (only the stages that need it recompute)
+    plain = bounded.with_recompute(False)
+    assert all(st.recompute == (p.memory_bytes > budget) for st, p in zip(bounded.stages, plain.stages))
     assert auto["chosen"]["time_per_minibatch_s"] > auto["without_budget"]["time_per_minibatch_s"]
     free_label = free.meta["auto"]["chosen"]["schedule"]
     assert any(line.startswith("memory budget") and f"gave up {free_label}" in line and "time per minibatch" in line
@@ -247,3 +252,26 @@ def test_plan_schedule_all_ranks_every_kind_with_true_gradients(tmp_path: Path, 
     assert any(c["schedule"] == "interleaved" and c["time_per_minibatch_s"] is None for c in candidates)
     assert main(["plan", "vgg16", "-t", TOPOLOGY, "--schedule", "all", "--microbatches", "4"]) == 2
     assert "--schedule all tries 1, 2, 4 and 8 microbatches itself" in capsys.readouterr().err
+
+
+def test_with_a_budget_only_the_stages_that_need_it_recompute() -> None:
+    """Under 1F1B the first of two stages holds two microbatches in flight, the last one: with a
+    budget between their peaks only the first recomputes, which is faster than both."""
+    graph = _activation_heavy_chain()
+    plain = make_plan(graph, "2:10GB/s", schedule="flush", microbatches=4, straight=True)
+    first, last = (st.memory_bytes for st in plain.stages)
+    assert first > 1.5 * last
+    budget = (first + last) // 2
+    chosen = choose_schedule(graph, "2:10GB/s", kinds=["flush"], microbatches=(4,), memory_bytes=budget,
+                             straight=True)
+    assert [st.recompute for st in chosen.stages] == [True, False]
+    assert max(st.memory_bytes for st in chosen.stages) <= budget
+    auto = chosen.meta["auto"]
+    assert auto["chosen"]["recompute"] and auto["chosen"]["recompute_stages"] == [0]
+    assert auto_summary(chosen)[0].startswith("chosen flush, 4 microbatches, recompute stages 0")
+
+    def simulated(p) -> float:
+        return simulate(build_schedule(p, "flush", minibatches=32, microbatches=4), Costs.from_plan(p, 4)).makespan_s / 32
+
+    assert auto["chosen"]["time_per_minibatch_s"] == pytest.approx(simulated(chosen))
+    assert simulated(chosen) < simulated(chosen.with_recompute(True))

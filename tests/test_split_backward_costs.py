@@ -129,6 +129,10 @@ def test_auto_tries_the_zero_bubble_kinds_only_where_their_split_was_timed() -> 
         return {c["schedule"] for c in chosen.meta["auto"]["candidates"]}
 
     assert kinds(_chain(None)) == {"flush", "gpipe", "interleaved"}
+    only_one_stage_per_worker = choose_schedule(_chain((1.0, 1.0)), "2:10GB/s", microbatches=(1, 2), straight=True,
+                                                virtual_stages=False)
+    assert {c["schedule"] for c in only_one_stage_per_worker.meta["auto"]["candidates"]} == {
+        "flush", "gpipe", "zb-h1", "zb-h2"}
     assert kinds(_chain((1.0, 1.0))) == {"flush", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v"}
     # splitting for free, a zero-bubble kind fills the flush's bubble and is chosen; at twice the
     # backward it is not

@@ -17,7 +17,8 @@ gives it; a single graph is scaled by 1/m as ``Costs.from_plan`` does.
 Activation recomputation is searched where memory is bounded: with a memory budget (the
 ``memory_bytes`` option or the topology's) every candidate is also planned with
 ``recompute=True``, which the memory model (memory_model.py) prices as keeping each stage's
-inputs and outputs only, at the cost of a second forward in every backward. Without a budget
+inputs and outputs only, at the cost of a second forward in every backward; then only the
+stages that do not fit without it keep it (:func:`recompute_where_needed`). Without a budget
 recomputation only costs time and is not tried (``recompute=True`` asks for it on every
 candidate). With a budget, the fastest plan without it is recorded too
 (``meta["auto"]["without_budget"]``): what the budget gave up.
@@ -36,7 +37,7 @@ from .plans import Plan, PlanError
 from .topology import Topology
 from .units import human_bytes
 
-__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
+__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "recompute_where_needed", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,20 @@ class Candidate:
     peak_memory_bytes: int | None = None
     error: str = ""
     threads: int = 1  # torch threads per worker (choose_layout)
+    recompute_stages: list[int] | None = None  # the stages that recompute, where only some do
+
+    @property
+    def recomputed(self) -> str:
+        """"yes" (every stage recomputes), "no", or the stages that do."""
+        if self.recompute_stages is not None:
+            return "stages " + ", ".join(map(str, self.recompute_stages))
+        return "yes" if self.recompute else "no"
 
     @property
     def label(self) -> str:
         text = self.schedule if self.microbatches == 1 else f"{self.schedule}, {self.microbatches} microbatches"
-        return text + (", recompute" if self.recompute else "") + (
-            f", {self.threads} threads per worker" if self.threads != 1 else "")
+        again = {"yes": ", recompute", "no": ""}.get(self.recomputed, f", recompute {self.recomputed}")
+        return text + again + (f", {self.threads} threads per worker" if self.threads != 1 else "")
 
 
 def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedream", allow_stale: bool = False,
@@ -80,8 +89,10 @@ def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedr
     return plan_one_kind(graph, topology, schedule=schedule, **options)
 
 
-def candidate_kinds(allow_stale: bool, split_profiled: bool = True) -> list[str]:
-    """Kinds with true gradients: the synchronous ones, and with ``allow_stale`` the asynchronous.
+def candidate_kinds(allow_stale: bool, split_profiled: bool = True, virtual_stages: bool = True) -> list[str]:
+    """Kinds with true gradients: the synchronous ones, and with ``allow_stale`` the asynchronous;
+    the virtual-stage kinds (interleaved, zb-v) unless ``virtual_stages`` is False (``train``,
+    whose checkpoints hold one stage per worker, cannot run them).
 
     The split-backward kinds (zb-h1, zb-h2, zb-v, zb-2bw) only where the profile timed each
     layer's split backward (``split_profiled``; ``profile(split_backward=True)``, the default):
@@ -89,7 +100,8 @@ def candidate_kinds(allow_stale: bool, split_profiled: bool = True) -> list[str]
     weight-gradient pass (``simulator.WEIGHT_GRAD_SHARE``), and splitting costs more than one
     backward on small layers. ``choose_schedule(kinds=[...])`` takes them when asked."""
     return [k.name for k in SCHEDULE_KINDS.values()
-            if k.true_gradients and (allow_stale or not k.asynchronous) and (split_profiled or not k.split_backward)]
+            if k.true_gradients and (allow_stale or not k.asynchronous) and (split_profiled or not k.split_backward)
+            and (virtual_stages or not k.virtual_stages)]
 
 
 def split_profiled(graph: LayerGraph) -> bool:
@@ -110,6 +122,7 @@ def choose_schedule(
     progress: Callable[[Candidate, Plan | None], None] | None = None,
     host_costs: Callable[[Plan, int], dict[str, Any]] | None = None,
     threads: int = 1,
+    virtual_stages: bool = True,
     **plan_options: Any,
 ) -> Plan:
     """The fastest predicted plan over schedule kinds and microbatch counts.
@@ -129,6 +142,8 @@ def choose_schedule(
             all-reduces the link model prices too cheaply); default: the plan's link model.
         threads: the torch threads per worker the profiles were taken with (recorded on every
             candidate; :func:`choose_layout` compares several).
+        virtual_stages: with the default kinds, also try interleaved and zb-v (several stages
+            per worker; False for ``train``, which cannot checkpoint them).
         plan_options: passed to the planner (straight, num_stages, memory_bytes, ...).
 
     Raises:
@@ -147,7 +162,8 @@ def choose_schedule(
             cache[m] = graph_for(m)
         return cache[m]
 
-    names = list(kinds) if kinds is not None else candidate_kinds(allow_stale, split_profiled(graph(1)))
+    names = list(kinds) if kinds is not None else candidate_kinds(allow_stale, split_profiled(graph(1)),
+                                                                  virtual_stages)
     for name in names:
         if not schedule_kind(name).true_gradients:
             raise PlanError(f"schedule auto: {name!r} computes no true gradient and is never chosen")
@@ -181,6 +197,12 @@ def choose_schedule(
                     try:
                         plan = make_plan(graph(m), topo, schedule=name, microbatches=m, recompute=recompute,
                                          **options)
+                        if recompute and not asked and budget is not None:
+                            plan = recompute_where_needed(plan, budget)
+                            again = [s for s, st in enumerate(plan.stages) if st.recompute]
+                            cand.recompute = bool(again)
+                            if again and len(again) < plan.num_stages:
+                                cand.recompute_stages = again
                         extra = host_costs(plan, m) if host_costs is not None else {}
                         sim = simulate(build_schedule(plan, name, minibatches=minibatches, microbatches=m),
                                        Costs.from_plan(plan, microbatches=m, **extra))
@@ -227,6 +249,19 @@ def choose_schedule(
     log.info("schedule auto: %s (%s) predicted %.3f ms per minibatch", best_cand.label, best.config,
              best_cand.time_per_minibatch_s * 1e3)
     return best
+
+
+def recompute_where_needed(plan: Plan, budget: float) -> Plan:
+    """``plan`` (planned with recomputation on every stage) recomputing only the stages whose
+    predicted memory without it exceeds ``budget``: a stage's memory depends on its own
+    recomputation only, and recomputing costs a forward per backward. Plans without the memory
+    model's terms, and virtual-stage plans (whose workers share the budget between stages),
+    are returned as they are."""
+    if plan.virtual or any(st.activations is None for st in plan.stages):
+        return plan
+    plain = plan.with_recompute(False)
+    need = [s for s, st in enumerate(plain.stages) if st.memory_bytes > budget]
+    return plan if len(need) == plan.num_stages else plan.with_recompute(need)
 
 
 def local_layouts(workers: int, cores: int) -> list[tuple[int, int]]:
@@ -339,7 +374,7 @@ def auto_candidates_table(plan: Plan) -> str:
     cands.sort(key=lambda c: (c.time_per_minibatch_s is None, c.time_per_minibatch_s or 0.0))
     rows = [("schedule", "microbatches", "recompute", "config", "ms per minibatch", "peak memory")]
     for c in cands:
-        again = "yes" if c.recompute else "no"
+        again = c.recomputed
         config = c.config + (f" ×{c.threads} threads" if c.threads != 1 else "")
         if c.error:
             rows.append((c.schedule, str(c.microbatches), again, "-", "does not fit", c.error[:60]))

@@ -163,7 +163,7 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostC
     options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
                    straight=cfg.straight, recompute=cfg.recompute,
                    optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], optimizer_scratch=_scratch(cfg),
-                   host_costs=host_costs)
+                   host_costs=host_costs, virtual_stages=False)  # train cannot checkpoint them yet
     try:
         if host_costs is not None:
             layouts = local_layouts(workers, os.cpu_count() or 1)
