@@ -9,3 +9,14 @@ from torchpipedream.profiles import reference_profile_path
 def reference_profiles() -> Path:
     """The folder of PipeDream's reference profiles that ships inside the package."""
     return reference_profile_path("vgg16").parent.parent
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test (timings and profiles as the workers see them), restored after."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -6,19 +6,13 @@ import json
 import time
 
 import pytest
-import torch
 
 from torchpipedream.cli import main
 from torchpipedream.commands.show import format_table, human_bytes
 from torchpipedream.graph import Layer, LayerGraph
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _one_error_line(capsys) -> str:

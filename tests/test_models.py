@@ -27,12 +27,7 @@ from torchpipedream.models.data import DataError, decode_text, encode_text
 from torchpipedream.tracing import trace
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -15,12 +15,7 @@ from torchpipedream.models import cnn, cross_entropy, get_model, mlp, resnet, sa
 from torchpipedream.profiler import ProfilerError, profile
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _kept_fx_nodes(model: nn.Module) -> list[torch.fx.Node]:

@@ -20,12 +20,7 @@ from torchpipedream.schedules import build_schedule
 from torchpipedream.simulator import WEIGHT_GRAD_SHARE, Costs, simulate
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _SlowIdentity(torch.autograd.Function):
