@@ -634,13 +634,14 @@ def _measure(
     bwd: dict[str, list[float]] = {s.name: [] for s in program.steps}
     loss_fwd: list[float] = []
     loss_bwd: list[float] = []
-    split: dict[str, list[tuple[float, float]] | None] = {s.name: [] for s in program.steps} if split_backward else {}
+    # per layer, the timed (B, W) of each iteration; a layer whose split fails is dropped (unmeasured)
+    split: dict[str, list[tuple[float, float]]] = {s.name: [] for s in program.steps} if split_backward else {}
     env: dict[str, Any] = {}
     for i in range(warmup + iters):
         run_args = _detached(args, clone=True) if any_mutation else args
         env, pending = _forward_pass(program, run_args, timer, first=(i == 0))
         pending_bwd = {s.name: _backward_once(s, env, timer) for s in program.steps}
-        pending_split = {s.name: _split_backward_once(s, env, timer) for s in program.steps if split.get(s.name) is not None}
+        pending_split = {s.name: _split_backward_once(s, env, timer) for s in program.steps if s.name in split}
         pending_loss = _loss_once(loss_fn, program.finish(program.output(env)), target, timer) if loss_fn \
             else (None, None)
         timer.sync()
@@ -650,11 +651,12 @@ def _measure(
             fwd[step.name].append(timer.ms(pending[step.name]))
             pb = pending_bwd[step.name]
             bwd[step.name].append(timer.ms(pb) if pb is not None else 0.0)
-            if step.name in pending_split:
-                halves = pending_split[step.name]
-                split[step.name] = None if halves is None else split[step.name] + [  # type: ignore[operator]
-                    (timer.ms(halves[0]) if halves[0] is not None else 0.0,
-                     timer.ms(halves[1]) if halves[1] is not None else 0.0)]
+        for name, halves in pending_split.items():
+            if halves is None:
+                del split[name]
+            else:
+                b, w = (timer.ms(h) if h is not None else 0.0 for h in halves)
+                split[name].append((b, w))
         if loss_fn:
             loss_fwd.append(timer.ms(pending_loss[0]))
             loss_bwd.append(timer.ms(pending_loss[1]) if pending_loss[1] is not None else 0.0)

@@ -152,7 +152,7 @@ class Costs:
         # backward is split, at its B and again at its W (the first stage's B computes nothing)
         split = _splits_backward(plan.schedule)
         again = [(2 if split and s > 0 else 1) * st.forward_ms if st.recompute else 0.0 for s, st in enumerate(plan.stages)]
-        backward, weight_grad = _split_backward_ms(plan) if split else ([st.backward_ms for st in plan.stages], None)
+        backward, weight_grad = _split_backward_ms(plan, split)
         kw: dict[str, Any] = dict(
             forward_s=[st.forward_ms / 1e3 / m for st in plan.stages],
             backward_s=[(backward[s] + again[s]) / 1e3 / m for s in range(n)],
@@ -160,9 +160,7 @@ class Costs:
             parameter_bytes=[float(st.parameter_bytes) for st in plan.stages],
             activation_bytes=[0.0] + [plan.stages[s - 1].output_bytes / m for s in range(1, n)],
             step_s=[st.optimizer_ms / 1e3 for st in plan.stages],  # once per update, not per microbatch
-            weight_grad_s=[((weight_grad[s] if weight_grad is not None else
-                             plan.stages[s].backward_ms * (1.0 if s == 0 else WEIGHT_GRAD_SHARE))
-                            + (again[s] / 2 if s > 0 else again[s])) / 1e3 / m for s in range(n)],
+            weight_grad_s=[(weight_grad[s] + (again[s] / 2 if s > 0 else again[s])) / 1e3 / m for s in range(n)],
         )
         options = plan.meta.get("planner") if isinstance(plan.meta, dict) else None
         if plan.stages and all(st.activations is not None for st in plan.stages):  # the memory model's terms
@@ -420,16 +418,19 @@ class _Charges:
                    allreduce=allreduce, allreduce_bytes=moved, tied=tied, tied_bytes=tied_moved)
 
 
-def _split_backward_ms(plan: Plan) -> tuple[list[float], list[float] | None]:
-    """Each stage's backward and W (ms per minibatch) under a split backward, as profiled
-    (``Stage.input_grad_ms`` / ``weight_grad_ms``), or (the unsplit backwards, None) where a
-    stage's split was not profiled. The first stage's B has no input to differentiate: its W is
-    one backward over its weights, whose cost is the unsplit one."""
-    stages = plan.stages
-    if any(st.input_grad_ms is None or st.weight_grad_ms is None for st in stages[1:]):
-        return [st.backward_ms for st in stages], None
-    backward = [stages[0].backward_ms] + [st.input_grad_ms + st.weight_grad_ms for st in stages[1:]]  # type: ignore[operator]
-    return backward, [stages[0].backward_ms] + [float(st.weight_grad_ms) for st in stages[1:]]  # type: ignore[arg-type]
+def _split_backward_ms(plan: Plan, split: bool) -> tuple[list[float], list[float]]:
+    """Each stage's backward and its W part (ms per minibatch). Under a split backward whose
+    halves the profile timed (``Stage.input_grad_ms`` / ``weight_grad_ms``), B + W and W as
+    timed; otherwise the unsplit backward with ``WEIGHT_GRAD_SHARE`` of it as W. The first
+    stage's B has no input to differentiate: its W is one backward over its weights, whose
+    cost is the unsplit one."""
+    first, rest = plan.stages[0], plan.stages[1:]
+    timed = [(st.input_grad_ms, st.weight_grad_ms) for st in rest]
+    if split and all(b is not None and w is not None for b, w in timed):
+        return ([first.backward_ms] + [b + w for b, w in timed],  # type: ignore[operator]
+                [first.backward_ms] + [float(w) for _, w in timed])  # type: ignore[arg-type]
+    return ([st.backward_ms for st in plan.stages],
+            [first.backward_ms] + [WEIGHT_GRAD_SHARE * st.backward_ms for st in rest])
 
 
 def _ring_allreduce_s(costs: Costs, ranks: list[int], nbytes: float) -> float:
