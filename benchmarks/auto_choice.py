@@ -59,8 +59,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def run_model(name: str, procs: int, windows: int, per_window: int, passes: int, split_parts: int) -> dict:
-    from torchpipedream.auto_schedule import choose_layout, local_layouts, threads_per_worker
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.auto import choose_layout, local_layouts, threads_per_worker
+    from torchpipedream.plans.topology import Topology
 
     work = WORKLOADS[name]
     graphs: dict[tuple[int, int], object] = {}

@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "cli_startup.json"
 sys.path.insert(0, str(REPO / "src"))
 
-from torchpipedream.planner import plan  # noqa: E402
-from torchpipedream.profiles import load_profile, reference_profile_path  # noqa: E402
+from torchpipedream.search.planner import plan  # noqa: E402
+from torchpipedream.model.profiles import load_profile, reference_profile_path  # noqa: E402
 
 VGG = str(reference_profile_path("vgg16"))
 COMMANDS = {  # name -> arguments (profile names where the current code takes them)

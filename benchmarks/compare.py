@@ -52,8 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchpipedream.freed_memory import keep_freed_memory
-from torchpipedream.huge_pages import huge_pages_on, prefer_huge_pages
+from torchpipedream.host.freed_memory import keep_freed_memory
+from torchpipedream.host.huge_pages import huge_pages_on, prefer_huge_pages
 
 prefer_huge_pages()  # before this process's first tensor; the workers inherit it
 KEEPS_FREED_MEMORY = keep_freed_memory()  # the single-process rows allocate as the workers do
@@ -67,7 +67,7 @@ from peers import (CUTS, Workload, layer_times, peak_rss_mb, probed, run_ddp, ru
                    run_torch_pipelining, split_sequential, training_step, write_results)
 from doc_tables import compare_results  # noqa: E402  (the docs render compare.md the same way)
 
-from torchpipedream.kinds import schedule_kind  # noqa: E402
+from torchpipedream.plans.kinds import schedule_kind  # noqa: E402
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
 
 TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "Interleaved1F1B")
@@ -149,7 +149,7 @@ WORKLOADS = {
 def split_built(build, parts: int) -> nn.Module:
     """``build()`` with its wide linear layers split into ``parts`` column parts (picklable with
     functools.partial, for the baselines run on the model as torchpipedream runs it)."""
-    from torchpipedream.layer_split import split_wide_layers
+    from torchpipedream.model.layer_split import split_wide_layers
 
     return split_wide_layers(build(), parts)
 
@@ -157,7 +157,7 @@ def split_built(build, parts: int) -> nn.Module:
 def tpd_model(work: Workload, split_parts: int) -> nn.Module:
     """The model as torchpipedream runs it: wide linear layers split into column parts so the
     planner may cut inside them (same function, same training; see layer_split.py)."""
-    from torchpipedream.layer_split import split_wide_layers
+    from torchpipedream.model.layer_split import split_wide_layers
 
     model = work.build()
     return split_wide_layers(model, split_parts) if split_parts > 1 else model
@@ -166,7 +166,7 @@ def tpd_model(work: Workload, split_parts: int) -> nn.Module:
 def _profile(work: Workload, m: int, split_parts: int, threads: int = 1):
     """The model profiled in this process (``threads`` torch threads) as the schedule runs it: in
     microbatches of batch/m samples, with the SGD update timed."""
-    from torchpipedream.profiler import profile
+    from torchpipedream.model.profiler import profile
 
     g = torch.Generator().manual_seed(0)
     x, y = work.make_batch(work.batch_size, g)
@@ -184,9 +184,9 @@ def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, 
     """The planner's plan for ``workers`` local workers from one profile (one worker per stage
     with ``straight``), and its schedule of ``minibatches`` minibatches (the length one timed
     window runs)."""
-    from torchpipedream.planner import plan as make_plan
-    from torchpipedream.schedules import build_schedule
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.schedule.build import build_schedule
+    from torchpipedream.plans.topology import Topology
 
     m = schedule_microbatches(schedule, microbatches)
     plan = make_plan(_profile(work, m, split_parts), Topology.local(workers), schedule=schedule, microbatches=m,
@@ -209,8 +209,8 @@ def planned_microbatches(work: Workload, workers: int, schedule: str, split_part
     """The microbatch count the planner predicts fastest for ``schedule`` (``choose_schedule``
     with this kind alone over auto_schedule.DEFAULT_MICROBATCHES, this host's costs measured
     for each candidate as ``predict`` measures them)."""
-    from torchpipedream.auto_schedule import choose_schedule
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.auto import choose_schedule
+    from torchpipedream.plans.topology import Topology
 
     if not schedule_kind(schedule).microbatched:
         return 1
@@ -231,7 +231,7 @@ def predict(work: Workload, plan, sched, split_parts: int = 1):
     moment's costs with another moment's run.
     """
     from torchpipedream.runtime.measure import measure_local_costs
-    from torchpipedream.simulator import Costs, simulate
+    from torchpipedream.sim.simulator import Costs, simulate
 
     m = sched.microbatches
     graph = _profile(work, m, split_parts)
@@ -265,7 +265,7 @@ def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: in
     run against the same medians in the simulation), and the schedule's waiting and
     communication (what is left against ``predicted_with_run_compute``).
     """
-    from torchpipedream.simulator import simulate
+    from torchpipedream.sim.simulator import simulate
 
     predicted, costs, sim = predict(work, plan, sched, split_parts)
     res = launch(_tpd_worker, plan.num_workers, work, plan, sched.kind, microbatches, 1, windows, per_window,
@@ -354,8 +354,8 @@ def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_pa
     using ``procs`` cores (workers × threads) and the synchronous kinds at 1, 2, 4 and 8
     microbatches, priced with this host's measured costs as auto_choice.py does; run on the
     chosen layout (not predicted per pass: its threads need a profile of their own)."""
-    from torchpipedream.auto_schedule import choose_layout, local_layouts, threads_per_worker
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.auto import choose_layout, local_layouts, threads_per_worker
+    from torchpipedream.plans.topology import Topology
 
     plan = choose_layout(lambda m, threads: _profile(work, m, split_parts, threads), local_layouts(procs, procs),
                          Topology.local, batch_size=work.batch_size, host_costs=functools.partial(host_costs, work),

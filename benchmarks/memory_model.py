@@ -52,13 +52,13 @@ from peers import write_results  # noqa: E402
 import torch  # noqa: E402
 
 import zoo_models as zoo  # noqa: E402
-from torchpipedream.memory_model import WORKING_FACTOR  # noqa: E402
-from torchpipedream.planner import plan as make_plan  # noqa: E402
-from torchpipedream.profiler import profile  # noqa: E402
+from torchpipedream.plans.memory import WORKING_FACTOR  # noqa: E402
+from torchpipedream.search.planner import plan as make_plan  # noqa: E402
+from torchpipedream.model.profiler import profile  # noqa: E402
 from torchpipedream.runtime import Pipeline, launch  # noqa: E402
-from torchpipedream.schedules import build_schedule  # noqa: E402
-from torchpipedream.simulator import Costs, simulate  # noqa: E402
-from torchpipedream.topology import Topology  # noqa: E402
+from torchpipedream.schedule.build import build_schedule  # noqa: E402
+from torchpipedream.sim.simulator import Costs, simulate  # noqa: E402
+from torchpipedream.plans.topology import Topology  # noqa: E402
 
 CHOSEN_ON = ("fc_heavy", "small_cnn", "transformer_lm")
 HELD_OUT = ("gpt2", "bert", "resnet", "vit", "mobilenet", "t5")
@@ -142,8 +142,8 @@ def budget_rows(name: str, fractions: list[float]) -> list[dict]:
     """``--schedule auto`` without a memory budget, and with the first budget of ``fractions`` ×
     the unbounded choice's predicted peak that some plan fits: both plans run with their peaks
     measured (the bounded one must stay under the budget), and what the budget gave up."""
-    from torchpipedream.auto_schedule import auto_summary, choose_schedule
-    from torchpipedream.plans import PlanError
+    from torchpipedream.search.auto import auto_summary, choose_schedule
+    from torchpipedream.plans.plan import PlanError
 
     graphs: dict[int, object] = {}
 

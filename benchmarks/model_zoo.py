@@ -28,10 +28,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the zoo is the tests' own
 
 import zoo_models as zoo  # noqa: E402
 
-from torchpipedream.planner import plan as make_plan  # noqa: E402
-from torchpipedream.profiler import profile  # noqa: E402
-from torchpipedream.topology import Topology  # noqa: E402
-from torchpipedream.verification import verify_plans  # noqa: E402
+from torchpipedream.search.planner import plan as make_plan  # noqa: E402
+from torchpipedream.model.profiler import profile  # noqa: E402
+from torchpipedream.plans.topology import Topology  # noqa: E402
+from torchpipedream.runtime.verification import verify_plans  # noqa: E402
 
 RESULTS = HERE / "results" / "model_zoo.json"
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)

@@ -21,9 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from torchpipedream.graph import Layer, LayerGraph  # noqa: E402
-from torchpipedream.planner import plan  # noqa: E402
-from torchpipedream.profiles import load_profile  # noqa: E402
+from torchpipedream.model.graph import Layer, LayerGraph  # noqa: E402
+from torchpipedream.search.planner import plan  # noqa: E402
+from torchpipedream.model.profiles import load_profile  # noqa: E402
 MODELS = ["vgg16", "alexnet", "resnet50", "gnmt", "gnmt_large", "resnet18", "resnet101", "inception_v3",
           "densenet121", "squeezenet1_0"]
 
@@ -44,8 +44,8 @@ CLUSTERS = [("A (4x4)", "A"), ("B (2x8)", "B"), ("16 flat", "16:10GB/s@16GB")]
 def reference_table() -> list[dict]:
     """docs/planner.md's table: chosen config, speedup over data parallel, planning time, and the
     paper's "15-1" (best split) under the same cost model for VGG-16 and AlexNet."""
-    from torchpipedream.planner import best_split_for_replicas
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.planner import best_split_for_replicas
+    from torchpipedream.plans.topology import Topology
 
     rows = []
     print("| model | cluster | our plan | ms/minibatch | samples/s | speedup vs DP | planning s | "

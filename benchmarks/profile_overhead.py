@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from torchpipedream.models import MODELS, get_model, loss_fn, sample_input
-from torchpipedream.profiler import profile
+from torchpipedream.model.profiler import profile
 
 BATCH = {"mlp": 64, "cnn": 64, "resnet": 64, "transformer": 16}
 

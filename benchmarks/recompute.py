@@ -37,9 +37,9 @@ def straight_plan(work, procs: int, kind: str, microbatches: int, minibatches: i
     """The planner's straight pipeline of ``procs`` stages (activations are what a pipeline
     stage holds; a data-parallel plan would keep whole-model activations on every worker) and
     its schedule of ``minibatches`` minibatches."""
-    from torchpipedream.planner import plan as make_plan
-    from torchpipedream.schedules import build_schedule
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.schedule.build import build_schedule
+    from torchpipedream.plans.topology import Topology
 
     m = schedule_microbatches(kind, microbatches)
     plan = make_plan(_profile(work, m, 1), Topology.local(procs), schedule=kind, microbatches=m, straight=True,

@@ -26,8 +26,8 @@ import statistics
 import time
 from pathlib import Path
 
-from torchpipedream.freed_memory import keep_freed_memory
-from torchpipedream.huge_pages import prefer_huge_pages
+from torchpipedream.host.freed_memory import keep_freed_memory
+from torchpipedream.host.huge_pages import prefer_huge_pages
 
 prefer_huge_pages()  # the profile in this process allocates as launch()'s workers do
 keep_freed_memory()
@@ -36,15 +36,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.profiler import profile
+from torchpipedream.search.planner import plan as make_plan
+from torchpipedream.model.profiler import profile
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.comm import pack, unpack
-from torchpipedream.schedules import build_schedule
-from torchpipedream.simulator import Costs, simulate
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.sim.simulator import Costs, simulate
 from torchpipedream.runtime.measure import (measure_concurrency_slowdown, measure_copy_bandwidth,
                                        measure_loopback_bandwidth, measure_message_overhead)
-from torchpipedream.topology import Topology
+from torchpipedream.plans.topology import Topology
 
 BATCH = 64
 

@@ -13,10 +13,10 @@ import platform
 import time
 from pathlib import Path
 
-from torchpipedream.plans import Plan, Stage
-from torchpipedream.schedules import build_schedule
-from torchpipedream.simulator import Costs, simulate
-from torchpipedream.validate import validate_schedule
+from torchpipedream.plans.plan import Plan, Stage
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.sim.simulator import Costs, simulate
+from torchpipedream.schedule.validate import validate_schedule
 
 
 def plan_for(config: list[int]) -> Plan:

@@ -51,9 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchpipedream.plans import Plan
+from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline, launch
-from torchpipedream.validate import bounds
+from torchpipedream.schedule.validate import bounds
 
 RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
 BATCH, FEATURES, HIDDEN, CLASSES = 32, 64, 256, 10

@@ -31,7 +31,7 @@ from compare import WORKLOADS, choose_plan, tpd_model  # noqa: E402
 from peers import write_results  # noqa: E402
 
 from torchpipedream.runtime.engine import as_tuple  # noqa: E402
-from torchpipedream.runtime.split_backward import backward_inputs  # noqa: E402
+from torchpipedream.model.split_backward import backward_inputs  # noqa: E402
 from torchpipedream.runtime.stage_split import split_stages  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from peers import git_commit, probed, run_single, write_results  # noqa: E402
 import torch  # noqa: E402
 
 from torchpipedream.runtime import launch  # noqa: E402
-from torchpipedream.trace import COMPUTE_KINDS, Trace  # noqa: E402
+from torchpipedream.sim.trace import COMPUTE_KINDS, Trace  # noqa: E402
 
 
 def split_window(trace: Trace, minibatches: int) -> list[dict]:

@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_tables import zb_2bw_depth  # noqa: E402  (the docs render the .md the same way)
 
-from torchpipedream.planner import plan as make_plan  # noqa: E402
-from torchpipedream.profiles import load_profile  # noqa: E402
-from torchpipedream.schedules import build_schedule  # noqa: E402
-from torchpipedream.simulator import WEIGHT_GRAD_SHARE, Costs, simulate  # noqa: E402
+from torchpipedream.search.planner import plan as make_plan  # noqa: E402
+from torchpipedream.model.profiles import load_profile  # noqa: E402
+from torchpipedream.schedule.build import build_schedule  # noqa: E402
+from torchpipedream.sim.simulator import WEIGHT_GRAD_SHARE, Costs, simulate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("vgg16", "resnet50", "gnmt")

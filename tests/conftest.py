@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpipedream.profiles import reference_profile_path
+from torchpipedream.model.profiles import reference_profile_path
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpipedream.plans import Plan
+from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline
 
 

@@ -51,7 +51,7 @@ def main() -> None:
     assert [b.layers for b in small.linearize()] == [["a"], ["b"]]
     assert call("Block", ["a"], 1.0, 2.0, 16, 0).compute_ms == 3.0
     vgg = call("load_profile", "vgg16")
-    reference = Path(tpd.__file__).parent / "reference_profiles" / "vgg16" / "graph.txt"
+    reference = Path(tpd.__file__).parent / "model" / "reference_profiles" / "vgg16" / "graph.txt"
     assert call("load_graph_txt", reference) == vgg
 
     topology = call("Topology", tpd.Topology.parse("4:10GB/s").levels)

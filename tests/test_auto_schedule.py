@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 import torchpipedream as tpd
-from torchpipedream.auto_schedule import (auto_summary, candidate_kinds, choose_layout, choose_schedule, local_layouts,
+from torchpipedream.search.auto import (auto_summary, candidate_kinds, choose_layout, choose_schedule, local_layouts,
                                           threads_per_worker)
-from torchpipedream.kinds import schedule_kind
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import PlanError
-from torchpipedream.profiles import load_profile
-from torchpipedream.schedules import build_schedule
-from torchpipedream.simulator import Costs, simulate
+from torchpipedream.plans.kinds import schedule_kind
+from torchpipedream.search.planner import plan as make_plan
+from torchpipedream.plans.plan import PlanError
+from torchpipedream.model.profiles import load_profile
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.sim.simulator import Costs, simulate
 
 TOPOLOGY = "4:10GB/s"
 
@@ -147,7 +147,7 @@ def test_local_layouts_use_the_cores_with_fewer_workers() -> None:
 def _threaded_chain(speedup: float):
     """graph_for(m, threads) of a balanced 4-layer chain whose layers run ``speedup``× faster
     on two threads (small activations and weights: two workers pipeline it almost perfectly)."""
-    from torchpipedream.graph import Layer, LayerGraph
+    from torchpipedream.model.graph import Layer, LayerGraph
 
     def graph_for(m: int, threads: int) -> LayerGraph:
         scale = 1.0 / speedup if threads == 2 else 1.0
@@ -164,7 +164,7 @@ def test_auto_chooses_workers_and_threads_by_prediction(speedup: float, workers:
     """Two threads 1.3× faster: two one-thread workers win (they pipeline the chain); 3×
     faster: one worker with two threads wins. Every layout's candidates are kept, and the
     runner-up may be the other layout's choice."""
-    from torchpipedream.topology import Topology
+    from torchpipedream.plans.topology import Topology
 
     chosen = choose_layout(_threaded_chain(speedup), [(2, 1), (1, 2)], Topology.local, microbatches=(1, 4))
     auto = chosen.meta["auto"]
@@ -180,7 +180,7 @@ def test_auto_chooses_workers_and_threads_by_prediction(speedup: float, workers:
 
 
 def test_layouts_that_cannot_be_planned_are_skipped_and_all_failing_names_each() -> None:
-    from torchpipedream.topology import Topology
+    from torchpipedream.plans.topology import Topology
 
     two_stages = choose_layout(_threaded_chain(3.0), [(2, 1), (1, 2)], Topology.local, num_stages=2)
     assert two_stages.num_workers == 2 and threads_per_worker(two_stages) == 1  # one worker cannot hold 2 stages
@@ -192,7 +192,7 @@ def test_layouts_that_cannot_be_planned_are_skipped_and_all_failing_names_each()
 def _activation_heavy_chain():
     """Four layers whose forwards leave 48 MB each for their backward (intermediate activations)
     but pass on only 1 MB: a memory budget binds, and recomputation is what lifts it."""
-    from torchpipedream.graph import Layer, LayerGraph
+    from torchpipedream.model.graph import Layer, LayerGraph
 
     names = [f"l{i}" for i in range(4)]
     layers = [Layer(n, forward_ms=1.0, backward_ms=2.0, activation_bytes=1 << 20, parameter_bytes=1 << 20,

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from torchpipedream.cli import main
-from torchpipedream.plans import Plan
+from torchpipedream.plans.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _valid_files(tmp: Path) -> dict[str, Path]:
     """A graph, plan, trace and topology that the commands accept."""
-    from torchpipedream.graph import Layer, LayerGraph
-    from torchpipedream.trace import Event, Trace
+    from torchpipedream.model.graph import Layer, LayerGraph
+    from torchpipedream.sim.trace import Event, Trace
 
     graph = LayerGraph([Layer("x", is_input=True, activation_bytes=64), Layer("a", forward_ms=1, backward_ms=2,
                                                                                 activation_bytes=64, parameter_bytes=64),

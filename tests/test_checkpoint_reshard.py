@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torchpipedream.plans import Plan, Stage
+from torchpipedream.plans.plan import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
 
 LR = 0.05

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from torchpipedream.cli import main
-from torchpipedream.commands.show import format_table, human_bytes
-from torchpipedream.graph import Layer, LayerGraph
+from torchpipedream.cli.commands.show import format_table, human_bytes
+from torchpipedream.model.graph import Layer, LayerGraph
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torchpipedream.plans import Plan
+from torchpipedream.plans.plan import Plan
 from torchpipedream.train import TrainConfig
 from torchpipedream.train.inputs import build_model, load_data, minibatches, optimizer_factory
 

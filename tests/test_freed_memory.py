@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from allocation_probe import churn_worker
 
-from torchpipedream import freed_memory
+from torchpipedream.host import freed_memory
 from torchpipedream.runtime import launch
 
 glibc_only = pytest.mark.skipif(freed_memory._glibc() is None, reason="mallopt is glibc's")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchpipedream.graph import FORMAT_VERSION, GraphError, Layer, LayerGraph
+from torchpipedream.model.graph import FORMAT_VERSION, GraphError, Layer, LayerGraph
 
 
 def chain(n: int) -> LayerGraph:

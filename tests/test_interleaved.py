@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plans import Plan
+from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline, PipelineError, launch
 
 LR, BATCH, BATCHES = 0.1, 16, 3

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from torchpipedream.actions import Action, Kind, Schedule, parse_action
-from torchpipedream.plans import Plan, PlanError, Stage
-from torchpipedream.schedules import ScheduleBuildError, build_schedule
-from torchpipedream.simulator import Costs, simulate
-from torchpipedream.validate import ScheduleError, schedule_stats, validate_schedule
+from torchpipedream.schedule.actions import Action, Kind, Schedule, parse_action
+from torchpipedream.plans.plan import Plan, PlanError, Stage
+from torchpipedream.schedule.build import ScheduleBuildError, build_schedule
+from torchpipedream.sim.simulator import Costs, simulate
+from torchpipedream.schedule.validate import ScheduleError, schedule_stats, validate_schedule
 
 
 def looped(p: int, v: int, **kwargs) -> Plan:
@@ -137,8 +137,8 @@ def test_one_worker_of_several_stages_hands_over_to_itself() -> None:
 
 
 def test_the_planner_cuts_workers_times_chunks_stages_and_loops_them() -> None:
-    from torchpipedream.planner import plan as make_plan
-    from torchpipedream.profiles import load_profile
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.model.profiles import load_profile
 
     graph = load_profile("vgg16")
     p = make_plan(graph, "2:10GB/s", schedule="interleaved", microbatches=4, chunks=3)
@@ -157,8 +157,8 @@ def test_the_planner_cuts_workers_times_chunks_stages_and_loops_them() -> None:
 def test_the_cut_balances_the_workers_not_only_the_stages(kind: str, place) -> None:
     """The straight plan of 4 balanced stages, placed looped or in a V, can leave one worker with
     much more than the other; the planner moves the cuts to balance the workers."""
-    from torchpipedream.planner import plan as make_plan
-    from torchpipedream.profiles import load_profile
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.model.profiles import load_profile
 
     graph = load_profile("vgg16")
     p = make_plan(graph, "2:10GB/s", schedule=kind, microbatches=4)
@@ -181,8 +181,8 @@ def test_the_cuts_worth_simulating_include_the_best_where_one_block_moves_stop_s
     ends where no single boundary move helps. The starting cut is always last."""
     import itertools
 
-    from torchpipedream import planner
-    from torchpipedream.plans import v_shape_rank
+    from torchpipedream.search import planner
+    from torchpipedream.plans.plan import v_shape_rank
 
     times = [8.0, 8.0, 9.0, 4.0, 6.0, 4.0]
 
@@ -214,7 +214,7 @@ def test_the_cuts_worth_simulating_include_the_best_where_one_block_moves_stop_s
 
 
 def test_train_refuses_virtual_stages_by_name(tmp_path) -> None:
-    from torchpipedream.graph import Layer, LayerGraph
+    from torchpipedream.model.graph import Layer, LayerGraph
     from torchpipedream.train.config import TrainConfig, TrainError, check_options
     from torchpipedream.train.preparation import _choose_plan
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.layer_split import merge_split_state_dict, split_wide_layers
-from torchpipedream.plans import Plan
+from torchpipedream.model.layer_split import merge_split_state_dict, split_wide_layers
+from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline, launch
 
 

@@ -16,17 +16,17 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.memory_model import StageActivations, stage_activations
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import Plan
-from torchpipedream.profiler import profile
+from torchpipedream.plans.memory import StageActivations, stage_activations
+from torchpipedream.search.planner import plan as make_plan
+from torchpipedream.plans.plan import Plan
+from torchpipedream.model.profiler import profile
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.memory_probe import allocation_peak, held_bytes
 from torchpipedream.runtime.pipeline import outstanding_sends
-from torchpipedream.schedules import build_schedule
-from torchpipedream.simulator import Costs, simulate
-from torchpipedream.topology import Topology
-from torchpipedream.tracing import microbatch_sample
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.sim.simulator import Costs, simulate
+from torchpipedream.plans.topology import Topology
+from torchpipedream.model.capture import microbatch_sample
 
 F32 = 4
 
@@ -73,7 +73,7 @@ def test_graphs_without_saved_bytes_get_the_older_model_of_stashed_inputs(tmp_pa
             layer.pop(key, None)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
-    from torchpipedream.graph import LayerGraph
+    from torchpipedream.model.graph import LayerGraph
 
     old = LayerGraph.load(path)
     assert LayerGraph.load(path) == old  # the fields stay absent when saved again
@@ -222,7 +222,7 @@ def test_replicas_sharing_a_minibatch_hold_their_share_of_its_microbatches() -> 
 def test_stage_terms_of_the_planner_match_the_evaluator() -> None:
     """The vectorised search's activation terms (prefix sums, suffix maxima) equal the per-stage
     ones for every stage of a chain."""
-    from torchpipedream.planner import _Problem
+    from torchpipedream.search.planner import _Problem
     import numpy as np
 
     x, y = _mlp_batches(1)[0]
@@ -312,7 +312,7 @@ def test_adams_step_temporaries_are_predicted(form: str) -> None:
 
 @pytest.mark.parametrize("bad", [(1.0,), (-1.0, 0.0), ("2", 0.0), (True, 0.0)])
 def test_a_bad_optimizer_scratch_is_refused_by_name(bad) -> None:
-    from torchpipedream.plans import PlanError
+    from torchpipedream.plans.plan import PlanError
 
     x, y = _mlp_batches(1)[0]
     graph = profile(_mlp(), x, loss_fn=nn.CrossEntropyLoss(), target=y, warmup=0, iters=1)

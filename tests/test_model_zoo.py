@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import zoo_models as zoo
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import Plan
-from torchpipedream.profiler import profile
+from torchpipedream.search.planner import plan as make_plan
+from torchpipedream.plans.plan import Plan
+from torchpipedream.model.profiler import profile
 from torchpipedream.runtime import Pipeline, launch
-from torchpipedream.topology import Topology
-from torchpipedream.verification import VerifyError, _Job, _reference, verify, verify_plans
+from torchpipedream.plans.topology import Topology
+from torchpipedream.runtime.verification import VerifyError, _Job, _reference, verify, verify_plans
 
 OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 

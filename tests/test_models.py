@@ -24,7 +24,7 @@ from torchpipedream.models import (
     transformer,
 )
 from torchpipedream.models.data import DataError, decode_text, encode_text
-from torchpipedream.tracing import trace
+from torchpipedream.model.capture import trace
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from torchpipedream.graph import GraphError, LayerGraph
-from torchpipedream.pipedream_profile import load_graph_txt, parse_graph_txt
-from torchpipedream.profiles import load_profile
+from torchpipedream.model.graph import GraphError, LayerGraph
+from torchpipedream.model.pipedream_profile import load_graph_txt, parse_graph_txt
+from torchpipedream.model.profiles import load_profile
 
 NAMES = [
     "alexnet", "densenet121", "gnmt", "gnmt_large", "inception_v3", "nasnetalarge",

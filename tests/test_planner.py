@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchpipedream.graph import Layer, LayerGraph
-from torchpipedream.plans import Plan, PlanError
-from torchpipedream.planner import best_split_for_replicas, plan
-from torchpipedream.schedules import build_schedule
-from torchpipedream.topology import Level, Topology
+from torchpipedream.model.graph import Layer, LayerGraph
+from torchpipedream.plans.plan import Plan, PlanError
+from torchpipedream.search.planner import best_split_for_replicas, plan
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.plans.topology import Level, Topology
 
 F = 2.0  # optimizer_state_factor used in these tests
 
@@ -365,7 +365,7 @@ def test_memory_nothing_fits_names_the_smallest_budget():
 
 
 def test_zero_workers_and_bad_bandwidth_are_errors():
-    from torchpipedream.topology import TopologyError
+    from torchpipedream.plans.topology import TopologyError
 
     with pytest.raises(TopologyError):
         plan(_chain([(1, 1, 1)]), "0:1GB/s")

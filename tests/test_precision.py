@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plans import Plan
-from torchpipedream.profiler import profile
+from torchpipedream.plans.plan import Plan
+from torchpipedream.model.profiler import profile
 from torchpipedream.runtime import Pipeline
 from torchpipedream.runtime.loss_scaling import LossScaling
 from torchpipedream.runtime.pipeline import PipelineError

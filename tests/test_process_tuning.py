@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torchpipedream import freed_memory
-from torchpipedream.huge_pages import HUGE_PAGES_ENV
+from torchpipedream.host import freed_memory
+from torchpipedream.host.huge_pages import HUGE_PAGES_ENV
 from torchpipedream.runtime import launch
 
 glibc_only = pytest.mark.skipif(freed_memory._glibc() is None, reason="mallopt is glibc's")
@@ -24,7 +24,7 @@ import torch, torchpipedream as tpd
 sys.path.insert(0, TESTS)
 from allocation_probe import faults_per_round
 from torch import nn
-from torchpipedream import freed_memory
+from torchpipedream.host import freed_memory
 from torchpipedream.cli import main
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
 x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))

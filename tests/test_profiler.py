@@ -1,4 +1,4 @@
-"""Tests for torchpipedream.profiler: names, edges, bytes, timing attribution, fallbacks."""
+"""Tests for torchpipedream.model.profiler: names, edges, bytes, timing attribution, fallbacks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 import torch.fx
 from torch import nn
 
-from torchpipedream.graph import LayerGraph
+from torchpipedream.model.graph import LayerGraph
 from torchpipedream.models import cnn, cross_entropy, get_model, mlp, resnet, sample_input, transformer
-from torchpipedream.profiler import ProfilerError, profile
+from torchpipedream.model.profiler import ProfilerError, profile
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

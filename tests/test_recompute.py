@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plans import Plan, PlanError
+from torchpipedream.plans.plan import Plan, PlanError
 from torchpipedream.runtime import Pipeline
 from torchpipedream.runtime.pipeline import PipelineError
 
@@ -39,7 +39,7 @@ def batches(n: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def one_stage(model: nn.Module, kind: str, m: int) -> Plan:
-    from torchpipedream.profiler import profile
+    from torchpipedream.model.profiler import profile
 
     x, y = batches(1)[0]
     graph = profile(model, x, loss_fn=nn.CrossEntropyLoss(), target=y, warmup=0, iters=1)
@@ -132,10 +132,10 @@ def test_plan_files_carry_recompute_and_older_files_load_without_it(tmp_path: Pa
 
 
 def test_planner_and_simulator_charge_the_second_forward() -> None:
-    from torchpipedream.planner import plan as make_plan
-    from torchpipedream.profiles import load_profile
-    from torchpipedream.schedules import build_schedule
-    from torchpipedream.simulator import Costs, simulate
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.model.profiles import load_profile
+    from torchpipedream.schedule.build import build_schedule
+    from torchpipedream.sim.simulator import Costs, simulate
 
     graph = load_profile("vgg16")
     base = make_plan(graph, "4:10GB/s", schedule="flush", microbatches=4, straight=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plans import Plan, PlanError
+from torchpipedream.plans.plan import Plan, PlanError
 from torchpipedream.runtime import LaunchError, Pipeline, PipelineError, launch
 
 LR = 0.1

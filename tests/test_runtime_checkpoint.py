@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plans import Plan, Stage
+from torchpipedream.plans.plan import Plan, Stage
 from torchpipedream.runtime import CheckpointError, Pipeline, latest_checkpoint, launch, verify_checkpoint
 from torchpipedream.runtime.checkpoint import read_stage_states
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torchpipedream.plans import Plan
+from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.weights import WeightVersions
 

@@ -156,7 +156,7 @@ def test_launch_keeps_the_users_huge_page_setting(monkeypatch):
 
 
 def test_prefer_huge_pages_sets_only_what_the_user_left_unset():
-    from torchpipedream.huge_pages import prefer_huge_pages
+    from torchpipedream.host.huge_pages import prefer_huge_pages
 
     env: dict[str, str] = {}
     assert prefer_huge_pages(env) and env == {"THP_MEM_ALLOC_ENABLE": "1"}

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torchpipedream.kinds import VersionRule, schedule_kind
-from torchpipedream.plans import Plan, Stage
+from torchpipedream.plans.kinds import VersionRule, schedule_kind
+from torchpipedream.plans.plan import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.loss_scaling import LossScaling
 
@@ -257,9 +257,9 @@ def worker(rank: int, profiled: dict) -> dict:
 
 def profiled_plans() -> dict:
     """A 3-stage plan for the tiny transformer from its real profile (profiler + planner)."""
-    from torchpipedream.planner import plan as make_plan
-    from torchpipedream.profiler import profile
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.model.profiler import profile
+    from torchpipedream.plans.topology import Topology
 
     x, y = token_data(1)[0]
     graph = profile(tiny_transformer(), x, lm_loss, y, warmup=0, iters=1)
@@ -448,7 +448,7 @@ def test_replicas_stay_bit_identical(results, name):
 
 
 def test_trace_and_evaluate(results, tmp_path):
-    from torchpipedream.trace import Trace
+    from torchpipedream.sim.trace import Trace
 
     out = results[0]["pipedream"]
     trace = out["trace"]

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.actions import Kind
-from torchpipedream.plans import Plan, Stage
+from torchpipedream.schedule.actions import Kind
+from torchpipedream.plans.plan import Plan, Stage
 from torchpipedream.runtime import Pipeline, PipelineError, StageSplitError, forward_only, split_stages
 from torchpipedream.runtime.comm import CommError, decode_header, encode_header, pack, unpack
 from torchpipedream.runtime.weights import WeightVersions, updates_are_minibatch_means
-from torchpipedream.schedules import build_schedule
+from torchpipedream.schedule.build import build_schedule
 
 
 class Skip(nn.Module):
@@ -127,7 +127,7 @@ def test_pack_unpack_round_trip_with_aligned_views():
 
 
 def test_forward_only_keeps_forward_transfers():
-    from torchpipedream.schedules import build_schedule
+    from torchpipedream.schedule.build import build_schedule
 
     sched = build_schedule(Plan.straight([["a"], ["b"]]), "pipedream", minibatches=3)
     fwd = forward_only(sched)
@@ -273,9 +273,9 @@ def test_profiled_and_planned_models_split_exactly(name):
     """The plan's layer names (from the profiler, cut by the planner) split the model into
     stages that compose back to it, with the original state-dict keys."""
     from torchpipedream.models import get_model, loss_fn, sample_input
-    from torchpipedream.planner import plan as make_plan
-    from torchpipedream.profiler import profile
-    from torchpipedream.topology import Topology
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.model.profiler import profile
+    from torchpipedream.plans.topology import Topology
 
     torch.manual_seed(0)
     model = get_model(name)

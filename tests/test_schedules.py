@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from torchpipedream.actions import Kind, Schedule
-from torchpipedream.plans import Plan, Stage
-from torchpipedream.schedules import GENERATORS, ScheduleBuildError, build_schedule, warmup_depth
+from torchpipedream.schedule.actions import Kind, Schedule
+from torchpipedream.plans.plan import Plan, Stage
+from torchpipedream.schedule.build import GENERATORS, ScheduleBuildError, build_schedule, warmup_depth
 
 
 def straight(n: int, **kw) -> Plan:

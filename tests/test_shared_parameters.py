@@ -16,20 +16,20 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torchpipedream.actions import Kind
-from torchpipedream.graph import Layer, LayerGraph, SharedParameter
-from torchpipedream.placement import tied_support_problem
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import Plan, PlanError, Stage, TiedParameter
+from torchpipedream.schedule.actions import Kind
+from torchpipedream.model.graph import Layer, LayerGraph, SharedParameter
+from torchpipedream.schedule.placement import tied_support_problem
+from torchpipedream.search.planner import plan as make_plan
+from torchpipedream.plans.plan import Plan, PlanError, Stage, TiedParameter
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.engine import Engine
 from torchpipedream.runtime.loss_scaling import LossScaling
 from torchpipedream.runtime.pipeline import PipelineError
 from torchpipedream.runtime.weights import WeightVersions
-from torchpipedream.schedules import ScheduleBuildError, build_schedule
-from torchpipedream.simulator import simulate
-from torchpipedream.topology import Topology
-from torchpipedream.validate import validate_schedule
+from torchpipedream.schedule.build import ScheduleBuildError, build_schedule
+from torchpipedream.sim.simulator import simulate
+from torchpipedream.plans.topology import Topology
+from torchpipedream.schedule.validate import validate_schedule
 
 V, D, LR = 11, 8, 0.5
 FP16_SCALING = dict(init_scale=2.0 ** 22, growth_interval=2)
@@ -435,7 +435,7 @@ def test_training_leaves_the_global_random_state_alone():
 
 
 def test_split_wide_layers_leaves_the_global_random_state_alone():
-    from torchpipedream.layer_split import split_wide_layers
+    from torchpipedream.model.layer_split import split_wide_layers
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2048))
     before = torch.get_rng_state()
@@ -448,7 +448,7 @@ def test_split_wide_layers_leaves_the_global_random_state_alone():
 def test_the_papers_dp_never_returns_a_replicated_holder_of_a_split_tie():
     """method="hierarchical" replicates freely; a split tie under a round-robin kind must not
     be held by a replicated stage, so the straight re-search is the exact planner's."""
-    from torchpipedream.schedules import build_schedule
+    from torchpipedream.schedule.build import build_schedule
 
     names = ["x"] + [f"l{i}" for i in range(6)]
     layers = [Layer("x", is_input=True, activation_bytes=1000)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from torchpipedream.actions import Kind, Schedule
-from torchpipedream.plans import Plan, Stage
-from torchpipedream.schedules import build_schedule
-from torchpipedream.simulator import Costs, SimulationError, simulate
-from torchpipedream.validate import ScheduleError
+from torchpipedream.schedule.actions import Kind, Schedule
+from torchpipedream.plans.plan import Plan, Stage
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.sim.simulator import Costs, SimulationError, simulate
+from torchpipedream.schedule.validate import ScheduleError
 
 F, B = 1.0, 2.0
 
@@ -353,7 +353,7 @@ def _runtime_copies(sched: Schedule, rank: int) -> int:
 @pytest.mark.parametrize("kind, m, vsync", [("pipedream", None, False), ("pipedream", None, True), ("2bw", 2, False),
                                             ("flush", 4, False), ("gpipe", 2, False), ("naive", None, False)])
 def test_stash_copies_match_the_runtime(kind: str, m, vsync: bool) -> None:
-    from torchpipedream.simulator import stash_copies
+    from torchpipedream.sim.simulator import stash_copies
 
     sched = build_schedule(straight(3), kind, minibatches=7, microbatches=m, vertical_sync=vsync)
     for rank in sched.actions:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from torchpipedream.runtime.split_backward import WeightGradients, backward_inputs
+from torchpipedream.model.split_backward import WeightGradients, backward_inputs
 
 Forward = Callable[..., Any]
 

@@ -11,13 +11,13 @@ import torch
 import torch.fx
 from torch import nn
 
-from torchpipedream.auto_schedule import choose_schedule
-from torchpipedream.graph import Layer, LayerGraph
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import Plan, PlanError
-from torchpipedream.profiler import profile
-from torchpipedream.schedules import build_schedule
-from torchpipedream.simulator import WEIGHT_GRAD_SHARE, Costs, simulate
+from torchpipedream.search.auto import choose_schedule
+from torchpipedream.model.graph import Layer, LayerGraph
+from torchpipedream.search.planner import plan as make_plan
+from torchpipedream.plans.plan import Plan, PlanError
+from torchpipedream.model.profiler import profile
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.sim.simulator import WEIGHT_GRAD_SHARE, Costs, simulate
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

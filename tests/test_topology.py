@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchpipedream.runtime.measure import measure_accumulate_bandwidth, measure_allreduce, measure_loopback_bandwidth
-from torchpipedream.topology import (
+from torchpipedream.plans.topology import (
     LOCAL_ALLREDUCE_EFFICIENCY,
     LOCAL_BANDWIDTH_BPS,
     Level,

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from torchpipedream.actions import Kind
-from torchpipedream.plans import Plan, Stage
+from torchpipedream.schedule.actions import Kind
+from torchpipedream.plans.plan import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
-from torchpipedream.schedules import ScheduleBuildError, build_schedule, schedule_from_order
-from torchpipedream.simulator import Costs, simulate
-from torchpipedream.torch_interop import (TorchScheduleError, from_torch, parse_torch_action, read_torch_csv,
+from torchpipedream.schedule.build import ScheduleBuildError, build_schedule, schedule_from_order
+from torchpipedream.sim.simulator import Costs, simulate
+from torchpipedream.schedule.torch_text import (TorchScheduleError, from_torch, parse_torch_action, read_torch_csv,
                                           to_torch, write_torch_csv)
-from torchpipedream.validate import ScheduleError, validate_schedule
+from torchpipedream.schedule.validate import ScheduleError, validate_schedule
 
 
 class MockStage:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from torchpipedream.trace import Event, Trace, TraceFormatError
+from torchpipedream.sim.trace import Event, Trace, TraceFormatError
 
 
 def _two_rank_trace() -> Trace:
@@ -51,7 +51,7 @@ def test_json_round_trip(tmp_path) -> None:
 
 
 def test_kind_enum_accepted() -> None:
-    from torchpipedream.actions import Kind
+    from torchpipedream.schedule.actions import Kind
 
     assert Event(0, 0, Kind.FORWARD, 0, 0.0, 1.0).kind == "F"
 
@@ -103,9 +103,9 @@ def test_bad_trace_files(tmp_path, content: str, needle: str) -> None:
 
 # --------------------------------------------------------------------------- pictures and CLI
 def _simulated(kind: str = "pipedream", **kw):
-    from torchpipedream.plans import Plan
-    from torchpipedream.schedules import build_schedule
-    from torchpipedream.simulator import Costs, simulate
+    from torchpipedream.plans.plan import Plan
+    from torchpipedream.schedule.build import build_schedule
+    from torchpipedream.sim.simulator import Costs, simulate
 
     plan = Plan.straight([["a"], ["b"], ["c"]])
     sched = build_schedule(plan, kind, minibatches=4, **kw)
@@ -113,7 +113,7 @@ def _simulated(kind: str = "pipedream", **kw):
 
 
 def test_draw_timeline_png_and_svg(tmp_path) -> None:
-    from torchpipedream.viz import draw_timeline
+    from torchpipedream.sim.draw import draw_timeline
 
     res = _simulated()
     png = draw_timeline(res.trace, tmp_path / "t.png")
@@ -129,7 +129,7 @@ def test_gantt_draws_a_numbered_box_per_compute_event() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from torchpipedream.viz import COLOURS, _plot
+    from torchpipedream.sim.draw import COLOURS, _plot
 
     res = _simulated()
     fig, ax = plt.subplots()
@@ -151,7 +151,7 @@ def test_gantt_draws_a_numbered_box_per_compute_event() -> None:
 def test_draw_timelines_stacks_panels(tmp_path) -> None:
     from matplotlib import image
 
-    from torchpipedream.viz import draw_timelines
+    from torchpipedream.sim.draw import draw_timelines
 
     one = draw_timelines([("a", _simulated().trace)], tmp_path / "one.png")
     two = draw_timelines([("a", _simulated().trace), ("b", _simulated("gpipe", microbatches=2).trace)], tmp_path / "two.png")
@@ -159,7 +159,7 @@ def test_draw_timelines_stacks_panels(tmp_path) -> None:
 
 
 def test_viz_errors(tmp_path) -> None:
-    from torchpipedream.viz import VizError, draw_timeline
+    from torchpipedream.sim.draw import VizError, draw_timeline
 
     res = _simulated()
     with pytest.raises(VizError, match="suffix"):
@@ -171,7 +171,7 @@ def test_viz_errors(tmp_path) -> None:
 
 
 def _plan_file(tmp_path, **kw):
-    from torchpipedream.plans import Plan
+    from torchpipedream.plans.plan import Plan
 
     plan = Plan.straight([["a"], ["b"], ["c"], ["d"]], batch_size=16, microbatches=4, **kw)
     for st in plan.stages:
@@ -229,7 +229,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys, argv, needle) -> None:
 
 def test_cli_simulate_plan_without_costs(tmp_path, capsys) -> None:
     from torchpipedream.cli import main
-    from torchpipedream.plans import Plan
+    from torchpipedream.plans.plan import Plan
 
     path = tmp_path / "p.json"
     Plan.straight([["a"], ["b"]]).save(path)
@@ -240,7 +240,7 @@ def test_cli_simulate_plan_without_costs(tmp_path, capsys) -> None:
 def test_readme_schedules_figure(tmp_path) -> None:
     from matplotlib import image
 
-    from torchpipedream.viz import schedules_figure
+    from torchpipedream.sim.draw import schedules_figure
 
     out = schedules_figure(tmp_path / "s.png")
     h, w = image.imread(out).shape[:2]

@@ -10,8 +10,8 @@ import torch
 
 from fault_injection.faults import fault_environment
 from torchpipedream.cli import main
-from torchpipedream.plans import Plan
-from torchpipedream.trace import Trace
+from torchpipedream.plans.plan import Plan
+from torchpipedream.sim.trace import Trace
 
 
 @pytest.mark.timeout(240)
@@ -108,7 +108,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
 
 
 def _mlp_layer_names() -> list[str]:
-    from torchpipedream.profiler import profile
+    from torchpipedream.model.profiler import profile
     from torchpipedream.train import TrainConfig
     from torchpipedream.train.inputs import build_model, load_data, loss_for
 

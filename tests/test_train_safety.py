@@ -25,7 +25,7 @@ from torch import nn
 
 from fault_injection.faults import fault_environment
 from torchpipedream.cli import main
-from torchpipedream.plans import Plan, PlanError
+from torchpipedream.plans.plan import Plan, PlanError
 from torchpipedream.runtime import LaunchError, launch, latest_checkpoint, liveness
 from torchpipedream.runtime.checkpoint import CheckpointError, read_manifest
 from torchpipedream.runtime.launcher import free_port
@@ -113,7 +113,7 @@ def test_an_out_that_is_a_file_or_under_a_file_is_refused_at_once(tmp_path: Path
 def two_runs(tmp_path_factory):
     """Run A (lr 0.05, 2 epochs, a checkpoint every 3 minibatches) into ``a``; run B (lr 0.1,
     1 epoch) into ``b``; both on one plan file."""
-    from torchpipedream.profiler import profile
+    from torchpipedream.model.profiler import profile
     from torchpipedream.train import TrainConfig
     from torchpipedream.train.inputs import build_model, load_data, loss_for
 
@@ -225,7 +225,7 @@ def test_resume_refuses_an_option_outside_the_plan_and_names_it(two_runs, tmp_pa
     (["--memory", "0MB"], "--memory '0MB': memory size must be > 0"),
 ])
 def test_bad_numbers_are_refused_before_anything_starts(argv, message, tmp_path: Path, capsys, monkeypatch) -> None:
-    import torchpipedream.profiler as profiler
+    import torchpipedream.model.profiler as profiler
 
     monkeypatch.setattr(profiler, "profile", lambda *a, **k: pytest.fail("profiled before the options were checked"))
     t0 = time.monotonic()

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchpipedream.actions import Action, Kind, Schedule
-from torchpipedream.plans import Plan, Stage
-from torchpipedream.schedules import build_schedule
-from torchpipedream.validate import ScheduleError, schedule_stats, validate_schedule
+from torchpipedream.schedule.actions import Action, Kind, Schedule
+from torchpipedream.plans.plan import Plan, Stage
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.schedule.validate import ScheduleError, schedule_stats, validate_schedule
 
 KINDS = ["pipedream", "2bw", "flush", "gpipe", "naive"]
 
@@ -148,7 +148,7 @@ def test_allreduce_before_its_backward_rejected() -> None:
 def test_allreduce_interlock_deadlock_detected(monkeypatch) -> None:
     # The failure the 2bw restriction prevents: with 1 microbatch per batch and 2 input replicas,
     # replica 1 all-reduces batch 0 (no share of it) while stage 1 still needs its forward of batch 1.
-    import torchpipedream.schedules as schedules
+    import torchpipedream.schedule.build as schedules
 
     monkeypatch.setattr(schedules, "_check_shares", lambda plan, kind, m: None)
     s = schedules.build_schedule(replicated([2, 1, 1]), "2bw", minibatches=6, microbatches=1)

@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 
-from torchpipedream.actions import Kind, Schedule
-from torchpipedream.kinds import schedule_kind
-from torchpipedream.plans import Plan
-from torchpipedream.schedules import build_schedule
-from torchpipedream.simulator import Costs, simulate
-from torchpipedream.validate import ScheduleError, schedule_stats, validate_schedule
+from torchpipedream.schedule.actions import Kind, Schedule
+from torchpipedream.plans.kinds import schedule_kind
+from torchpipedream.plans.plan import Plan
+from torchpipedream.schedule.build import build_schedule
+from torchpipedream.sim.simulator import Costs, simulate
+from torchpipedream.schedule.validate import ScheduleError, schedule_stats, validate_schedule
 
 
 def straight(n: int) -> Plan:

@@ -8,14 +8,14 @@ import dataclasses
 
 import pytest
 
-from torchpipedream.actions import Action, Kind, Schedule, parse_action
-from torchpipedream.graph import Layer, LayerGraph
-from torchpipedream.kinds import schedule_kind
-from torchpipedream.planner import plan as make_plan
-from torchpipedream.plans import Plan, PlanError, Stage
-from torchpipedream.schedules import ScheduleBuildError, build_schedule
-from torchpipedream.simulator import Costs, simulate
-from torchpipedream.validate import ScheduleError, schedule_stats, validate_schedule
+from torchpipedream.schedule.actions import Action, Kind, Schedule, parse_action
+from torchpipedream.model.graph import Layer, LayerGraph
+from torchpipedream.plans.kinds import schedule_kind
+from torchpipedream.search.planner import plan as make_plan
+from torchpipedream.plans.plan import Plan, PlanError, Stage
+from torchpipedream.schedule.build import ScheduleBuildError, build_schedule
+from torchpipedream.sim.simulator import Costs, simulate
+from torchpipedream.schedule.validate import ScheduleError, schedule_stats, validate_schedule
 
 
 def straight(n: int) -> Plan:

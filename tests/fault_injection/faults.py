@@ -73,7 +73,7 @@ def install_fault(pipe: Any) -> None:
     its stage module, or a wrapper of its ``save_checkpoint``), on a first attempt only."""
     import torch
 
-    from torchpipedream.kinds import schedule_kind
+    from torchpipedream.plans.kinds import schedule_kind
 
     text = os.environ.get(FAULT_ENV)
     if not text or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:

@@ -73,8 +73,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..plans import Plan, PlanError
-from ..tracing import with_aliases
+from ..plans.plan import Plan, PlanError
+from ..model.capture import with_aliases
 from . import liveness
 from .optimizer_state import OptimizerStateError, load_state_by_name, state_by_name
 

@@ -24,7 +24,7 @@ parts (runtime/split_backward.py): B computes only the gradients of the stage's 
 SG sends at once, and keeps the graph; W computes the weights' gradients from where B left
 them, releases the weight version and frees the graph.
 
-Each executed action becomes an :class:`~torchpipedream.trace.Event` with wall-clock times
+Each executed action becomes an :class:`~torchpipedream.sim.trace.Event` with wall-clock times
 relative to a common start (ranks start after a barrier).
 """
 
@@ -41,13 +41,13 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from ..actions import Action, Kind, message_key, split_backwards
-from ..trace import Event
+from ..schedule.actions import Action, Kind, message_key, split_backwards
+from ..sim.trace import Event
 from . import liveness
 from .buffers import ReplicaBuffers
 from .comm import P2P
 from .loss_scaling import LossScaler
-from .split_backward import WeightGradients, backward_inputs
+from ..model.split_backward import WeightGradients, backward_inputs
 from .weights import WeightVersions
 
 __all__ = ["Engine", "MicrobatchResult", "as_tuple", "run_actions"]

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..tuning import tune_own_process
+from ..host.tuning import tune_own_process
 from . import liveness
 
 __all__ = ["launch", "LaunchError", "free_port", "init_from_env", "loopback_interface", "without_cpp_frames"]

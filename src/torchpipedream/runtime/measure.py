@@ -13,7 +13,7 @@ runtime incurs it:
   (``Topology.local(bandwidth_Bps=...)``).
 
 ``measure_local_costs(plan)`` measures what a plan needs and returns keyword overrides for
-:meth:`~torchpipedream.simulator.Costs.from_plan`. Every function spawns processes (except the
+:meth:`~torchpipedream.sim.simulator.Costs.from_plan`. Every function spawns processes (except the
 copy bandwidth), so call them from a script's ``if __name__ == "__main__":`` block.
 """
 
@@ -24,10 +24,10 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from ..tuning import tune_own_process
+from ..host.tuning import tune_own_process
 
 if TYPE_CHECKING:
-    from ..plans import Plan
+    from ..plans.plan import Plan
 
 __all__ = [
     "measure_local_costs",
@@ -129,7 +129,7 @@ def measure_accumulate_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 10) ->
 
     import torch
 
-    from ..profiler import disturb_caches
+    from ..model.profiler import disturb_caches
 
     def once() -> float:
         new = torch.full_like(acc, 0.5)  # a fresh gradient, as each backward makes one
@@ -383,7 +383,7 @@ def _message_overhead(rank: int, world: int, nbytes: int, repeats: int) -> float
     import torch
     import torch.distributed as dist
 
-    from ..profiler import disturb_caches
+    from ..model.profiler import disturb_caches
     from .comm import pack, post_recv, post_send, unpack
 
     cpu = torch.device("cpu")
@@ -451,7 +451,7 @@ def _allreduce(rank: int, world: int, nbytes: int, repeats: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from ..profiler import disturb_caches
+    from ..model.profiler import disturb_caches
 
     flat = torch.ones(max(1, nbytes // 4))
     times = []

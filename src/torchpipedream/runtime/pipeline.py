@@ -12,8 +12,8 @@ gpipe, 2bw: split into ``microbatches``); ``train_minibatches([b0, b1, ...])`` s
 minibatches through one schedule of length N; ``fit(loader, epochs)`` streams a whole epoch
 through one schedule of ``len(loader)`` minibatches, so pipedream keeps the pipeline full
 for the whole epoch and drains only at its end. Schedules are built with
-:func:`~torchpipedream.schedules.build_schedule`, validated with
-:func:`~torchpipedream.validate.validate_schedule` and cached per length.
+:func:`~torchpipedream.schedule.build.build_schedule`, validated with
+:func:`~torchpipedream.schedule.validate.validate_schedule` and cached per length.
 
 Why ``optimizer`` is a factory (``lambda params: torch.optim.SGD(params, lr=0.1)``): each
 rank owns only its stage's parameters, which exist only after the split, so the optimizer
@@ -48,15 +48,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..actions import Action, Kind, Schedule, message_key
-from ..huge_pages import HUGE_PAGES_ENV
-from ..kinds import UnknownKindError, schedule_kind
-from ..placement import tied_support_problem
-from ..plans import Plan, PlanError, TiedParameter
-from ..schedules import build_schedule
-from ..trace import Event, Trace
-from ..tracing import as_call, draws_random_numbers, microbatch_sample, model_loss, parameter_aliases, with_aliases
-from ..validate import ScheduleError, validate_schedule
+from ..schedule.actions import Action, Kind, Schedule, message_key
+from ..host.huge_pages import HUGE_PAGES_ENV
+from ..plans.kinds import UnknownKindError, schedule_kind
+from ..schedule.placement import tied_support_problem
+from ..plans.plan import Plan, PlanError, TiedParameter
+from ..schedule.build import build_schedule
+from ..sim.trace import Event, Trace
+from ..model.capture import as_call, draws_random_numbers, microbatch_sample, model_loss, parameter_aliases, with_aliases
+from ..schedule.validate import ScheduleError, validate_schedule
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .comm import P2P
@@ -253,7 +253,7 @@ class Pipeline:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
         if tune_allocator:  # every microbatch re-allocates the same buffers: reuse them (freed_memory.py)
-            from ..freed_memory import keep_freed_memory
+            from ..host.freed_memory import keep_freed_memory
 
             keep_freed_memory()
         if self.device.type == "cuda":

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..plans import Plan
+from ..plans.plan import Plan
 
 __all__ = ["share_plan"]
 

@@ -1,4 +1,4 @@
-"""Cut a model into pipeline stages: one ``nn.Module`` per stage of a :class:`~torchpipedream.plans.Plan`.
+"""Cut a model into pipeline stages: one ``nn.Module`` per stage of a :class:`~torchpipedream.plans.plan.Plan`.
 
 Three ways in, one contract out. Every stage module is called with the values that cross
 into it as positional arguments (stage 0: the model's own inputs, as :meth:`StageSplit.inputs`
@@ -8,7 +8,7 @@ orders them) and returns
 * the model's output for the last stage (a tensor, tuple, dict, dataclass or ``ModelOutput``).
 
 1. A traced module (``tracing.trace``: torch.fx, else torch.export with a sample of the inputs):
-   the plan's layer names are the graph's node names (what :mod:`torchpipedream.profiler`
+   the plan's layer names are the graph's node names (what :mod:`torchpipedream.model.profiler`
    records). Each stage becomes a ``GraphModule`` that keeps the original module's qualified
    parameter names, so stage state dicts merge into the original model's ``state_dict`` keys.
    Any number of values may cross a cut (skip connections); a value produced in stage 0 and
@@ -36,8 +36,8 @@ from typing import Any, Callable, Sequence
 
 from torch import fx, nn
 
-from ..plans import Plan, PlanError
-from ..tracing import TraceError, Traced, canonical_names, mutates_first_input, trace
+from ..plans.plan import Plan, PlanError
+from ..model.capture import TraceError, Traced, canonical_names, mutates_first_input, trace
 
 __all__ = ["split_stages", "StageSplit", "StageSplitError", "model_state_names"]
 

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..actions import Kind, Schedule
+from ..schedule.actions import Kind, Schedule
 from .loss_scaling import has_nonfinite
 
 __all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means", "wait_for"]

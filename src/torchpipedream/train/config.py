@@ -7,8 +7,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..kinds import AUTO, KIND_NAMES, schedule_kind
-from ..plans import Plan
+from ..plans.kinds import AUTO, KIND_NAMES, schedule_kind
+from ..plans.plan import Plan
 
 __all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "optimizer_scratch_of", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
 
@@ -183,7 +183,7 @@ def check_options(cfg: TrainConfig) -> None:
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise TrainError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.memory is not None:
-        from ..topology import TopologyError, parse_bytes
+        from ..plans.topology import TopologyError, parse_bytes
 
         try:
             parse_bytes(cfg.memory)  # refuses sizes <= 0 too
@@ -203,14 +203,14 @@ def check_options(cfg: TrainConfig) -> None:
             f"--batch-size {cfg.batch_size} cannot be split into --microbatches {cfg.microbatches}"
         )
     if cfg.topology:
-        from ..topology import Topology, TopologyError
+        from ..plans.topology import Topology, TopologyError
 
         try:
             Topology.from_any(cfg.topology)
         except (TopologyError, ValueError, OSError) as exc:
             raise TrainError(f"--topology {cfg.topology}: {exc}") from None
     if cfg.plan_file:
-        from ..plans import Plan, PlanError
+        from ..plans.plan import Plan, PlanError
 
         try:
             Plan.load(cfg.plan_file)

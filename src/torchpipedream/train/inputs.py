@@ -32,7 +32,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     from the weights of ``--init``."""
     model = seeded_model(cfg.model, cfg.seed)
     if cfg.init:
-        from ..state_files import StateFileError, load_state_file
+        from ..util.state_files import StateFileError, load_state_file
 
         try:
             state = load_state_file(cfg.init)

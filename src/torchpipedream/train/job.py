@@ -47,7 +47,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg)
-    from ..auto_schedule import threads_per_worker
+    from ..search.auto import threads_per_worker
     from ..runtime import launch
 
     check_options(cfg)

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..trace import Trace
-from ..units import human_bytes
-from ..auto_schedule import auto_summary_lines, threads_per_worker
+from ..sim.trace import Trace
+from ..util.units import human_bytes
+from ..search.auto import auto_summary_lines, threads_per_worker
 from .resume import plan_side_text
 from .config import TrainError, schedule_of
 from .preparation import Prepared
@@ -66,7 +66,7 @@ def outputs_from_checkpoint(directory: str | Path) -> dict[str, Any]:
 
 def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str, Any]:
     """Write the run's files into ``out`` and return the report (also in ``report.json``)."""
-    from ..viz import draw_timeline
+    from ..sim.draw import draw_timeline
 
     out.mkdir(parents=True, exist_ok=True)
     cfg, plan = prep.config, prep.plan

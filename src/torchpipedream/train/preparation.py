@@ -8,10 +8,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..graph import LayerGraph
-from ..plans import Plan, PlanError
-from ..units import human_bytes
-from ..kinds import AUTO
+from ..model.graph import LayerGraph
+from ..plans.plan import Plan, PlanError
+from ..util.units import human_bytes
+from ..plans.kinds import AUTO
 from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
                      optimizer_scratch_of, schedule_of)
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
@@ -98,7 +98,7 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
         if cfg.schedule != AUTO:  # auto: the file's schedule and microbatches
             plan.schedule = cfg.schedule
         return plan.with_recompute(True) if cfg.recompute else plan
-    from ..planner import plan as make_plan
+    from ..search.planner import plan as make_plan
 
     try:
         return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
@@ -121,13 +121,13 @@ def _scratch(cfg: TrainConfig) -> tuple[float, float]:
 def _topology(cfg: TrainConfig, workers: int, check: bool = True) -> Any:
     """``--topology``, else this computer's ``workers``; checked against ``--workers`` (unless
     ``check``: a local layout of fewer workers than ``--workers``)."""
-    from ..topology import Topology
+    from ..plans.topology import Topology
 
     topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
     if check and topo.num_workers != workers:
         raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
     if cfg.memory is not None:
-        from ..topology import parse_bytes
+        from ..plans.topology import parse_bytes
 
         topo.memory_bytes = parse_bytes(cfg.memory)
     return topo
@@ -158,7 +158,7 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostC
     workers priced with its measured host costs (as the run's own prediction is). A local run
     (this machine's cores, no --topology) also tries fewer workers with more torch threads each
     (``auto_schedule.local_layouts``), each from a profile at that thread count."""
-    from ..auto_schedule import choose_layout, choose_schedule, local_layouts
+    from ..search.auto import choose_layout, choose_schedule, local_layouts
 
     options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
                    straight=cfg.straight, recompute=cfg.recompute,
@@ -186,11 +186,11 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     """
     import torch
 
-    from ..auto_schedule import threads_per_worker
-    from ..profiler import profile
+    from ..search.auto import threads_per_worker
+    from ..model.profiler import profile
     from ..runtime.pipeline import PRECISIONS
-    from ..schedules import build_schedule
-    from ..simulator import Costs, simulate
+    from ..schedule.build import build_schedule
+    from ..sim.simulator import Costs, simulate
     check_options(cfg)
     point: ResumePoint | None = resume_point(cfg) if cfg.resume else None
     workers = cfg.resolved_workers()

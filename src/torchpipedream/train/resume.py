@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..plans import Plan, PlanError
+from ..plans.plan import Plan, PlanError
 from .config import TrainConfig, TrainError, flag
 
 __all__ = ["checkpoint_dir", "is_epoch_end", "ResumePoint", "resume_point", "resume_after_restart",

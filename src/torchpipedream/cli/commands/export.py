@@ -1,0 +1,41 @@
+"""`torchpipedream export`: a checkpoint's weights as a plain state_dict file."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's weights as a plain state_dict (.pt or .safetensors)",
+        description="Read a checkpoint (a directory with manifest.json, or a run's --out, whose newest "
+        "checkpoint is taken), verify it, and write the model's state_dict: every parameter and buffer "
+        "under the model's own names, so that the original nn.Module loads it with load_state_dict. "
+        "train --init starts a run from such a file.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint directory, or a run's --out directory")
+    p.add_argument("--out", required=True, help="the file to write: .pt (torch.save) or .safetensors")
+    p.set_defaults(handler=_handle)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ...runtime.checkpoint import MANIFEST, latest_checkpoint, read_stage_states
+    from ...util.state_files import save_state_file
+    from ...train.out_dir import checkpoints_root
+    from . import CommandError
+
+    source = Path(args.checkpoint)
+    if not (source / MANIFEST).is_file():
+        found = latest_checkpoint(checkpoints_root(source))
+        if found is None:
+            raise CommandError(f"{source}: not a checkpoint (no {MANIFEST}) and no complete checkpoint under "
+                               f"{source / 'checkpoints'}")
+        source = found
+    state = read_stage_states(source)
+    path = save_state_file(state, args.out)
+    print(f"wrote {path}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} values, from {source}")
+    return 0

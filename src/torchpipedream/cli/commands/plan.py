@@ -1,0 +1,105 @@
+"""`torchpipedream plan`: choose stages and replicas for a layer graph on a topology."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ...plans.kinds import AUTO, KIND_NAMES, SCHEDULE_KINDS
+from . import CommandError
+
+#: ``--schedule all``: every kind with true gradients planned and ranked by the simulator.
+ALL = "all"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="split a profiled model into pipeline stages over a cluster (writes plan JSON)",
+        description="Find the stages, replica counts and ranks with the smallest predicted time per "
+        "minibatch (PipeDream's optimizer, exact, memory-aware) and print them as a table. "
+        "Topologies: a compact spec innermost first such as 4x4:10GB/s,1.25GB/s (4 workers per "
+        "server over 10 GB/s, 4 servers over 1.25 GB/s), 16:10GB/s, a preset (A, B, C, A:8, "
+        "local, local:4) or a JSON file.",
+    )
+    p.add_argument("graph", help="layer graph: JSON from `torchpipedream profile`, a PipeDream graph.txt, or the "
+                   "name of a bundled reference profile (alexnet, vgg16, resnet50, gnmt, ...)")
+    p.add_argument("--topology", "-t", default="local", help="cluster spec, preset or JSON file (default: local)")
+    p.add_argument("--straight", action="store_true", help="one worker per stage, no replication")
+    p.add_argument("--stages", type=int, default=None, metavar="K", help="exactly K stages")
+    p.add_argument("--allow-fewer-workers", action="store_true",
+                   help="the plan may leave workers idle when that is not slower")
+    p.add_argument("--memory", default=None, help="memory per worker, e.g. 16GB (default: the topology's, if any)")
+    p.add_argument("--no-memory-limit", action="store_true", help="ignore the topology's memory per worker")
+    p.add_argument("--schedule", default="pipedream", choices=[*KIND_NAMES, AUTO, ALL],
+                   help="the schedule kind to plan for; auto: plan every synchronous kind at 1, 2, 4 and 8 "
+                        "microbatches and keep the fastest the simulator predicts; all: the same over every kind "
+                        "with true gradients (asynchronous, zero-bubble and interleaved ones too), ranked "
+                        "(default: %(default)s)")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="--schedule auto may also choose pipedream or 2bw (stale but true gradients)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches per minibatch (2bw, flush, gpipe, zb-h1, zb-h2, zb-v, zb-2bw; interleaved: a multiple of "
+                        "the workers)")
+    p.add_argument("--chunks", type=int, default=2, metavar="V",
+                   help="interleaved: stages per worker, the model cut into workers x V stages (default: %(default)s)")
+    p.add_argument("--optimizer-state", type=float, default=None, metavar="F",
+                   help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
+    p.add_argument("--recompute", action="store_true",
+                   help="activation recomputation on every stage (each backward runs its forward again)")
+    p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
+                   help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
+    p.add_argument("--out", "-o", default=None, help="where to write the plan JSON")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...search.auto import plan
+    from ...search.planner import DEFAULT_OPTIMIZER_STATE_FACTOR
+    from ...model.profiles import load_profile
+    from ...plans.topology import Topology, parse_bytes
+
+    graph = load_profile(args.graph)
+    topo = Topology.from_any(args.topology)
+    memory = parse_bytes(args.memory) if args.memory else None
+    if args.no_memory_limit:
+        if memory is not None:
+            raise CommandError("give either --memory or --no-memory-limit, not both")
+        topo.memory_bytes = None
+    f = DEFAULT_OPTIMIZER_STATE_FACTOR if args.optimizer_state is None else args.optimizer_state
+    options = dict(straight=args.straight, num_stages=args.stages, allow_fewer_workers=args.allow_fewer_workers,
+                   memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute,
+                   chunks=args.chunks)
+    if args.schedule == ALL:
+        from ...search.auto import choose_schedule
+        from ...plans.plan import PlanError
+
+        if args.microbatches != 1:
+            raise CommandError("--schedule all tries 1, 2, 4 and 8 microbatches itself; drop --microbatches")
+        kinds = [k.name for k in SCHEDULE_KINDS.values() if k.true_gradients]
+        try:
+            p = choose_schedule(graph, topo, kinds=kinds, allow_stale=True, **options)
+        except PlanError as exc:
+            raise CommandError(str(exc)) from None
+    else:
+        p = plan(graph, topo, schedule=args.schedule, microbatches=args.microbatches, allow_stale=args.allow_stale,
+                 **options)
+    print(f"{args.graph}: {len(graph)} layers, {len(graph.linearize())} blocks; topology {topo.to_spec()} "
+          f"({topo.num_workers} workers)")
+    print(p.table())
+    if args.schedule in (AUTO, ALL):
+        from ...search.auto import auto_candidates_table
+
+        print(auto_candidates_table(p))
+    if args.out:
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CommandError(f"--out {out}: cannot create directory {out.parent} ({exc.strerror})") from None
+        if out.is_dir():
+            raise CommandError(f"--out {out}: is a directory; give a file name")
+        p.save(out)
+        print(f"wrote {out}")
+    return 0

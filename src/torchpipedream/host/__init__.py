@@ -1,0 +1,1 @@
+"""Allocator settings for processes torchpipedream owns (huge pages, freed memory), never the caller's."""

@@ -1,0 +1,1 @@
+"""What the model is and costs: the layer graph, profiles (measured, PipeDream's graph.txt, bundled references), capture by torch.fx/export, the profiler, layer splitting, the split backward."""

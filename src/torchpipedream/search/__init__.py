@@ -1,0 +1,1 @@
+"""How a plan is chosen: the planner (bisection and PipeDream's hierarchical DP, virtual-stage cuts) and schedule='auto'."""

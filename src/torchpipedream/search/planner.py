@@ -1,0 +1,1253 @@
+"""The planner: split a layer graph into pipeline stages and replicate them over a topology.
+
+``plan(graph, topology)`` returns the :class:`~torchpipedream.plans.plan.Plan` with the smallest
+predicted time per minibatch under the cost model below (docs/planner.md has the long form).
+
+Cost model (times in ms per minibatch, the profile's batch; sizes in bytes)
+--------------------------------------------------------------------------
+The graph is planned over ``graph.linearize()``: a chain of blocks i = 0..N-1 with compute
+C_i (forward + backward), parameters w_i and a_i, the bytes crossing the cut after block i.
+A stage holds blocks i..j on ``m`` consecutive ranks r..r+m-1 (ranks are given out stage by
+stage, in order). With B(X) the slowest link inside a rank set X (``Topology.span_bandwidth``):
+
+* stage time  = (C_ij + allreduce) / m,   allreduce = 2(m-1)/m · w_ij / B(stage ranks)
+  (pipedream, naive: ring all-reduce once per round of m minibatches, one per replica;
+  **summed** with compute, not overlapped as in the paper's max(): our schedules run
+  ALLREDUCE as its own action);
+  2bw, flush, gpipe: C_ij · ceil(μ/m)/μ + allreduce (the replicas share each minibatch's μ
+  microbatches and all-reduce once per minibatch), with m = 1 or a divisor of μ;
+* cut time    = 2 · a_j / B(ranks of both stages)   (activation forward + gradient back;
+  overlapped with compute as in the paper, so a cut is its own term in the max);
+* bottleneck  = max over stages and cuts (the slowest pipeline element);
+* time per minibatch = bottleneck · (μ + n − 1) / μ for schedules that flush every minibatch
+  (flush, gpipe: n stages, μ microbatches, the fill and drain of each minibatch), the
+  bottleneck itself for the others (pipedream, 2bw, naive keep the pipeline full).
+
+Memory per worker of a stage, with d = ceil(workers from this stage to the end / m) minibatches
+in flight and ``f`` = ``optimizer_state_factor`` extra weight copies (gradient, momentum):
+``w·(versions + f)`` + the activations each in-flight microbatch holds (what autograd saved in
+the stage, its inputs and outputs, message buffers) + the backward's working memory
+(memory_model.py), with versions and in-flight microbatches per schedule (pipedream: d
+versions, d minibatches; 2bw: 2 versions, d microbatches; flush: 1 version, min(d, μ)
+microbatches; gpipe: 1 version, all μ microbatches; naive: 1 version, d minibatches). A stage
+that does not fit is never chosen.
+
+Algorithms
+----------
+``method="fast"`` (default) is exact: a bisection on the bottleneck time T where each test is
+a reachability DP over (block boundary, rank) pairs. For a fixed T, a stage of blocks i..j
+needs at least mmin(i, j) replicas (closed form from the quadratic T·m² - (C+q)·m + q >= 0);
+that bound shrinks as i grows, so for every start rank only the latest reachable block boundary
+matters, and the feasible end ranks of a level-k span form a prefix-minimum within each level-k
+component. One test costs O(N · levels · W) vectorised steps (O(N² · W) with a memory budget).
+``method="hierarchical"`` is the paper's recurrence (A^k, T^k per level, bottom-up), exact for
+its own, smaller space of plans (stages confined to components, sub-pipelines replicated over
+whole components); it is O(levels · N³ · c²) and kept as a reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..model.graph import Block, LayerGraph, SharedParameter, measured_sum
+from ..plans.kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from ..plans.memory import (NO_SCRATCH, StageActivations, memory_terms, scratch_of_options, stage_activations,
+                           stage_memory_bytes, working_key)
+from ..plans.plan import Plan, PlanError, Stage, TiedParameter, looped_rank, v_shape_rank
+from ..plans.topology import Level, Topology, format_bytes
+
+__all__ = [
+    "plan",
+    "evaluate",
+    "best_split_for_replicas",
+    "allreduce_ms",
+    "transfer_ms",
+    "stage_time_ms",
+    "replicas_share_microbatches",
+    "replica_count_allowed",
+    "in_flight",
+    "fill_drain_factor",
+    "Evaluation",
+    "DEFAULT_OPTIMIZER_STATE_FACTOR",
+]
+
+log = logging.getLogger(__name__)
+
+#: Extra copies of a stage's weights a worker holds besides its weight versions: the gradient
+#: buffer and one momentum buffer (SGD with momentum). Adam would be 3.
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
+
+_INF_M = 1 << 40  # "no replica count works"
+
+
+# ------------------------------------------------------------------ the cost model
+def transfer_ms(nbytes: float, bandwidth_Bps: float) -> float:
+    """Milliseconds to move ``nbytes`` over a link of ``bandwidth_Bps`` (0 on the same worker)."""
+    if nbytes == 0 or math.isinf(bandwidth_Bps):
+        return 0.0
+    return nbytes / bandwidth_Bps * 1e3
+
+
+def allreduce_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
+    """Ring all-reduce of a stage's gradients among its replicas: 2(m-1)/m · |w| / B."""
+    if replicas <= 1:
+        return 0.0
+    return 2.0 * (replicas - 1) / replicas * transfer_ms(parameter_bytes, bandwidth_Bps)
+
+
+def replicas_share_microbatches(schedule: str | ScheduleKind) -> bool:
+    """Whether a replicated stage splits each minibatch's microbatches among its replicas and
+    all-reduces once per minibatch (2bw, flush, gpipe: one update per minibatch), rather than
+    taking whole minibatches in turn and all-reducing once per round of them (pipedream, naive)."""
+    return schedule_kind(schedule).microbatched
+
+
+def replica_count_allowed(schedule: str | ScheduleKind, replicas: int, microbatches: int) -> bool:
+    """Replica counts the search considers: any for pipedream and naive; for the kinds whose
+    replicas share a minibatch's microbatches, 1 or a divisor of them (2bw requires it; under
+    flush and gpipe any other count leaves replicas idle for part of every minibatch, and more
+    replicas than microbatches leaves some idle throughout, so that each minibatch runs on
+    one replica after another)."""
+    return replicas == 1 or not replicas_share_microbatches(schedule) or microbatches % replicas == 0
+
+
+def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, bandwidth_Bps: float,
+                  schedule: str | ScheduleKind = "pipedream", microbatches: int = 1) -> float:
+    """Time per minibatch of a stage with ``replicas`` workers.
+
+    pipedream, naive: (compute + all-reduce) / m: each replica takes every m-th minibatch and
+    the all-reduce runs once per round of m minibatches. 2bw, flush, gpipe: compute · ⌈μ/m⌉/μ
+    + all-reduce: the busiest replica runs ⌈μ/m⌉ of the minibatch's μ microbatches, and every
+    minibatch ends in its own all-reduce.
+    """
+    ar = allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)
+    if replicas_share_microbatches(schedule):
+        return compute_ms * math.ceil(microbatches / replicas) / microbatches + ar
+    return (compute_ms + ar) / replicas
+
+
+def fill_drain_factor(schedule: str | ScheduleKind, microbatches: int, depth: int) -> float:
+    """Time per minibatch over the bottleneck for a pipeline ``depth`` stages deep.
+
+    flush and gpipe drain the pipeline at every minibatch: its μ microbatches take μ + n − 1
+    bottleneck slots of 1/μ of a minibatch each, i.e. (μ + n − 1)/μ (the bubble of GPipe's
+    paper). pipedream, 2bw and naive keep it full across minibatches: 1.
+    """
+    return schedule_kind(schedule).fill_drain_factor(microbatches, depth)
+
+
+def in_flight(workers_to_end: int, replicas: int) -> int:
+    """Minibatches in flight on one replica of a stage: ceil(workers from it to the end / m)."""
+    return -(-workers_to_end // replicas)
+
+
+# ------------------------------------------------------------------ evaluation
+@dataclass
+class Evaluation:
+    """The cost model applied to one placement: per-stage and per-cut times, memory, bottleneck.
+
+    ``time_ms`` is the bottleneck (what the bisection searches on); ``minibatch_ms`` the time
+    per minibatch, the bottleneck times the schedule's :func:`fill_drain_factor`."""
+
+    stage_ms: list[float]
+    allreduce_ms: list[float]
+    cut_ms: list[float]
+    memory_bytes: list[float]
+    time_ms: float
+    bottleneck: str
+    bottleneck_stage: int
+    ranks: list[list[int]] = field(default_factory=list)
+    minibatch_ms: float = 0.0
+
+
+def tied_holders(blocks: Sequence[Block], stages: Sequence[tuple[int, int, int]],
+                 tied: Sequence[SharedParameter]) -> list[tuple[SharedParameter, list[int]]]:
+    """Each shared parameter whose layers the stages split, with the stages holding a copy."""
+    stage_of = {name: s for s, (i, j, _) in enumerate(stages) for b in blocks[i:j + 1] for name in b.layers}
+    out = []
+    for t in tied:
+        holders = sorted({stage_of[name] for name in t.layers if name in stage_of})
+        if len(holders) > 1:
+            out.append((t, holders))
+    return out
+
+
+def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple[int, int, int]],
+             schedule: str = "pipedream", microbatches: int = 1,
+             optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
+             tied: Sequence[SharedParameter] = (), recompute: bool = False,
+             optimizer_scratch: tuple[float, float] = NO_SCRATCH) -> Evaluation:
+    """Apply the cost model to stages given as (first block, last block, replicas), ranks in order.
+
+    Memory per worker is ``memory_model.stage_memory_bytes`` (with ``recompute``, what a
+    recomputing stage holds).
+
+    A shared parameter (``tied``) that the stages split costs every holding stage a copy (its
+    weights, versions and optimizer state: the profile counts it once, in its first layer) and
+    the exchange of its gradient: a ring all-reduce among the holders' ranks once per update,
+    charged to each holder as its replicas' all-reduce is (``schedules._add_tied`` overlaps it
+    with compute where the kind allows; the charge is the upper bound)."""
+    workers = sum(m for _, _, m in stages)
+    if workers > topology.num_workers:
+        raise PlanError(f"the stages use {workers} workers but the topology has {topology.num_workers}")
+    ranks, stage_ms, ar_ms, cut_ms, mem = [], [], [], [], []
+    r = 0
+    for i, j, m in stages:
+        ranks.append(list(range(r, r + m)))
+        r += m
+    copies = [0.0] * len(stages)  # bytes of shared parameters a stage holds beyond the profile's count
+    exchange = [0.0] * len(stages)  # ms of shared-parameter all-reduce per update
+    for t, holders in tied_holders(blocks, stages, tied):
+        group = [r for s in holders for r in ranks[s]]
+        cost = allreduce_ms(t.bytes, len(group), topology.allreduce_bandwidth(group))
+        for s in holders:
+            exchange[s] += cost
+        for s in holders[1:]:
+            copies[s] += t.bytes
+    kind = schedule_kind(schedule)
+    first_depth = in_flight(workers - ranks[0][0], stages[0][2]) if stages else 0
+    for s, (i, j, m) in enumerate(stages):
+        compute = sum(b.compute_ms for b in blocks[i:j + 1])
+        own = sum(b.parameter_bytes for b in blocks[i:j + 1])  # without copies of shared parameters
+        params = own + copies[s]
+        bw = topology.allreduce_bandwidth(ranks[s])
+        ar_ms.append(allreduce_ms(own, m, bw) + exchange[s])
+        stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches) + exchange[s])
+        depth = kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth, microbatches)
+        mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
+                                      optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch))
+        if s + 1 < len(stages):
+            cut_ms.append(2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth(ranks[s] + ranks[s + 1])))
+    worst_stage = max(range(len(stages)), key=lambda s: stage_ms[s])
+    t, what, where = stage_ms[worst_stage], f"stage {worst_stage} compute+sync", worst_stage
+    for s, c in enumerate(cut_ms):
+        if c > t:
+            t, what, where = c, f"transfer between stages {s} and {s + 1}", s
+    return Evaluation(stage_ms, ar_ms, cut_ms, mem, t, what, where, ranks,
+                      t * fill_drain_factor(schedule, microbatches, len(stages)))
+
+
+# ------------------------------------------------------------------ the exact fast search
+class _Problem:
+    """Arrays of one planning problem, shared by every feasibility test."""
+
+    def __init__(self, blocks: Sequence[Block], topology: Topology, schedule: str, microbatches: int,
+                 memory: float | None, f: float, num_stages: int | None, straight: bool,
+                 recompute: bool = False, scratch: tuple[float, float] = NO_SCRATCH) -> None:
+        self.blocks = list(blocks)
+        self.N = len(blocks)
+        self.topology = topology
+        self.W = topology.num_workers
+        self.Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+        self.Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+        self.a = np.array([float(b.cut_bytes) for b in blocks])
+        self.a_in = np.concatenate([[0.0], self.a[:-1]])  # input bytes of a stage starting at i
+        # the memory model's terms (memory_model.py): prefix sums and per-block maxima
+        self.Sp = np.concatenate([[0.0], np.cumsum([float(b.saved_bytes) for b in blocks])])
+        self.unsaved = np.array([float(b.unsaved_cut_bytes) for b in blocks])
+        self.working = np.array([working_key(b.working_bytes, b.released_bytes) for b in blocks], dtype=float)
+        self.largest = np.array([float(b.largest_parameter_bytes) for b in blocks])
+        self.recompute = recompute
+        self.scratch = scratch  # the optimizer step's temporaries (memory_model.once_bytes)
+        self.measured = all(b.saves_measured for b in blocks)  # else the older model (memory_model.py)
+        self.sizes = topology.sizes
+        self.beff = topology.effective_bandwidths  # links: cuts
+        self.bar = topology.allreduce_bandwidths  # all-reduces
+        self.classes = [0] if straight else list(range(len(self.sizes)))
+        self.schedule, self.mu, self.memory, self.f = schedule, microbatches, memory, f
+        self.kind = schedule_kind(schedule)
+        # 2bw, flush, gpipe: a replicated stage's size is a divisor of μ (replica_count_allowed)
+        # and its time is not monotone in it (the all-reduce grows, the compute share has
+        # steps), so those stages are enumerated size by size instead of by mmin.
+        self.shared = replicas_share_microbatches(schedule) and not straight
+        self.shared_sizes = [d for d in range(2, microbatches + 1) if replica_count_allowed(schedule, d, microbatches)]
+        self.num_stages = num_stages
+        self._class_col = np.array(self.classes, dtype=np.int64)[:, None, None]
+        self._allreduce_factor = np.array([2e3 / self.bar[max(k, 1)] for k in self.classes])[:, None, None]
+        # level crossed between ranks s-1 and s, for s = 1..W-1
+        self.lev_adj = np.zeros(self.W + 1, dtype=np.int64)
+        for s in range(1, self.W):
+            self.lev_adj[s] = next(k for k in range(len(self.sizes)) if (s - 1) // self.sizes[k] == s // self.sizes[k])
+        self.checks = 0
+
+    # minimal replicas of class k (k = 0: a single worker) for stages (i.., j) at bottleneck T
+    def mmin(self, k: int | np.ndarray, comp: np.ndarray, w: np.ndarray, T: float) -> np.ndarray:
+        """Smallest m (>= 2 for k >= 1, == 1 for k == 0) with (comp + allreduce(w, m, B_k)) / m <= T.
+
+        ``k`` may be an int or an integer array broadcastable against ``comp`` (one class per row).
+        """
+        kk = np.asarray(k)
+        single = kk == 0
+        if math.isinf(T):
+            return np.broadcast_to(np.where(single, 1, 2), comp.shape).astype(np.int64)
+        B = np.asarray(self.bar, dtype=np.float64)[np.maximum(kk, 1)]
+        q = w * (2e3 / B)  # all-reduce time scale 2|w|/B in ms
+        bq = comp + q
+        disc = bq * bq - (4.0 * T) * q
+        if T > 0:
+            root = (bq + np.sqrt(np.maximum(disc, 0.0))) * (0.5 / T)
+            root = np.where(disc > 0, root, 0.0)
+        else:
+            root = np.full(comp.shape, np.inf)
+        # the smallest integer >= root (up to 1e-12 relative rounding of the closed form)
+        m = np.ceil(np.minimum(root * (1 - 4e-15), float(_INF_M)))
+        m = np.maximum(m, 2.0).astype(np.int64)
+        return np.where(single, np.where(comp <= T, 1, _INF_M), m)
+
+    def activations(self, i: np.ndarray, j1: int) -> StageActivations:
+        """The memory model's activation terms of stages i..j1-1 (arrays over i)."""
+        end = j1 == self.N
+        if not self.measured:
+            return StageActivations(inputs=self.a_in[i], measured=False)
+        return StageActivations(
+            saved=self.Sp[j1] - self.Sp[i], inputs=self.a_in[i],
+            outputs=0.0 if end else self.a[j1 - 1], unsaved_outputs=0.0 if end else self.unsaved[j1 - 1],
+            # max over k in i..j1-1 of (factor · working_k − saved after k): a suffix maximum
+            working=np.maximum.accumulate((self.working[:j1] + self.Sp[1:j1 + 1])[::-1])[::-1][i]
+            - self.Sp[j1],
+            largest_parameter=np.maximum.accumulate(self.largest[:j1][::-1])[::-1][i])
+
+    def max_depth(self, i: np.ndarray, j1: int, acts: StageActivations, replicas: int = 1) -> np.ndarray:
+        """Largest in-flight count d whose memory fits, for stages i..j1-1 of ``replicas``
+        replicas with activation terms ``acts`` (huge if any d fits)."""
+        w = self.Wp[j1] - self.Wp[i]
+        base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, replicas, self.scratch)
+        M = self.memory
+        big = float(_INF_M)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = np.where(per > 0, np.floor((M - base) / np.where(per > 0, per, 1.0)), big)
+        d = np.where(base > M, -1.0, d)
+        d = np.minimum(d, big)
+        if not math.isinf(cap):
+            d = np.where(base + per * cap <= M, big, np.minimum(d, cap - 1))
+        d = d.astype(np.int64)
+        # exact fix-up against the evaluator's formula
+        def fits(dd: np.ndarray) -> np.ndarray:
+            return base + per * np.minimum(dd, cap) <= M
+        d = np.where((d >= 0) & (d < _INF_M) & ~fits(np.maximum(d, 1)), d - 1, d)
+        d = np.where((d >= 0) & (d < _INF_M - 1) & fits(d + 1), d + 1, d)
+        return np.maximum(d, 0)
+
+    def feasible(self, T: float, Wu: int, exact_end: bool, record: bool) -> tuple[bool, Any]:
+        """Can blocks 0..N-1 be placed on ranks 0..Wu-1 with every stage and cut ≤ T?
+
+        A reachability DP over (block boundary, stage count, rank): ``reach[j1, c, s]`` says
+        blocks 0..j1-1 fit on ranks 0..s-1 in c stages (c is tracked only with ``num_stages``).
+        For each end block j, :meth:`_needs_no_budget` or :meth:`_needs_with_budget` gives the
+        fewest replicas a stage ending at j needs from each start rank; a prefix minimum within
+        each level-k component (:meth:`_component_prefix_min`) turns that into the ranks where
+        such a stage can end. With ``record`` it returns the stages found, as (first block,
+        last block, replicas).
+        """
+        self.checks += 1
+        N = self.N
+        K1 = len(self.classes)
+        C = 1 if self.num_stages is None else self.num_stages + 1
+        Wp1 = Wu + 1
+        reach = np.zeros((N + 1, C, Wp1), dtype=bool)
+        reach[0, 0, 0] = True
+        par = np.full((N + 1, C, Wp1, 3), -1, dtype=np.int64) if record else None  # (i, r, c_prev)
+        ranks = np.arange(Wu, dtype=np.int64)
+        limit = ((ranks + 1) * Wp1 + Wp1 - 1)[None, :]  # key <= limit  <=>  e <= x + 1
+        last = np.full((K1, C, Wu), -1, dtype=np.int64)  # latest reachable start block (no budget)
+        for ki in range(K1):
+            last[ki, 0, 0] = 0
+        # inok[ki, i]: a class-k stage may start at block i (the cut before it fits in T)
+        inok = np.stack([self._in_ok(k, np.arange(N), T) for k in self.classes])
+        out_thr = self._out_thresholds(T, Wu)
+        pms = np.empty((K1, C, Wu), dtype=np.int64)
+        for j in range(N):
+            j1 = j + 1
+            if self.memory is None:
+                best, besti, shared_starts = self._needs_no_budget(j1, T, last, record)
+            else:
+                best, besti, shared_starts = self._needs_with_budget(j1, T, Wu, reach, inok)
+            e = ranks[None, None, :] + best  # earliest end (exclusive) of a stage starting at r
+            keys = np.minimum(e, 2 * _INF_M) * Wp1 + ranks[None, None, :]
+            self._component_prefix_min(keys, Wu, pms)
+            cond = pms <= limit  # (K1, C, Wu): a class-k stage can end just before rank s = x + 1
+            shared = {ki: self._shared_ends(k, Wu, C, functools.partial(shared_starts, ki), record)
+                      for ki, k in enumerate(self.classes) if k > 0 and self.shared}
+            for ki, (ok_end, _, _) in shared.items():
+                cond[ki] = ok_end
+            if j < N - 1:
+                cond &= (self.a[j] <= out_thr)[:, None, :]
+            hit_c = cond.any(axis=0)  # (C, Wu), indexed by the previous stage count
+            new_any = np.zeros((C, Wp1), dtype=bool)
+            if C > 1:
+                new_any[1:, 1:] = hit_c[:-1]
+            else:
+                new_any[:, 1:] = hit_c
+            if par is not None and hit_c.any():
+                self._record(par, j1, C, Wp1, cond, hit_c, pms, besti, shared)
+            reach[j1] = new_any
+            if j1 < N and self.memory is None and new_any.any():
+                hit = new_any[:, :Wu]
+                for ki in range(K1):
+                    if inok[ki, j1]:
+                        last[ki][hit] = j1
+        cfinal = C - 1 if self.num_stages is not None else 0
+        ends = reach[N, cfinal]
+        if exact_end:
+            s_end = Wu if ends[Wu] else -1
+        else:
+            hits = np.nonzero(ends)[0]
+            s_end = int(hits[0]) if len(hits) else -1
+        if s_end < 0:
+            return False, None
+        if par is None:
+            return True, None
+        return True, _trace_back(par, N, cfinal, s_end)
+
+    def _out_thresholds(self, T: float, Wu: int) -> np.ndarray:
+        """[ki, s-1]: the largest cut (bytes) a class-k stage ending before rank s may send in T."""
+        beff = np.array(self.beff, dtype=np.float64)
+        out = np.stack([beff[np.maximum(k, self.lev_adj[1:Wu + 1])] * T / 2e3 if not math.isinf(T)
+                        else np.full(Wu, np.inf) for k in self.classes])
+        out[:, -1] = -1.0  # s == Wu: no rank left for the next stage
+        return out
+
+    def _needs_no_budget(self, j1: int, T: float, last: np.ndarray, record: bool) -> tuple[np.ndarray, np.ndarray, Any]:
+        """Without a memory budget the latest reachable start block is the best start (the
+        replicas a stage needs shrink as it starts later): replicas needed per (class, stage
+        count, start rank), the start blocks, and the shared-size test for ``_shared_ends``."""
+        valid = last >= 0
+        iv = np.where(valid, last, 0)
+        comp = self.Cp[j1] - self.Cp[iv]
+        w = self.Wp[j1] - self.Wp[iv]
+        if math.isinf(T):
+            mreq = np.broadcast_to(np.where(self._class_col == 0, 1, 2), comp.shape)
+        else:  # inline of self.mmin (the hot loop), same arithmetic
+            q = w * self._allreduce_factor
+            bq = comp + q
+            disc = bq * bq - (4.0 * T) * q
+            np.maximum(disc, 0.0, out=disc)
+            root = (bq + np.sqrt(disc)) * (0.5 * (1 - 4e-15) / T) if T > 0 else np.full(comp.shape, np.inf)
+            mreq = np.maximum(np.ceil(np.minimum(root, float(_INF_M))), 2.0).astype(np.int64)
+            if self.classes[0] == 0:
+                mreq[0] = np.where(comp[0] <= T, 1, _INF_M)
+        best = np.where(valid, mreq, _INF_M)
+        besti = last.copy() if record else last
+
+        def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            f = self._shared_stage_ms(self.classes[ki], comp[ki][None], w[ki][None], ms[:, None, None])
+            return valid[ki][None] & (f <= T), np.broadcast_to(last[ki], (len(ms),) + last[ki].shape)
+
+        return best, besti, shared_starts
+
+    def _needs_with_budget(self, j1: int, T: float, Wu: int, reach: np.ndarray, inok: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray, Any]:
+        """With a memory budget a later start is no longer always better (memory grows with the
+        stage's depth), so every reachable start block is weighed: as :meth:`_needs_no_budget`."""
+        K1, C = len(self.classes), reach.shape[1]
+        best = np.full((K1, C, Wu), _INF_M, dtype=np.int64)
+        besti = np.full((K1, C, Wu), -1, dtype=np.int64)
+        I = np.nonzero(reach[:j1].any(axis=(1, 2)))[0]
+        comp = self.Cp[j1] - self.Cp[I]
+        w = self.Wp[j1] - self.Wp[I]
+        togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
+        if self.kind.split_backward:  # the input stage's count (ZB-H1), 2n − 1 (ZB-H2), or 2μ (zb-2bw)
+            first = self.num_stages or Wu
+            togo = np.array([[self.kind.inflight_depth(int(d), first, self.mu) for d in togo[0]]], dtype=togo.dtype)
+        acts = self.activations(I, j1)
+
+        def replicas_for_memory(replicas: int) -> np.ndarray:
+            """Fewest replicas whose depth fits the budget, per start block and start rank."""
+            dmax = self.max_depth(I, j1, acts, replicas)  # (nI,)
+            with np.errstate(divide="ignore"):
+                return np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
+
+        # A replicated stage accumulates into persistent gradients (one more parameter's worth).
+        # Its replica count is not known here; 2 stands for any: only pipedream and naive
+        # replicate in this path, and their memory depends on the count only through d.
+        mmem1, mmem = replicas_for_memory(1), replicas_for_memory(2)
+        reach_i = reach[I][:, :, :Wu]
+        for ki, k in enumerate(self.classes):
+            if k > 0 and self.shared:
+                continue  # enumerated by size in _shared_ends
+            mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem1 if k == 0 else mmem)  # (nI, Wu)
+            cand = np.where(reach_i & inok[ki, I][:, None, None], mreq[:, None, :], _INF_M)
+            arg = np.argmin(cand, axis=0)  # (C, Wu)
+            best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
+            besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
+
+        fitting: dict[int, np.ndarray] = {}
+
+        def memory_fits(m: int) -> np.ndarray:
+            """(nI, Wu): a stage of ``m`` replicas (sharing each minibatch's microbatches) fits."""
+            if m not in fitting:
+                base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m, self.scratch)
+                d = np.minimum(-(-togo // m), cap)  # (1, Wu)
+                fitting[m] = (np.broadcast_to(base, w.shape)[:, None] + np.broadcast_to(per, w.shape)[:, None] * d
+                              <= self.memory)
+            return fitting[m]
+
+        def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            fits = inok[ki, I][None] & (self._shared_stage_ms(self.classes[ki], comp[None], w[None],
+                                                              ms[:, None]) <= T)  # (M, nI)
+            mem_ok = np.stack([memory_fits(int(m)) for m in ms])  # (M, nI, Wu)
+            ok = reach_i[None] & fits[:, :, None, None] & mem_ok[:, :, None, :]  # (M, nI, C, Wu)
+            return ok.any(axis=1), I[np.argmax(ok, axis=1)]
+
+        return best, besti, shared_starts
+
+    def _component_prefix_min(self, keys: np.ndarray, Wu: int, out: np.ndarray) -> None:
+        """out[ki, c, x]: the smallest key over start ranks r ≤ x in x's level-k component (a
+        stage of class k lies inside one component)."""
+        C = keys.shape[1]
+        for ki, k in enumerate(self.classes):
+            S = self.sizes[k]
+            pad = (-Wu) % S
+            if k > 0 and self.shared:
+                out[ki] = 0  # unused: _shared_ends decides these classes
+            elif S == 1:
+                out[ki] = keys[ki]
+            elif pad:
+                key = np.concatenate([keys[ki], np.full((C, pad), np.iinfo(np.int64).max)], axis=1)
+                out[ki] = np.minimum.accumulate(key.reshape(C, -1, S), axis=2).reshape(C, -1)[:, :Wu]
+            else:
+                np.minimum.accumulate(keys[ki].reshape(C, -1, S), axis=2, out=out[ki].reshape(C, -1, S))
+
+    def _record(self, par: np.ndarray, j1: int, C: int, Wp1: int, cond: np.ndarray, hit_c: np.ndarray,
+                pms: np.ndarray, besti: np.ndarray, shared: dict[int, Any]) -> None:
+        """Remember, for every (stage count, end rank) newly reached at block boundary j1, the
+        start block, start rank and previous stage count of the first class that reaches it."""
+        kfirst = np.argmax(cond, axis=0)[None]
+        r = np.take_along_axis(pms, kfirst, axis=0)[0] % Wp1  # (C, Wu)
+        i = besti[kfirst[0], np.arange(C)[:, None], r]
+        for ki, (_, r_k, i_k) in shared.items():
+            r, i = np.where(kfirst[0] == ki, r_k, r), np.where(kfirst[0] == ki, i_k, i)
+        if C > 1:
+            par[j1, 1:, 1:, 0] = np.where(hit_c[:-1], i[:-1], -1)
+            par[j1, 1:, 1:, 1] = r[:-1]
+            par[j1, 1:, 1:, 2] = np.arange(C - 1)[:, None]
+        else:
+            par[j1, :, 1:, 0] = np.where(hit_c, i, -1)
+            par[j1, :, 1:, 1] = r
+            par[j1, :, 1:, 2] = 0
+
+    def _shared_stage_ms(self, k: int, comp: np.ndarray, w: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """:func:`stage_time_ms` of class-k stages of ``m`` replicas under 2bw, flush or gpipe
+        (``m`` broadcasts against ``comp`` and ``w``)."""
+        return comp * (-(-self.mu // m)) / self.mu + 2.0 * (m - 1) / m * (w / self.bar[max(k, 1)] * 1e3)
+
+    def _shared_ends(self, k: int, Wu: int, C: int, starts: Any, record: bool
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where a class-k stage whose size is one of ``shared_sizes`` can end (2bw, flush, gpipe).
+
+        ``starts(ms)`` gives, per size in ``ms`` and per (stage count, start rank), whether a
+        stage of that many replicas ending at the current block fits from some reachable start
+        block, and which one (only when recording). Returns (can end at rank x, its start rank,
+        its start block), each (C, Wu).
+        """
+        S = self.sizes[k]
+        ok_end = np.zeros((C, Wu), dtype=bool)
+        r_sel = np.zeros((C, Wu), dtype=np.int64)
+        i_sel = np.full((C, Wu), -1, dtype=np.int64)
+        ms = np.array([m for m in self.shared_sizes if m <= Wu], dtype=np.int64)
+        if not len(ms):
+            return ok_end, r_sel, i_sel
+        oks, firsts = starts(ms)
+        for t, m in enumerate(ms.tolist()):
+            ok = oks[t]
+            n = Wu - m + 1  # start ranks r with r + m - 1 < Wu
+            r = np.arange(n)
+            inside = (r // S) == ((r + m - 1) // S)  # the stage lies in one level-k component
+            new = ok[:, :n] & inside[None, :] & ~ok_end[:, m - 1:]
+            ok_end[:, m - 1:] |= new
+            if record:
+                r_sel[:, m - 1:] = np.where(new, r[None, :], r_sel[:, m - 1:])
+                i_sel[:, m - 1:] = np.where(new, firsts[t][:, :n], i_sel[:, m - 1:])
+        return ok_end, r_sel, i_sel
+
+    def _in_ok(self, k: int, I: np.ndarray, T: float) -> np.ndarray:
+        """Can a class-k stage start at block boundary i (the cut before it fits in T)?"""
+        if k == 0 or math.isinf(T):
+            return np.ones(len(I), dtype=bool)
+        return (I == 0) | (2.0 * self.a_in[I] / self.beff[k] * 1e3 <= T)
+
+
+def _trace_back(par: np.ndarray, N: int, c: int, s: int) -> list[tuple[int, int, int]]:
+    """The stages (first block, last block, replicas) that reached rank ``s`` at the last block."""
+    stages = []
+    jj = N
+    while jj > 0:
+        i, r, cp = (int(v) for v in par[jj, c, s])
+        stages.append((i, jj - 1, s - r))
+        jj, c, s = i, cp, r
+    stages.reverse()
+    return stages
+
+
+def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float,
+            cap: float = math.inf) -> tuple[float, list[tuple[int, int, int]]] | None:
+    """Bisection on the bottleneck; returns (time, stages) of the best plan or None if none fits
+    (or, with ``cap``, none has a bottleneck of at most ``cap``: a deeper flush pipeline that
+    cannot beat the best plan of a shallower one is dismissed with one test)."""
+    ok, stages = prob.feasible(cap, Wu, exact_end, record=True)
+    if not ok:
+        return None
+
+    def cost(st: list[tuple[int, int, int]]) -> float:
+        return evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f).time_ms
+
+    rtol = max(rtol, 1e-12)  # well above the closed form's rounding (4e-15, see mmin)
+    best = cost(stages)
+    hi = best
+    lo = (prob.Cp[-1] / Wu) * (1 - 1e-9)
+    # Plan costs are discrete: once the bracket is narrow, ask "is anything strictly better than
+    # the best plan found?" — a no is a certificate of optimality and ends the search early.
+    certify = True
+    for _ in range(400):  # the bracket halves at least every other probe; 400 is never reached
+        if not (hi > 0 and hi - lo > rtol * hi):
+            break
+        narrow = certify and hi - lo <= 1e-3 * hi
+        certify = not narrow  # alternate certificate probes with bisection steps
+        probe = best * (1 - rtol) if narrow else 0.5 * (lo + hi)
+        ok, st = prob.feasible(probe, Wu, exact_end, record=True)
+        if ok:
+            c = cost(st)
+            if c < best:
+                best, stages = c, st
+            hi = min(probe, c)
+        else:
+            lo = probe
+            if narrow:
+                break
+    return best, stages
+
+
+# ------------------------------------------------------------------ the paper's recurrence
+def _hierarchical(blocks: Sequence[Block], topology: Topology, allow_fewer: bool) -> list[tuple[int, int, int]]:
+    """PipeDream's A^k/T^k dynamic programme (our cost terms), bottom-up over the levels."""
+    N = len(blocks)
+    Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+    Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+    a = np.array([float(b.cut_bytes) for b in blocks])
+    ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+    valid = ii <= jj
+    comp = np.where(valid, Cp[np.minimum(jj + 1, N)] - Cp[ii], np.inf)
+    wts = np.where(valid, Wp[np.minimum(jj + 1, N)] - Wp[ii], 0.0)
+    beff, bar = topology.effective_bandwidths, topology.allreduce_bandwidths
+    below_full = None  # A^{k-1}(i→j, full component), (N, N)
+    levels_choice = []
+    for k, lv in enumerate(topology.levels, start=1):
+        c, B = lv.count, beff[k]
+        Tk = np.full((c + 1, N, N), np.inf)
+        for m in range(1, c + 1):
+            inner = comp if below_full is None else below_full
+            ar = 2.0 * (m - 1) / m * wts / bar[k] * 1e3
+            Tk[m] = np.where(valid, (inner + ar) / m, np.inf)
+        cut = 2.0 * a[:-1] / B * 1e3  # cut after block s, s = 0..N-2
+        Ak = np.full((c + 1, N, N), np.inf)
+        choice = np.full((c + 1, N, N, 2), -1, dtype=np.int64)  # (split s, m') or -1: no split
+        for m in range(1, c + 1):
+            Ak[m] = Tk[m]
+            for mp in range(1, m if N > 1 else 1):
+                # X[i, s, j] = max(A(i→s, m-mp), cut_s, T(s+1→j, mp)), s = 0..N-2
+                left = Ak[m - mp][:, :-1, None]
+                right = Tk[mp][None, 1:, :]
+                X = np.maximum(np.maximum(left, cut[None, :, None]), right)
+                sbest = np.argmin(X, axis=1)
+                xbest = np.take_along_axis(X, sbest[:, None, :], axis=1)[:, 0, :]
+                better = xbest < Ak[m]
+                Ak[m] = np.where(better, xbest, Ak[m])
+                choice[m, :, :, 0] = np.where(better, sbest, choice[m, :, :, 0])
+                choice[m, :, :, 1] = np.where(better, mp, choice[m, :, :, 1])
+        levels_choice.append((Ak, Tk, choice))
+        below_full = Ak[c]
+    L = len(topology.levels)
+    top_c = topology.levels[-1].count
+    Atop = levels_choice[-1][0]
+    m_top = top_c
+    if allow_fewer:
+        m_top = min(range(1, top_c + 1), key=lambda m: (Atop[m][0, N - 1], -m))
+
+    def recon_A(k: int, m: int, i: int, j: int, mult: int) -> list[tuple[int, int, int]]:
+        Ak, Tk, choice = levels_choice[k - 1]
+        s, mp = (int(v) for v in choice[m, i, j])
+        if s < 0:
+            return recon_T(k, m, i, j, mult)
+        return recon_A(k, m - mp, i, s, mult) + recon_T(k, mp, s + 1, j, mult)
+
+    def recon_T(k: int, m: int, i: int, j: int, mult: int) -> list[tuple[int, int, int]]:
+        if k == 1:
+            return [(i, j, m * mult)]
+        return recon_A(k - 1, topology.levels[k - 2].count, i, j, mult * m)
+
+    return recon_A(L, m_top, 0, N - 1, 1)
+
+
+# ------------------------------------------------------------------ fixed replica counts
+def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replicas: Sequence[int],
+                            schedule: str = "pipedream", microbatches: int = 1,
+                            optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR
+                            ) -> tuple[float, list[tuple[int, int, int]]]:
+    """Best contiguous split for a fixed replica configuration (e.g. the paper's "15-1"):
+    (time per minibatch in ms, stages). The depth is fixed, so the split that minimises the
+    bottleneck also minimises the time per minibatch."""
+    K, N = len(replicas), len(blocks)
+    if K > N:
+        raise PlanError(f"{K} stages but the graph has only {N} blocks to split")
+    starts = np.concatenate([[0], np.cumsum(replicas)])
+    if starts[-1] > topology.num_workers:
+        raise PlanError(f"config {'-'.join(map(str, replicas))} needs {starts[-1]} workers; topology has "
+                        f"{topology.num_workers}")
+    Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+    Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+    # best[s][j]: min bottleneck of stages 0..s covering blocks 0..j
+    best = np.full((K, N), np.inf)
+    arg = np.full((K, N), -1, dtype=np.int64)
+    for s in range(K):
+        m, r0 = int(replicas[s]), int(starts[s])
+        bw = topology.allreduce_bandwidth(range(r0, r0 + m))
+        for j in range(s, N - (K - 1 - s)):
+            for i in range(s, j + 1):
+                t = stage_time_ms(Cp[j + 1] - Cp[i], Wp[j + 1] - Wp[i], m, bw, schedule, microbatches)
+                if s > 0:
+                    prev = best[s - 1][i - 1]
+                    cutbw = topology.span_bandwidth(range(int(starts[s - 1]), r0 + m))
+                    t = max(t, prev, 2 * transfer_ms(blocks[i - 1].cut_bytes, cutbw))
+                elif i > 0:
+                    continue
+                if t < best[s][j]:
+                    best[s][j], arg[s][j] = t, i
+    stages, j = [], N - 1
+    for s in range(K - 1, -1, -1):
+        i = int(arg[s][j])
+        stages.append((i, j, int(replicas[s])))
+        j = i - 1
+    stages.reverse()
+    ev = evaluate(blocks, topology, stages, schedule, microbatches, optimizer_state_factor)
+    return ev.minibatch_ms, stages
+
+
+# ------------------------------------------------------------------ the public entry point
+def plan(
+    graph: LayerGraph,
+    topology: Topology | str,
+    *,
+    schedule: str = "pipedream",
+    straight: bool = False,
+    num_stages: int | None = None,
+    allow_fewer_workers: bool = False,
+    memory_bytes: int | None = None,
+    microbatches: int = 1,
+    optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
+    optimizer_scratch: tuple[float, float] = NO_SCRATCH,
+    method: str = "fast",
+    rtol: float = 1e-10,
+    recompute: bool = False,
+    chunks: int = 2,
+) -> Plan:
+    """Choose stages, replica counts and ranks that minimise the predicted time per minibatch.
+
+    Args:
+        graph: the profiled layer graph (a DAG is planned over ``graph.linearize()``).
+        topology: a :class:`Topology`, a compact spec such as ``"4x4:10GB/s,1.25GB/s"``, a
+            preset name (``"A"``) or a JSON file path.
+        schedule: the schedule kind (a name in ``kinds.SCHEDULE_KINDS``): decides the memory
+            model, how replicas share a minibatch and whether fill and drain are paid.
+            (``torchpipedream.plan``, in auto_schedule.py, also takes "auto".)
+        straight: one worker per stage (no replication).
+        num_stages: exactly this many stages.
+        allow_fewer_workers: the plan may leave workers idle when that is not slower.
+        memory_bytes: per-worker budget; None takes the topology's (None there = unlimited).
+        microbatches: microbatches per minibatch (2bw, flush, gpipe memory model).
+        optimizer_state_factor: extra weight-sized buffers per worker (gradient, momentum).
+        optimizer_scratch: the optimizer step's temporaries, (a, b): a × the stage's largest
+            layer's parameters + b × its weights (``memory_model.once_bytes``): (0, 0) for SGD,
+            (2, 0) for torch's Adam/AdamW on a CPU (a per-parameter loop), (0, 1) for their
+            ``foreach`` form (CUDA's default).
+        method: "fast" (exact bisection, default) or "hierarchical" (the paper's DP).
+        rtol: the bisection stops when the bracket is within this relative width.
+        recompute: activation recomputation on every stage (``Stage.recompute``): each
+            backward is charged its stage's forward again. The memory model is unchanged: it
+            counts the stashed stage inputs only, which is what a recomputing stage keeps.
+        chunks: for kinds with virtual stages (interleaved): stages per worker, v. The model
+            is cut into workers × v stages of balanced time (a straight plan of that depth),
+            stage k on worker k mod workers (``Plan.looped``).
+
+    Raises:
+        PlanError: impossible requests (more stages than blocks or workers, nothing fits in
+            memory — the message names the smallest budget that would fit).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(graph, LayerGraph):
+        raise PlanError(f"plan() needs a LayerGraph, got {type(graph).__name__}")
+    if schedule == AUTO:
+        raise PlanError("planner.plan plans one schedule kind; torchpipedream.plan(..., schedule='auto') "
+                        "(auto_schedule.plan) chooses the kind and the microbatches")
+    topo = Topology.from_any(topology)
+    try:
+        kind = schedule_kind(schedule)
+    except UnknownKindError as exc:
+        raise PlanError(str(exc)) from None
+    schedule = kind.name
+    if kind.split_backward:
+        straight = True  # zero-bubble schedules run one worker per stage (schedules.build_schedule)
+    if kind.virtual_stages:
+        per_worker = 2 if kind.v_shape else chunks
+        if num_stages is not None and isinstance(per_worker, int) and num_stages != topo.num_workers * per_worker:
+            raise PlanError(f"num_stages={num_stages}: {schedule} plans {per_worker} stages on each of the "
+                            f"{topo.num_workers} workers ({topo.num_workers * per_worker} stages); leave num_stages "
+                            "unset or use a kind with one stage per worker")
+        return _plan_virtual(graph, topo, schedule, per_worker, microbatches=microbatches,
+                             memory_bytes=memory_bytes, optimizer_state_factor=optimizer_state_factor,
+                             optimizer_scratch=optimizer_scratch, rtol=rtol, recompute=recompute)
+    if method not in ("fast", "hierarchical"):
+        raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
+    if optimizer_state_factor < 0:
+        raise PlanError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}")
+    if not (isinstance(optimizer_scratch, (tuple, list)) and len(optimizer_scratch) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in optimizer_scratch)):
+        raise PlanError("optimizer_scratch must be two numbers >= 0 (× the largest layer's parameters, × the "
+                        f"stage's weights), got {optimizer_scratch!r}")
+    optimizer_scratch = (float(optimizer_scratch[0]), float(optimizer_scratch[1]))
+    if not isinstance(recompute, bool):
+        raise PlanError(f"recompute must be True or False, got {recompute!r}")
+    blocks = _planning_blocks(graph, recompute)
+    _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
+                         allow_fewer_workers)
+    memory = memory_bytes if memory_bytes is not None else topo.memory_bytes
+    if memory is not None and (not isinstance(memory, (int, float)) or memory <= 0):
+        raise PlanError(f"memory budget must be a positive number of bytes, got {memory!r}")
+    if method == "hierarchical" and (straight or num_stages is not None):
+        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
+                        "use method='fast'")
+
+    def search(chain: list[Block], straight_only: bool) -> tuple[list[tuple[int, int, int]], int]:
+        # the paper's DP replicates freely: a straight re-search (shared parameters) is the exact one's
+        if method == "hierarchical" and not straight_only:
+            return _hierarchical(chain, topo, allow_fewer_workers), 0
+
+        def problem(depth: int | None) -> _Problem:
+            return _Problem(chain, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight_only,
+                            recompute, optimizer_scratch)
+
+        return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer_workers,
+                              memory is not None, rtol)
+
+    if graph.tied:
+        blocks, stages, checks = _place_shared(graph, blocks, search, straight, topo, schedule, microbatches,
+                                               optimizer_state_factor)
+    else:
+        stages, checks = search(blocks, straight)
+    elapsed = time.perf_counter() - t0
+    return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
+                       elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
+                                             allow_fewer_workers=allow_fewer_workers, memory_bytes=memory,
+                                             microbatches=microbatches,
+                                             optimizer_state_factor=optimizer_state_factor, recompute=recompute,
+                                             **({"optimizer_scratch": list(optimizer_scratch)}
+                                                if optimizer_scratch != NO_SCRATCH else {})))
+
+
+def _planning_blocks(graph: LayerGraph, recompute: bool) -> list[Block]:
+    """The graph's chain of blocks as the planner prices them: with ``recompute`` each backward
+    is charged its block's forward again."""
+    blocks = graph.linearize()
+    if recompute:
+        blocks = [dataclasses.replace(b, backward_ms=b.backward_ms + b.forward_ms) for b in blocks]
+    return blocks
+
+
+def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int, **options: Any) -> Plan:
+    """A plan of virtual stages for ``schedule``: the straight plan of workers × ``chunks``
+    balanced stages on a topology with ``chunks`` times the workers (each worker's memory shared
+    by its chunks), then stage k on worker k mod workers (interleaved, ``Plan.looped``), or in a
+    V (zb-v, ``Plan.v_shape``: worker r holds stages r and 2p − 1 − r). A cut balanced stage by
+    stage need not balance the workers, so the cuts ``_worker_cuts`` proposes (that one, the
+    best few for the busiest worker's compute and transfers, and a local search's) are each
+    simulated with the plan's profile and the fastest kept: the busiest worker's sum misses
+    what the order costs (on fc_heavy and the LM its best cut simulated slower than the local
+    search's). Its prediction: the busiest worker's compute and transfers per
+    minibatch, times the kind's fill and drain (interleaved (μ + (p − 1)/v)/μ, zb-v
+    (μ + (p − 1)/6)/μ). Its memory: the flush model of that deeper pipeline, summed per worker
+    (an approximation: the interleaved order holds up to 2(p − r − 1) + (v − 1)p + 1
+    microbatches over a worker's chunks, zb-v up to 2p + 2)."""
+    from ..schedule.build import build_schedule
+    from ..sim.simulator import Costs, simulate
+
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise PlanError(f"chunks (stages per worker) must be a positive integer, got {chunks!r}")
+    if graph.tied:
+        raise PlanError(f"{schedule}: the model shares parameters between layers ({graph.tied[0].name}), which "
+                        "virtual stages do not support yet; use flush")
+    workers = topo.num_workers
+    kind = schedule_kind(schedule)
+    if not kind.v_shape and options["microbatches"] % workers:
+        raise PlanError(f"{schedule} runs microbatches in rounds of one per worker: microbatches must be a multiple "
+                        f"of the {workers} workers, got {options['microbatches']}")
+    memory = options.pop("memory_bytes")
+    memory = memory if memory is not None else topo.memory_bytes
+    top = topo.levels[-1]
+    wide = Topology([*topo.levels[:-1], Level(top.count * chunks, top.bandwidth_Bps, top.name)],
+                    memory_bytes=None, latency_s=topo.latency_s, name=topo.name,
+                    allreduce_efficiency=topo.allreduce_efficiency)
+    budget = memory / chunks if memory is not None else None
+    deep = plan(graph, wide, schedule="flush", straight=True, num_stages=workers * chunks, memory_bytes=budget,
+                **options)
+    rank_of = v_shape_rank if kind.v_shape else looped_rank
+    blocks = _planning_blocks(graph, bool(options.get("recompute")))
+    cut = [(i, j, 1) for i, j in deep.meta["blocks"]]
+    f = options["optimizer_state_factor"]
+
+    def stage_times(trial: list[tuple[int, int, int]]) -> list[float]:
+        ev = evaluate(blocks, wide, trial, "flush", deep.microbatches, f)
+        return [ev.stage_ms[k] + (ev.cut_ms[k] if k < len(ev.cut_ms) else 0.0) for k in range(len(trial))]
+
+    chosen: tuple[float, Plan] | None = None
+    over: list[float] = []
+    for trial in _worker_cuts(blocks, cut, rank_of, workers, stage_times):
+        built = deep if trial == cut else _build_plan(  # the deep plan's options (its optimizer scratch) hold
+            graph, blocks, wide, trial, "flush", deep.microbatches, f, budget, deep.meta["planning_time_s"],
+            deep.meta["feasibility_checks"], dict(deep.meta["planner"], rebalanced_for_workers=True))
+        if budget is not None and max(st.memory_bytes for st in built.stages) > budget:
+            continue
+        p = _placed(graph, topo, schedule, built, chunks, rank_of)
+        if memory is not None and p.predicted["peak_memory_bytes"] > memory:
+            over.append(p.predicted["peak_memory_bytes"])
+            continue
+        m = p.microbatches
+        rate = simulate(build_schedule(p, schedule, minibatches=4, microbatches=m),
+                        Costs.from_plan(p, microbatches=m)).minibatches_per_s
+        if chosen is None or rate > chosen[0] * (1 + 1e-9):
+            chosen = (rate, p)
+    if chosen is None:
+        raise PlanError(f"{schedule}: every cut needs more than the budget of {format_bytes(memory)} on some worker "
+                        f"(the least: {format_bytes(min(over))})" if over else
+                        f"{schedule}: no cut of the model into {workers * chunks} stages fits the budget")
+    return chosen[1]
+
+
+def _placed(graph: LayerGraph, topo: Topology, schedule: str, deep: Plan, chunks: int, rank_of: Any) -> Plan:
+    """The straight plan ``deep`` of workers × ``chunks`` stages placed on the workers by
+    ``rank_of``, with the prediction and memory of its busiest worker (``_plan_virtual``)."""
+    workers = topo.num_workers
+    kind = schedule_kind(schedule)
+    stages = [dataclasses.replace(st, ranks=[rank_of(k, workers)]) for k, st in enumerate(deep.stages)]
+    m = deep.microbatches
+    held = [[st for st in stages if st.ranks == [r]] for r in range(workers)]
+    per_rank = [sum(st.compute_ms + st.comm_ms for st in mine) for mine in held]
+    rank_memory = [sum(st.memory_bytes for st in mine) for mine in held]
+    t_ms = max(per_rank) * kind.fill_drain_factor(m, workers, chunks)
+    predicted = dict(deep.predicted)
+    predicted.update(time_per_minibatch_s=t_ms / 1e3, minibatches_per_s=1e3 / t_ms if t_ms > 0 else None,
+                     samples_per_s=(graph.batch_size * 1e3 / t_ms) if (graph.batch_size and t_ms > 0) else None,
+                     bottleneck_stage=None, bottleneck=f"worker {per_rank.index(max(per_rank))}",
+                     peak_memory_bytes=int(max(rank_memory)))
+    dp = predicted.get("data_parallel_time_per_minibatch_s")
+    predicted["speedup_over_data_parallel"] = dp * 1e3 / t_ms if dp and t_ms > 0 else None
+    meta = dict(deep.meta, workers_available=workers, chunks=chunks, worker_time_ms=per_rank)
+    meta["planner"] = dict(meta.get("planner", {}), chunks=chunks)
+    p = Plan(stages=stages, schedule=schedule, batch_size=deep.batch_size, microbatches=m, topology=topo.to_spec(),
+             predicted=predicted, meta=meta)
+    p.validate(layer_names=graph.names, world_size=workers)
+    return p
+
+
+#: Cuts of a virtual plan searched exhaustively up to this many candidates (50-70 µs each:
+#: vgg16's 4 stages on 2 workers, 6545 cuts, about 0.4 s; resnet50's 632710 take the local search).
+EXHAUSTIVE_CUTS = 40000
+#: How many of the exhaustive search's best cuts ``_plan_virtual`` simulates.
+SIMULATED_CUTS = 4
+
+
+def _worker_cuts(blocks: Sequence[Block], stages: list[tuple[int, int, int]], rank_of: Any, workers: int,
+                 score: Any) -> list[list[tuple[int, int, int]]]:
+    """Cuts of the same stage count as ``stages`` (first block, last block, 1) worth simulating,
+    lowest busiest-worker time first (worker of stage k: ``rank_of(k, workers)``; ``score(stages)``
+    gives each stage's time per minibatch, its compute and its outgoing transfer): the
+    ``SIMULATED_CUTS`` best of every cut where there are at most ``EXHAUSTIVE_CUTS``; the local
+    optimum reached by moving each boundary in turn to its best place between its neighbours
+    until none moves (moving one block at a time stopped short on small_cnn's V, measured 0.86×
+    torch's ZBV); and ``stages`` itself, last."""
+    n = len(blocks)
+    starts = [i for i, _, _ in stages] + [n]
+
+    def as_stages(bounds: list[int]) -> list[tuple[int, int, int]]:
+        return [(bounds[k], bounds[k + 1] - 1, 1) for k in range(len(bounds) - 1)]
+
+    def busiest(bounds: list[int]) -> float:
+        load = [0.0] * workers
+        for k, t in enumerate(score(as_stages(bounds))):
+            load[rank_of(k, workers)] += t
+        return max(load)
+
+    found: list[tuple[float, list[int]]] = []
+    if math.comb(n - 1, len(starts) - 2) <= EXHAUSTIVE_CUTS:
+        every = ([0, *inner, n] for inner in itertools.combinations(range(1, n), len(starts) - 2))
+        found = heapq.nsmallest(SIMULATED_CUTS, ((busiest(b), b) for b in every), key=lambda vb: vb[0])
+    local, best = starts, busiest(starts)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(1, len(local) - 1):
+            for moved in range(local[k - 1] + 1, local[k + 1]):
+                trial = local[:k] + [moved] + local[k + 1:]
+                value = busiest(trial)
+                if value < best * (1 - 1e-12):
+                    local, best, improved = trial, value, True
+    found.append((best, local))
+    out: list[list[tuple[int, int, int]]] = []
+    for _, bounds in sorted(found, key=lambda vb: vb[0]):
+        if bounds != starts and as_stages(bounds) not in out:
+            out.append(as_stages(bounds))
+    return out + [as_stages(starts)]
+
+
+def _check_shape_request(layers: int, N: int, W: int, microbatches: int, num_stages: int | None, straight: bool,
+                         allow_fewer: bool) -> None:
+    """PlanError for stage counts, microbatches and straightness that no plan of ``N`` blocks on
+    ``W`` workers can meet, each message saying what to ask for instead."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if num_stages is not None:
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise PlanError(f"num_stages must be a positive integer, got {num_stages!r}")
+        if num_stages > N:
+            raise PlanError(
+                f"{num_stages} stages requested but the graph has only {N} blocks to put in stages "
+                f"({layers} layers; layers without compute or weights are merged into the block before "
+                f"them); ask for at most {N} stages"
+            )
+        if num_stages > W:
+            raise PlanError(f"{num_stages} stages need at least {num_stages} workers; the topology has {W}")
+    if straight and not allow_fewer and W > N:
+        raise PlanError(
+            f"a straight pipeline on {W} workers needs {W} stages but the graph has only {N} blocks; "
+            "use fewer workers or allow_fewer_workers (--allow-fewer-workers)"
+        )
+    if straight and num_stages is not None and not allow_fewer and num_stages != W:
+        raise PlanError(f"a straight pipeline of {num_stages} stages uses {num_stages} workers, not {W}; "
+                        "use allow_fewer_workers (--allow-fewer-workers) or --stages "
+                        f"{W}")
+
+
+def _search_depths(problem: Any, blocks: Sequence[Block], W: int, num_stages: int | None, straight: bool,
+                   allow_fewer: bool, budgeted: bool, rtol: float) -> tuple[list[tuple[int, int, int]], int]:
+    """The best stages over the depths worth searching, and the feasibility tests it took.
+
+    Flushing kinds pay (μ + n − 1)/μ on the bottleneck (zb-2bw (n + μ)/3μ once n > 2μ), so
+    depth is part of the objective: each
+    depth n is searched exactly (``problem(n)``) from shallow to deep, and the search stops once
+    even a perfectly balanced plan of that depth (total compute / W) cannot win. The other kinds
+    search all depths at once (``problem(None)``).
+    """
+    first = problem(num_stages)
+    depths: list[int | None] = [num_stages]
+    deepest = min(len(blocks), W)
+    if num_stages is None and first.kind.fill_drain_factor(first.mu, deepest) > 1 and not (straight and not allow_fewer):
+        depths = list(range(1, min(len(blocks), W) + 1))
+    result: tuple[float, list[tuple[int, int, int]]] | None = None
+    checks = 0
+    for depth in depths:
+        factor = first.kind.fill_drain_factor(first.mu, depth) if depth else 1.0
+        if result is not None and blocks_total_ms(blocks) / W * factor >= result[0]:
+            break
+        prob = first if depth == num_stages else problem(depth)
+        cap = math.inf if result is None else result[0] * (1 - 1e-12) / factor
+        if allow_fewer and budgeted:
+            found = [_search(prob, Wu, True, rtol, cap) for Wu in range(1, W + 1)]
+        else:
+            found = [_search(prob, W, not allow_fewer, rtol, cap)]
+        checks += prob.checks
+        for r in found:
+            if r is not None and (result is None or r[0] * factor < result[0] * (1 - 1e-12)):
+                result = (r[0] * factor, r[1])
+    if result is None:
+        raise _nothing_fits(problem(num_stages), first.memory, W, allow_fewer, num_stages, straight)
+    return result[1], checks
+
+
+def blocks_total_ms(blocks: Sequence[Block]) -> float:
+    """Compute of every block: a lower bound on W workers' time per minibatch is this / W."""
+    return float(sum(b.compute_ms for b in blocks))
+
+
+def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: bool, num_stages: int | None,
+                  straight: bool) -> PlanError:
+    """The error for an infeasible request; with a memory budget it names the smallest that fits."""
+    if memory is None:
+        hint = ""
+        if prob.shared and not allow_fewer and min(prob.N, num_stages or prob.N) < W:
+            hint = (f"; some stage needs replicas, and under {prob.schedule} a replicated "
+                    f"stage's replica count must divide the {prob.mu} microbatches per minibatch, which it "
+                    "shares among its replicas: raise microbatches (a multiple of the replica counts) or allow "
+                    "fewer workers")
+        return PlanError(f"no plan exists for {prob.N} blocks on {W} workers with these options "
+                         f"(num_stages={num_stages}, straight={straight}){hint}")
+    hi = 1.0
+    prob.memory = hi
+    while not _any_fit(prob, W, allow_fewer):
+        hi *= 2
+        prob.memory = hi
+        if hi > 1e18:
+            return PlanError("no plan exists even with unlimited memory; check num_stages/straight options")
+    lo = hi / 2
+    while hi - lo > max(1.0, hi * 1e-6):
+        mid = (lo + hi) / 2
+        prob.memory = mid
+        if _any_fit(prob, W, allow_fewer):
+            hi = mid
+        else:
+            lo = mid
+    prob.memory = hi
+    # the exact peak of a plan that fits in hi (every plan's peak is >= the infeasible lo)
+    Wus = range(1, W + 1) if allow_fewer else [W]
+    peaks = []
+    for Wu in Wus:
+        ok, st = prob.feasible(math.inf, Wu, True, True)
+        if ok:
+            ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f, recompute=prob.recompute,
+                          optimizer_scratch=prob.scratch)
+            peaks.append(max(ev.memory_bytes))
+    hi = min(peaks)
+    prob.memory = memory
+    return PlanError(
+        f"no plan fits in {format_bytes(memory)} per worker ({int(memory)} bytes); the smallest budget any "
+        f"plan of this model fits in is {format_bytes(math.ceil(hi))} ({math.ceil(hi)} bytes) "
+        f"with schedule {prob.schedule!r}: raise --memory, add workers, or pick a schedule that keeps fewer "
+        "weight versions (2bw, flush)"
+    )
+
+
+def _any_fit(prob: _Problem, W: int, allow_fewer: bool) -> bool:
+    if allow_fewer:
+        return any(prob.feasible(math.inf, Wu, True, False)[0] for Wu in range(1, W + 1))
+    return prob.feasible(math.inf, W, True, False)[0]
+
+
+def _merge_shared(blocks: Sequence[Block], tied: Sequence[SharedParameter]) -> list[Block]:
+    """The chain with every run of blocks from a shared parameter's first use to its last
+    merged into one block: the plans in which no stage splits a tie."""
+    where = {name: k for k, b in enumerate(blocks) for name in b.layers}
+    spans = sorted((min(where[n] for n in t.layers), max(where[n] for n in t.layers)) for t in tied)
+    merged: list[Block] = []
+    k = 0
+    while k < len(blocks):
+        end = k
+        for a, b in spans:
+            if a <= end and b > end and a >= k:
+                end = b
+        merged.append(Block.join(blocks[k:end + 1]))
+        k = end + 1
+    return merged
+
+
+def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight: bool, topo: Topology,
+                  schedule: str, microbatches: int, f: float) -> tuple[list[Block], list[tuple[int, int, int]], int]:
+    """The best placement of a model with shared parameters (``graph.tied``): the search's own
+    plan, priced with the exchange and copies of every tie it splits, against the best plan that
+    keeps each tie's layers in one stage; the latter wins ties (no copy to keep equal). Where the
+    kind cannot keep copies of a replicated holder equal (pipedream), a straight plan stands in."""
+    kind = schedule_kind(schedule)
+    candidates: list[tuple[list[Block], list[tuple[int, int, int]]]] = []
+    checks = 0
+    merged = _merge_shared(blocks, graph.tied)
+    errors = []
+    for chain in (merged, blocks):
+        try:
+            stages, n = search(chain, straight)
+        except PlanError as exc:
+            errors.append(exc)
+            continue
+        checks += n
+        split = tied_holders(chain, stages, graph.tied)
+        if split and kind.version_rule is VersionRule.NEWEST:
+            continue  # naive keeps no version rule for a copy
+        if split and kind.round_robin and any(stages[s][2] > 1 for _, holders in split for s in holders):
+            if straight:
+                continue
+            try:
+                stages, n = search(chain, True)
+            except PlanError:
+                continue
+            checks += n
+        candidates.append((chain, stages))
+    if not candidates:
+        if errors:
+            raise errors[-1]
+        raise PlanError(f"under {schedule} the shared parameters {[t.name for t in graph.tied]} must stay in one "
+                        "stage, and no plan keeps them there with these options; use pipedream, 2bw, flush or gpipe")
+
+    def cost(candidate: tuple[list[Block], list[tuple[int, int, int]]]) -> float:
+        chain, stages = candidate
+        return evaluate(chain, topo, stages, schedule, microbatches, f, graph.tied).minibatch_ms
+
+    best = candidates[0]
+    for other in candidates[1:]:
+        if cost(other) < cost(best) * (1 - 1e-9):
+            best = other
+    return best[0], best[1], checks
+
+
+def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stages: list[tuple[int, int, int]],
+                schedule: str, microbatches: int, f: float, memory: float | None, elapsed: float, checks: int,
+                options: dict[str, Any]) -> Plan:
+    recompute = bool(options.get("recompute"))
+    ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied, recompute,
+                  scratch_of_options(options))
+    out: list[Stage] = []
+    for s, (i, j, m) in enumerate(stages):
+        bl = blocks[i:j + 1]
+        names = [n for b in bl for n in b.layers]
+        out_bytes = blocks[j].cut_bytes if s + 1 < len(stages) else 0
+        sync = ev.allreduce_ms[s] if replicas_share_microbatches(schedule) else ev.allreduce_ms[s] / m
+        comm = sync + (ev.cut_ms[s] if s < len(ev.cut_ms) else 0.0)
+        out.append(Stage(
+            layers=names, replicas=m, ranks=ev.ranks[s],
+            # Stage.backward_ms leaves out the recomputed forward (Costs.from_plan adds it)
+            forward_ms=sum(b.forward_ms for b in bl),
+            backward_ms=sum(b.backward_ms - (b.forward_ms if recompute else 0.0) for b in bl), recompute=recompute,
+            optimizer_ms=sum(b.optimizer_ms for b in bl), parameter_bytes=sum(b.parameter_bytes for b in bl), output_bytes=int(out_bytes),
+            comm_ms=comm, memory_bytes=int(math.ceil(ev.memory_bytes[s])),
+            activations=stage_activations(blocks, i, j),
+            input_grad_ms=measured_sum(b.input_grad_ms for b in bl),
+            weight_grad_ms=measured_sum(b.weight_grad_ms for b in bl),
+        ))
+    workers = sum(m for _, _, m in stages)
+    dp = evaluate(blocks, topo, [(0, len(blocks) - 1, topo.num_workers)], schedule, microbatches, f)
+    t_s = ev.minibatch_ms / 1e3
+    predicted: dict[str, Any] = {
+        "time_per_minibatch_s": t_s,
+        "minibatches_per_s": (1.0 / t_s) if t_s > 0 else None,
+        "samples_per_s": (graph.batch_size / t_s) if (graph.batch_size and t_s > 0) else None,
+        "speedup_over_data_parallel": (dp.minibatch_ms / ev.minibatch_ms) if ev.minibatch_ms > 0 else None,
+        "data_parallel_time_per_minibatch_s": dp.minibatch_ms / 1e3,
+        "bottleneck_stage": ev.bottleneck_stage,
+        "bottleneck": ev.bottleneck,
+        "peak_memory_bytes": int(math.ceil(max(ev.memory_bytes))),
+    }
+    meta = {
+        "planner": options,
+        "planning_time_s": elapsed,
+        "feasibility_checks": checks,
+        "graph_source": graph.meta.get("source", ""),
+        # the profile traced one microbatch of this many (the runtime traces the same size)
+        "profile_microbatches": graph.meta.get("microbatches", 1),
+        "model": graph.meta.get("model", graph.meta.get("name", "")),
+        "blocks": [[i, j] for i, j, _ in stages],
+        "stage_time_ms": ev.stage_ms,
+        "cut_time_ms": ev.cut_ms,
+        "workers_available": topo.num_workers,
+    }
+    tied = [TiedParameter(t.name, holders, int(t.bytes), list(t.layers))
+            for t, holders in tied_holders(blocks, stages, graph.tied)]
+    p = Plan(stages=out, schedule=schedule, batch_size=graph.batch_size, microbatches=microbatches,
+             topology=topo.to_spec(), predicted=predicted, meta=meta, tied=tied)
+    p.validate(layer_names=graph.names, world_size=workers)
+    log.debug("planned %s in %.3f s: %s, %.3f ms per minibatch", graph.meta.get("source", "graph"), elapsed,
+             p.summary, ev.minibatch_ms)
+    return p

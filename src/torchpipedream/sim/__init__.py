@@ -1,0 +1,1 @@
+"""Interpreting a schedule without torch: costs, the event simulator, traces, timeline pictures."""
