@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "cli_startup.json"
 sys.path.insert(0, str(REPO / "src"))
 
+from table_format import Data, Table, table  # noqa: E402
+
 from torchpipedream.search.planner import plan  # noqa: E402
 from torchpipedream.model.profiles import load_profile, reference_profile_path  # noqa: E402
 
@@ -59,6 +61,20 @@ def planner_only_s(repeats: int) -> float:
         plan(graph, "A")
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- what the docs show
+def cli_startup(data: Data) -> str:
+    """cli_startup.json (benchmarks/cli_startup.py) → wall time of each command as a fresh process."""
+    head = ["command", "code", "median s", "min s", "max s"]
+    body = [[f"`torchpipedream {r['command']}`", r["code"], f"{r['median_s']:.3f}", f"{r['min_s']:.3f}",
+             f"{r['max_s']:.3f}"] for r in data["rows"]]
+    return (table(head, body) + f"\n\n{data['repeats']} runs of each, interleaved, on {data['cpus']} CPUs; the "
+            f"planner alone (in process, `plan(load_profile(\"vgg16\"), \"A\")`) {data['planner_only_s']:.3f} s. "
+            f"Target: {data['target']}.")
+
+
+TABLES = {"cli_startup": Table(("cli_startup.json",), cli_startup)}
 
 
 def main() -> None:

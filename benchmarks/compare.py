@@ -38,461 +38,465 @@ gives each microbatched torchpipedream row the count its planner predicts fastes
 pipelining 1F1B,ZBVZeroBubble,=torchpipedream pipedream,=torchpipedream 2bw,=torchpipedream flush,\
 =torchpipedream zb-h1,=torchpipedream zb-h2,=torchpipedream auto"   # compare.json (docs/benchmarks.md)
 
-Writes benchmarks/results/compare.json, compare.md and compare.png.
+Writes benchmarks/results/compare.json, compare.md and compare.png. The rows themselves are in
+compare_rows.py; this script holds the command line, the targets and the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
-import statistics
 import sys
-import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-from torchpipedream.host.freed_memory import keep_freed_memory
-from torchpipedream.host.huge_pages import huge_pages_on, prefer_huge_pages
-
-prefer_huge_pages()  # before this process's first tensor; the workers inherit it
-KEEPS_FREED_MEMORY = keep_freed_memory()  # the single-process rows allocate as the workers do
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import (CUTS, Workload, layer_times, peak_rss_mb, probed, run_ddp, run_single,  # noqa: E402
-                   run_torch_pipelining, split_sequential, training_step, write_results)
-from doc_tables import compare_results  # noqa: E402  (the docs render compare.md the same way)
+from table_format import Data, Table, listing, num, span, table, yes  # noqa: E402
 
-from torchpipedream.plans.kinds import schedule_kind  # noqa: E402
-from torchpipedream.runtime import Pipeline, launch  # noqa: E402
-
-TORCH_SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "Interleaved1F1B")
-#: torchpipedream's rows: name -> (schedule kind, straight plan): "flush straight" runs flush on a
-#: one-worker-per-stage plan, the cut zb-h1 runs (the planner may prefer data parallelism for flush);
-#: "2bw straight" likewise, the cut zb-2bw runs
-TPD_ROWS = {"pipedream": ("pipedream", False), "2bw": ("2bw", False), "flush": ("flush", False),
-            "flush straight": ("flush", True), "zb-h1": ("zb-h1", False), "zb-h2": ("zb-h2", False),
-            "interleaved": ("interleaved", False), "zb-v": ("zb-v", False),
-            "2bw straight": ("2bw", True), "zb-2bw": ("zb-2bw", False)}
-#: The rows every table needs (the ratios are to them): kept by --rows whatever it names.
-BASE_ROWS = ("single, 1 thread", "torch DDP")
-#: Microbatch counts tried for each torch.distributed.pipelining row (with each of peers.CUTS).
-TORCH_MICROBATCHES = (2, 4, 8)
+#: The targets of issue 7, as compare_targets() tests them.
+TARGET_FC_VS_DDP = 1.5
+TARGET_FC_PERFECT_SCALING = 0.90
+TARGET_PREDICTION = 0.15  # measured / predicted within 1 ± this
+TARGET_SYNC_PERFECT_SCALING = 0.70  # issue 22: the best synchronous row on fc_heavy
+#: compare.py's torchpipedream rows by semantics: plain training, and 2BW's one-update-stale rule
+SYNCHRONOUS_ROWS = ("flush", "flush straight", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v")
+ONE_STALE_ROWS = ("2bw", "2bw straight", "zb-2bw")
 
 
-# ----------------------------------------------------------------------------- workloads
-def _fc_heavy() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                         nn.Linear(4096, 1000))
+def compare_results(data: Data) -> str:
+    """compare.json (benchmarks/compare.py) → its caption line and its table of every row, as
+    compare.py writes them to compare.md."""
+    probes, rows = data["probes"], data["rows"]
+    procs = data["args"]["procs"]
+    pages = "huge pages" if data.get("huge_pages") else "PyTorch's default pages"
+    freed = " and keeps freed memory for reuse" if data.get("keeps_freed_memory") else ""
+    caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
+               f"{procs} processes; every row allocates on {pages}{freed}.")
+    head = ["model", "row", "plan", "samples/s", "× DDP", "× perfect scaling", "× side-by-side ceiling", "predicted",
+            "measured / predicted", "run's compute / predicted compute", "measured / predicted from the run's compute",
+            "peak RSS per rank (MB)"]
+    body = []
+    for r in rows:
+        rss = ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
+        body.append([r["model"], r["row"], r["plan"] or "-", f"{r['samples_per_s']:.1f}", f"{r['vs_ddp']:.2f}",
+                     f"{r['vs_perfect_scaling']:.2f}", f"{r['vs_side_by_side_ceiling']:.2f}",
+                     num(r["predicted_samples_per_s"], ".0f"), num(r["measured_vs_predicted"]),
+                     num(r["run_compute_vs_profile"]), num(r["measured_vs_run_compute"]), rss])
+    return caption + "\n\n" + table(head, body)
 
 
-def _fc_batch(b: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(b, 4096, generator=g), torch.randint(0, 1000, (b,), generator=g)
+def _is_peer(row: str) -> bool:
+    """Every row that is not torchpipedream's: DDP, torch.pipelining and the single process
+    (its one-thread row is never the best, its two-thread row may be), as given or split."""
+    return not row.startswith("torchpipedream")
 
 
-def _small_cnn() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
-    )
+def _model_rows(data: Data, model: str) -> list[dict]:
+    return [r for r in data["rows"] if r["model"] == model and not r.get("failed")]
 
 
-def _cnn_batch(b: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(b, 3, 32, 32, generator=g), torch.randint(0, 10, (b,), generator=g)
+def _best(rows: list[dict], keep: Callable[[str], bool]) -> dict | None:
+    rows = [r for r in rows if keep(r["row"])]
+    return max(rows, key=lambda r: r["samples_per_s"]) if rows else None
 
 
-class _Embed(nn.Module):
-    """Token + position embedding as one module, so the LM is an nn.Sequential."""
-
-    def __init__(self, tok: nn.Embedding, pos: nn.Parameter) -> None:
-        super().__init__()
-        self.tok, self.pos = tok, pos
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos
+def _row(rows: list[dict], name: str) -> dict | None:
+    return next((r for r in rows if r["row"] == name), None)
 
 
-def _transformer_lm() -> nn.Sequential:
-    from torchpipedream.models import transformer
-
-    torch.manual_seed(0)
-    lm = transformer()
-    return nn.Sequential(_Embed(lm.tok, lm.pos), *lm.blocks, lm.ln, lm.head)
+def _short(row: str) -> str:
+    return row.removeprefix("torchpipedream ")
 
 
-def _lm_batch(b: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    from torchpipedream.models import VOCAB_SIZE
-
-    x = torch.randint(0, VOCAB_SIZE, (b, 64), generator=g)
-    return x, torch.roll(x, -1, dims=1)
-
-
-def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+def _within(data: Data, key: str) -> tuple[int, int, list[float]]:
+    """(rows within 1 ± TARGET_PREDICTION, rows with a value, the values) for ``key``."""
+    values = [r[key] for r in data["rows"] if r.get(key) is not None]
+    ok = [v for v in values if abs(v - 1.0) <= TARGET_PREDICTION]
+    return len(ok), len(values), values
 
 
-WORKLOADS = {
-    "fc_heavy": Workload("fc_heavy", _fc_heavy, _fc_batch, nn.functional.cross_entropy, 64),
-    "small_cnn": Workload("small_cnn", _small_cnn, _cnn_batch, nn.functional.cross_entropy, 64),
-    "transformer_lm": Workload("transformer_lm", _transformer_lm, _lm_batch, _lm_loss, 16),
+def _models(data: Data) -> list[str]:
+    return list(dict.fromkeys(r["model"] for r in data["rows"]))
+
+
+
+def compare_targets(data: Data) -> str:
+    """compare.json → the targets of issue 7 and whether this run meets them."""
+    out = []
+    fc = _model_rows(data, "fc_heavy")
+    best_fc = _best(fc, lambda n: n.startswith("torchpipedream"))
+    if best_fc is not None:
+        ddp = _row(fc, "torch DDP")
+        against = (f", {best_fc['samples_per_s']:.1f} against {ddp['samples_per_s']:.1f} samples/s" if ddp else "")
+        out.append([f"fc_heavy: best torchpipedream row ≥ {TARGET_FC_VS_DDP:g}× DDP",
+                    f"{best_fc['vs_ddp']:.2f}× ({_short(best_fc['row'])}{against})",
+                    yes(best_fc["vs_ddp"] >= TARGET_FC_VS_DDP)])
+        ceiling = f"{best_fc['vs_side_by_side_ceiling']:.2f} of the side-by-side ceiling"
+        out.append([f"fc_heavy: best torchpipedream row ≥ {TARGET_FC_PERFECT_SCALING:.2f} of perfect scaling",
+                    f"{best_fc['vs_perfect_scaling']:.2f} ({_short(best_fc['row'])}); {ceiling}",
+                    yes(best_fc["vs_perfect_scaling"] >= TARGET_FC_PERFECT_SCALING)])
+    for label, names in (("synchronous (plain training: " + ", ".join(SYNCHRONOUS_ROWS) + ")", SYNCHRONOUS_ROWS),
+                         ("one update stale (2BW's rule: " + ", ".join(ONE_STALE_ROWS) + ")", ONE_STALE_ROWS)):
+        best = _best(fc, lambda n, names=names: n.removeprefix("torchpipedream ") in names)
+        if best is None:
+            continue
+        out.append([f"fc_heavy: best {label} row ≥ {TARGET_FC_VS_DDP:g}× DDP and ≥ {TARGET_SYNC_PERFECT_SCALING:.2f} "
+                    "of perfect scaling (issue 22)",
+                    f"{_short(best['row'])} ({best['plan']}): {best['vs_ddp']:.2f}× DDP, "
+                    f"{best['vs_perfect_scaling']:.2f} of perfect scaling",
+                    f"{yes(best['vs_ddp'] >= TARGET_FC_VS_DDP)}, "
+                    f"{yes(best['vs_perfect_scaling'] >= TARGET_SYNC_PERFECT_SCALING)}"])
+    parts, all_ok = [], True
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        ours, peer = _best(rows, lambda n: n.startswith("torchpipedream")), _best(rows, _is_peer)
+        if ours is None or peer is None:
+            continue
+        ratio = ours["samples_per_s"] / peer["samples_per_s"]
+        all_ok &= ratio >= 1.0
+        parts.append(f"{model} {ratio:.2f}× ({_short(ours['row'])} {ours['samples_per_s']:.1f} against "
+                     f"{peer['row']} {peer['samples_per_s']:.1f})")
+    out.append(["every model: best torchpipedream row ≥ every other row (DDP, torch.pipelining, one process with "
+                "several threads; the model as given and split)", "; ".join(parts), yes(all_ok)])
+    parts, all_ok = [], True
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        flush, torch_1f1b = _row(rows, "torchpipedream flush"), _row(rows, "torch.pipelining 1F1B")
+        if flush is None or torch_1f1b is None:
+            continue
+        ratio = flush["samples_per_s"] / torch_1f1b["samples_per_s"]
+        all_ok &= ratio >= 1.0
+        parts.append(f"{model} {ratio:.2f}×")
+    out.append(["every model: torchpipedream flush ≥ torch.pipelining 1F1B", ", ".join(parts), yes(all_ok)])
+    ok, n, values = _within(data, "measured_vs_predicted")
+    passes = [m / p for r in data["rows"] for m, p in zip(r.get("passes_samples_per_s", []),
+                                                           r.get("passes_predicted_samples_per_s") or [])]
+    inside = sum(abs(v - 1.0) <= TARGET_PREDICTION for v in passes)
+    out.append([f"torchpipedream rows: measured within {TARGET_PREDICTION:.0%} of the simulator's prediction, every "
+                "pass (the models the cost model was tuned on: held_out.py checks others)",
+                f"{inside} of {len(passes)} passes ({span(passes)}); by each row's median over passes {ok} of {n}",
+                yes(inside == len(passes))])
+    ok, n, values = _within(data, "measured_vs_run_compute")
+    out.append(["the same, predicted from the run's own compute (a diagnostic)",
+                f"{ok} of {n} rows ({span(values)})", "-"])
+    return table(["target", "this run", "result"], out)
+
+
+def _lm_target(vs_flush: float) -> str:
+    return (f"transformer_lm: best synchronous ≥ {TARGET_SYNC_VS_FLUSH_LM:g}× flush "
+            f"{yes(vs_flush >= TARGET_SYNC_VS_FLUSH_LM)} ({vs_flush:.2f}×)")
+
+
+def _targets_vs_torch(model: str, vs_torch: Sequence[tuple[str, float | None]], vs_flush: float | None) -> list[str]:
+    """A --rows run's targets for one model: each (label, our row over torch's), and on the LM the
+    best synchronous row over flush."""
+    out = [f"{model}: {label} {yes(r >= TARGET_ZB_VS_TORCH)} ({r:.2f}×)" for label, r in vs_torch if r is not None]
+    if model == "transformer_lm" and vs_flush is not None:
+        out.append(_lm_target(vs_flush))
+    return out
+
+
+def _passes_table(data: Data, head: list[str], body: list[list[str]], targets: list[str]) -> str:
+    """A --rows run's caption (probes, processes, microbatches, passes), its table and targets."""
+    probes = data["probes"]
+    caption = (f"CPU probe (2 concurrent processes / 1): start {probes[0]:.2f}, end {probes[1]:.2f}; "
+               f"{data['args']['procs']} processes, {data['args']['microbatches']} microbatches, "
+               f"{data['args']['passes']} interleaved passes (samples/s: the median; passes in brackets).")
+    return caption + "\n\n" + table(head, body) + ("\n\nTargets: " + "; ".join(targets) + "." if targets else "")
+
+
+def _passes(r: dict | None) -> str:
+    """A row's samples/s, each pass's in brackets, and a tuned torch.pipelining row's configuration."""
+    if r is None:
+        return "-"
+    tuned = f" [{r['plan']}]" if r["row"].startswith("torch.pipelining") and r.get("plan") else ""
+    return f"{r['samples_per_s']:.1f} ({', '.join(f'{v:.0f}' for v in r.get('passes_samples_per_s', []))}){tuned}"
+
+
+#: The targets of issue 19 for the zero-bubble rows, as zero_bubble() tests them.
+TARGET_ZB_VS_TORCH = 1.0
+TARGET_SYNC_VS_FLUSH_LM = 1.15
+
+
+def zero_bubble(data: Data) -> str:
+    """compare_zero_bubble.json (compare.py --rows ...) → per model, zb-h1 against torch's ZB-H1
+    (InterleavedZeroBubble, one stage per rank), against flush on the same cut and on the
+    planner's own plan, with every pass, and the targets."""
+    head = ["model", "zb-h1 samples/s (passes)", "torch ZB-H1 (passes)", "zb-h1 / torch ZB-H1",
+            "flush, same cut (passes)", "zb-h1 / flush same cut", "zb-h2 (passes)", "zb-h2 / zb-h1",
+            "flush, planner's plan", "best synchronous / flush", "one process, 2 threads",
+            "measured / predicted (zb-h1, zb-h2)"]
+    body, targets = [], []
+    passes = _passes
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        zb, torch_zb = _row(rows, "torchpipedream zb-h1"), _row(rows, "torch.pipelining InterleavedZeroBubble")
+        same, flush = _row(rows, "torchpipedream flush straight"), _row(rows, "torchpipedream flush")
+        h2, threads = _row(rows, "torchpipedream zb-h2"), _row(rows, "single, 2 threads")
+        if zb is None:
+            continue
+        sync = _best(rows, lambda n: n in ("torchpipedream flush", "torchpipedream flush straight",
+                                           "torchpipedream zb-h1", "torchpipedream zb-h2"))
+        vs_torch = zb["samples_per_s"] / torch_zb["samples_per_s"] if torch_zb else None
+        vs_same = zb["samples_per_s"] / same["samples_per_s"] if same else None
+        vs_flush = sync["samples_per_s"] / flush["samples_per_s"] if (sync and flush) else None
+        body.append([model, passes(zb), passes(torch_zb), num(vs_torch), passes(same), num(vs_same), passes(h2),
+                     num(h2["samples_per_s"] / zb["samples_per_s"] if h2 else None),
+                     f"{flush['samples_per_s']:.1f} ({flush['plan']})" if flush else "-",
+                     f"{num(vs_flush)} ({_short(sync['row'])})" if vs_flush is not None else "-",
+                     f"{threads['samples_per_s']:.1f}" if threads else "-",
+                     ", ".join(num(r.get("measured_vs_predicted")) for r in (zb, h2) if r)])
+        targets += _targets_vs_torch(model, [("zb-h1 ≥ torch's ZB-H1", vs_torch)], vs_flush)
+    return _passes_table(data, head, body, targets)
+
+
+def virtual_stages(data: Data) -> str:
+    """compare_virtual.json (compare.py --rows ...) → per model, interleaved and zb-v (two stages
+    per worker) against torch's Interleaved1F1B and ZBVZeroBubble (two stages per rank), against
+    flush on a straight cut and on the planner's own plan, with every pass, and the targets."""
+    head = ["model", "interleaved (passes)", "torch Interleaved1F1B (passes)", "interleaved / torch",
+            "zb-v (passes)", "torch ZBVZeroBubble (passes)", "zb-v / torch", "flush straight (passes)",
+            "interleaved, zb-v / flush straight", "flush, planner's plan", "best synchronous / flush",
+            "one process, 2 threads", "measured / predicted (interleaved, zb-v)"]
+    body, targets = [], []
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        il, torch_il = _row(rows, "torchpipedream interleaved"), _row(rows, "torch.pipelining Interleaved1F1B")
+        zbv, torch_zbv = _row(rows, "torchpipedream zb-v"), _row(rows, "torch.pipelining ZBVZeroBubble")
+        same, flush = _row(rows, "torchpipedream flush straight"), _row(rows, "torchpipedream flush")
+        threads = _row(rows, "single, 2 threads")
+        sync = _best(rows, lambda n: n in ("torchpipedream flush", "torchpipedream flush straight",
+                                           "torchpipedream interleaved", "torchpipedream zb-v"))
+
+        def ratio(a: dict | None, b: dict | None) -> float | None:
+            return a["samples_per_s"] / b["samples_per_s"] if (a and b) else None
+
+        vs_flush = ratio(sync, flush)
+        body.append([model, _passes(il), _passes(torch_il), num(ratio(il, torch_il)), _passes(zbv),
+                     _passes(torch_zbv), num(ratio(zbv, torch_zbv)), _passes(same),
+                     f"{num(ratio(il, same))}, {num(ratio(zbv, same))}",
+                     f"{flush['samples_per_s']:.1f} ({flush['plan']})" if flush else "-",
+                     f"{num(vs_flush)} ({_short(sync['row'])})" if vs_flush is not None else "-",
+                     f"{threads['samples_per_s']:.1f}" if threads else "-",
+                     ", ".join(num(r.get("measured_vs_predicted")) for r in (il, zbv) if r)])
+        targets += _targets_vs_torch(model, [("interleaved ≥ torch's", ratio(il, torch_il)),
+                                             ("zb-v ≥ torch's", ratio(zbv, torch_zbv))], vs_flush)
+    return _passes_table(data, head, body, targets)
+
+
+def async_split(data: Data) -> str:
+    """compare_async_split.json (compare.py --rows "2 threads,2bw") → per model, zb-2bw against 2bw
+    on the same straight cut and on the planner's own plan, with every pass; no targets (no peer
+    has an asynchronous schedule to hold it against)."""
+    head = ["model", "zb-2bw samples/s (passes)", "2bw, same cut (passes)", "zb-2bw / 2bw same cut",
+            "2bw, planner's plan", "torch DDP", "one process, 2 threads", "measured / predicted (zb-2bw, 2bw same cut)"]
+    body = []
+    for model in _models(data):
+        rows = _model_rows(data, model)
+        zb, same, planned = (_row(rows, f"torchpipedream {k}") for k in ("zb-2bw", "2bw straight", "2bw"))
+        ddp, threads = _row(rows, "torch DDP"), _row(rows, "single, 2 threads")
+        if zb is None:
+            continue
+        body.append([model, _passes(zb), _passes(same),
+                     num(zb["samples_per_s"] / same["samples_per_s"] if same else None),
+                     f"{planned['samples_per_s']:.1f} ({planned['plan']})" if planned else "-",
+                     f"{ddp['samples_per_s']:.1f}" if ddp else "-",
+                     f"{threads['samples_per_s']:.1f}" if threads else "-",
+                     ", ".join(num(r.get("measured_vs_predicted")) for r in (zb, same) if r)])
+    return _passes_table(data, head, body, [])
+
+
+#: The targets of issue 22 for the held-out validation, as held_out_results() tests them.
+
+
+def compare_runs(*runs: Data) -> str:
+    """Several compare JSON files (oldest first) → one summary line per run, for the changelog."""
+    body = []
+    for data in runs:
+        fc = _model_rows(data, "fc_heavy")
+        pd = _row(fc, "torchpipedream pipedream")
+        flush = []
+        for model in _models(data):
+            rows = _model_rows(data, model)
+            f, t = _row(rows, "torchpipedream flush"), _row(rows, "torch.pipelining 1F1B")
+            flush.append(f"{f['samples_per_s'] / t['samples_per_s']:.2f}" if f and t else "-")
+        ok, n, values = _within(data, "measured_vs_predicted")
+        ok_c, n_c, values_c = _within(data, "measured_vs_run_compute")
+        body.append([data["_file"], f"{data['probes'][0]:.2f} → {data['probes'][1]:.2f}",
+                     "yes" if data.get("keeps_freed_memory") else "no",
+                     num(pd and pd["vs_ddp"]), num(pd and pd["vs_perfect_scaling"]),
+                     num(pd and pd["vs_side_by_side_ceiling"]), " / ".join(flush),
+                     f"{ok} of {n} ({span(values)})", f"{ok_c} of {n_c} ({span(values_c)})"])
+    head = ["results file", "CPU probes", "freed memory kept", "fc_heavy pipedream × DDP", "× perfect scaling",
+            "× side-by-side ceiling", "flush ÷ torch 1F1B (fc_heavy / small_cnn / transformer_lm)",
+            "measured within 15% of predicted", "within 15% from the run's own compute"]
+    return table(head, body)
+
+
+# ----------------------------------------------------------------------------- what the docs show
+TABLES = {
+    "compare_results": Table(("compare.json",), compare_results),
+    "compare_targets": Table(("compare.json",), compare_targets),
+    "compare_runs": Table(("compare_run11.json", "compare_run12.json", "compare_run13.json"), compare_runs),
+    "zero_bubble": Table(("compare_zero_bubble.json",), zero_bubble),
+    "zero_bubble_fc_m2": Table(("compare_zero_bubble_fc_m2.json",), zero_bubble),
+    "virtual_stages": Table(("compare_virtual.json",), virtual_stages),
+    "async_split": Table(("compare_async_split.json",), async_split),
+}
+#: The markdown files main() writes next to the JSON (write_results), by file.
+COMPANIONS = {md: Table((md.replace(".md", ".json"),), compare_results) for md in (
+    "compare.md", "compare_run11.md", "compare_run12.md", "compare_zero_bubble.md", "compare_zero_bubble_fc_m2.md",
+    "compare_virtual.md", "compare_async_split.md")}
+
+
+# ----------------------------------------------------------------------------- numbers the docs' prose quotes
+TPD = "torchpipedream "
+
+
+def _pick(data: Data, model: str, row: str) -> dict:
+    found = _row(_model_rows(data, model), row)
+    if found is None:
+        raise KeyError(f"{data['_file']}: no row {row!r} of {model}")
+    return found
+
+
+def _cell(source: str, model: str, row: str, key: str, spec: str = ".2f") -> Table:
+    """A value: one field of one row of ``source``."""
+    return Table((source,), lambda d: format(_pick(d, model, row)[key], spec))
+
+
+def _ratios(source: str, pairs: Sequence[tuple[str, str, str]], joined: bool = False) -> Table:
+    """A value: samples/s of row a over row b for each (model, a, b) of ``pairs``: their range,
+    or with ``joined`` each one ("1.10×, 1.54× and 1.05×")."""
+    def render(d: Data) -> str:
+        got = [_pick(d, m, a)["samples_per_s"] / _pick(d, m, b)["samples_per_s"] for m, a, b in pairs]
+        return listing([f"{x:.2f}×" for x in got]) if joined else span(got)
+    return Table((source,), render)
+
+
+def _predicted(source: str, rows: Sequence[str], models: Sequence[str] | None = None) -> Table:
+    """A value: the range of measured / predicted over ``rows`` of ``models`` (default all)."""
+    def render(d: Data) -> str:
+        return span([_pick(d, m, r)["measured_vs_predicted"] for m in models or _models(d) for r in rows])
+    return Table((source,), render)
+
+
+def _faster_than_two_threads(source: str) -> Table:
+    """A value: per model, the two-process rows faster than one process with two threads."""
+    def render(d: Data) -> str:
+        parts = []
+        for model in _models(d):
+            rows = _model_rows(d, model)
+            threads = _pick(d, model, "single, 2 threads")["samples_per_s"]
+            faster = [_short(r["row"]) for r in rows if r["samples_per_s"] > threads and _is_two_process(r)]
+            parts.append(f"{model}: {listing(faster) if faster else 'none'}")
+        return "; ".join(parts)
+    return Table((source,), render)
+
+
+def _fastest_two_process(source: str) -> Table:
+    """A value: per model, the fastest row of two processes."""
+    def render(d: Data) -> str:
+        best = (max((r for r in _model_rows(d, m) if _is_two_process(r)), key=lambda r: r["samples_per_s"])
+                for m in _models(d))
+        return "; ".join(f"{r['model']}: {_short(r['row'])}" for r in best)
+    return Table((source,), render)
+
+
+def _is_two_process(r: dict) -> bool:
+    return not r["row"].startswith("single") and not r["plan"].startswith("single worker")
+
+
+def _auto_vs_two_threads(d: Data) -> str:
+    parts = []
+    for model in _models(d):
+        auto = _pick(d, model, TPD + "auto")
+        ratio = auto["samples_per_s"] / _pick(d, model, "single, 2 threads")["samples_per_s"]
+        parts.append(f"{model} {ratio:.2f} ({auto['plan']})")
+    return "; ".join(parts)
+
+
+def _split_model_vs_given(d: Data) -> str:
+    rows = ("single, 1 thread", "single, 2 threads", "torch DDP")
+    speed = {r["row"]: r["samples_per_s"] for r in _model_rows(d, "fc_heavy")}
+    return listing([f"{speed[r + ', split model'] / speed[r]:.2f}" for r in rows])
+
+
+def _fc_heavy_ceiling(d: Data) -> str:
+    return f"{1 / _pick(d, 'fc_heavy', TPD + 'pipedream')['side_by_side_slowdown']:.2f}"
+
+
+def _fc_m2_targets(d: Data) -> str:
+    ddp, scaling = (_pick(d, "fc_heavy", TPD + "zb-h1")[k] for k in ("vs_ddp", "vs_perfect_scaling"))
+    ok = yes(scaling >= TARGET_SYNC_PERFECT_SCALING)
+    return (f"{ddp:.2f}× DDP (target ≥ {TARGET_FC_VS_DDP:g}×: {yes(ddp >= TARGET_FC_VS_DDP)}) and {scaling:.2f} of "
+            f"perfect scaling (target ≥ {TARGET_SYNC_PERFECT_SCALING:.2f}: {ok})")
+
+
+def _virtual_vs_torch_met(d: Data) -> str:
+    pairs = [(m, TPD + ours, "torch.pipelining " + theirs) for m in _models(d)
+             for ours, theirs in (("interleaved", "Interleaved1F1B"), ("zb-v", "ZBVZeroBubble"))]
+    speed = {(r["model"], r["row"]): r["samples_per_s"] for r in d["rows"]}
+    met = [speed[(m, a)] / speed[(m, b)] >= TARGET_ZB_VS_TORCH for m, a, b in pairs]
+    return f"{sum(met)} of {len(met)}"
+
+
+MODELS = ("fc_heavy", "small_cnn", "transformer_lm")
+ZB, VIRTUAL, ASYNC = "compare_zero_bubble.json", "compare_virtual.json", "compare_async_split.json"
+VALUES = {
+    # compare.json
+    "fc_heavy_side_by_side_slowdown": _cell("compare.json", "fc_heavy", TPD + "pipedream", "side_by_side_slowdown",
+                                            ".3f"),
+    "fc_heavy_side_by_side_ceiling": Table(("compare.json",), _fc_heavy_ceiling),
+    "fc_heavy_pipelines_vs_ceiling": Table(("compare.json",), lambda d: listing(sorted({
+        f"{_pick(d, 'fc_heavy', TPD + r)['vs_side_by_side_ceiling']:.2f}" for r in ("pipedream", "2bw")}))),
+    "fc_heavy_split_model_vs_given": Table(("compare.json",), _split_model_vs_given),
+    "fc_heavy_2bw_plan": _cell("compare.json", "fc_heavy", TPD + "2bw", "plan", ""),
+    "fc_heavy_2bw_perfect_scaling": _cell("compare.json", "fc_heavy", TPD + "2bw", "vs_perfect_scaling"),
+    "fc_heavy_flush_plan": _cell("compare.json", "fc_heavy", TPD + "flush", "plan", ""),
+    "fc_heavy_flush_perfect_scaling": _cell("compare.json", "fc_heavy", TPD + "flush", "vs_perfect_scaling"),
+    "faster_than_two_threads": _faster_than_two_threads("compare.json"),
+    "auto_vs_two_threads": Table(("compare.json",), _auto_vs_two_threads),
+    "fc_heavy_zb_h1_plan": _cell("compare.json", "fc_heavy", TPD + "zb-h1", "plan", ""),
+    "fc_heavy_zb_h2_plan": _cell("compare.json", "fc_heavy", TPD + "zb-h2", "plan", ""),
+    "fc_heavy_zb_h1_compute": _cell("compare.json", "fc_heavy", TPD + "zb-h1", "run_compute_vs_profile"),
+    "fc_heavy_zb_h1_schedule": _cell("compare.json", "fc_heavy", TPD + "zb-h1", "measured_vs_run_compute"),
+    "lm_2bw_compute": _cell("compare.json", "transformer_lm", TPD + "2bw", "run_compute_vs_profile"),
+    "lm_2bw_schedule": _cell("compare.json", "transformer_lm", TPD + "2bw", "measured_vs_run_compute"),
+    # compare_zero_bubble.json, compare_zero_bubble_fc_m2.json
+    "zb_h2_vs_torch_zb_h1": _ratios(ZB, [(m, TPD + "zb-h2", "torch.pipelining InterleavedZeroBubble") for m in MODELS],
+                                    joined=True),
+    "zb_h1_vs_flush_straight": _ratios(ZB, [(m, TPD + "zb-h1", TPD + "flush straight") for m in MODELS]),
+    "zb_h2_vs_zb_h1": _ratios(ZB, [(m, TPD + "zb-h2", TPD + "zb-h1") for m in MODELS]),
+    "zb_faster_than_two_threads": _faster_than_two_threads(ZB),
+    "zb_predicted": _predicted(ZB, (TPD + "zb-h1", TPD + "zb-h2")),
+    "zb_lm_predicted": _predicted(ZB, (TPD + "zb-h1", TPD + "zb-h2"), ("transformer_lm",)),
+    "zb_lm_flush_predicted": _predicted(ZB, (TPD + "flush", TPD + "flush straight"), ("transformer_lm",)),
+    "fc_m2_zb_h1_targets": Table(("compare_zero_bubble_fc_m2.json",), _fc_m2_targets),
+    "fc_m2_two_threads": _cell("compare_zero_bubble_fc_m2.json", "fc_heavy", "single, 2 threads", "samples_per_s",
+                               ".1f"),
+    # compare_virtual.json
+    "virtual_vs_torch_met": Table((VIRTUAL,), _virtual_vs_torch_met),
+    "cnn_virtual_flush_straight": _cell(VIRTUAL, "small_cnn", TPD + "flush straight", "samples_per_s", ".1f"),
+    "cnn_virtual_flush": _cell(VIRTUAL, "small_cnn", TPD + "flush", "samples_per_s", ".1f"),
+    "fc_heavy_zb_v_vs_flush": _ratios(VIRTUAL, [("fc_heavy", TPD + "zb-v", TPD + "flush")], joined=True),
+    "fc_heavy_zb_v_vs_ddp": _cell(VIRTUAL, "fc_heavy", TPD + "zb-v", "vs_ddp"),
+    "fc_heavy_zb_v_perfect_scaling": _cell(VIRTUAL, "fc_heavy", TPD + "zb-v", "vs_perfect_scaling"),
+    "fc_heavy_virtual_two_threads": _cell(VIRTUAL, "fc_heavy", "single, 2 threads", "samples_per_s", ".1f"),
+    "virtual_predicted": _predicted(VIRTUAL, (TPD + "interleaved", TPD + "zb-v")),
+    "lm_zb_v_predicted": _cell(VIRTUAL, "transformer_lm", TPD + "zb-v", "measured_vs_predicted"),
+    # compare_async_split.json
+    "zb_2bw_vs_2bw_straight": _ratios(ASYNC, [(m, TPD + "zb-2bw", TPD + "2bw straight") for m in MODELS], joined=True),
+    "lm_zb_2bw_predicted_samples": _cell(ASYNC, "transformer_lm", TPD + "zb-2bw", "predicted_samples_per_s", ".0f"),
+    "lm_2bw_straight_predicted_samples": _cell(ASYNC, "transformer_lm", TPD + "2bw straight", "predicted_samples_per_s",
+                                               ".0f"),
+    "zb_2bw_vs_ddp": Table((ASYNC,),
+                           lambda d: listing([f"{_pick(d, m, TPD + 'zb-2bw')['vs_ddp']:.2f}×" for m in MODELS])),
+    "async_faster_than_two_threads": _faster_than_two_threads(ASYNC),
+    "async_fastest_two_process": _fastest_two_process(ASYNC),
 }
 
 
-# ----------------------------------------------------------------------------- torchpipedream rows
-def split_built(build, parts: int) -> nn.Module:
-    """``build()`` with its wide linear layers split into ``parts`` column parts (picklable with
-    functools.partial, for the baselines run on the model as torchpipedream runs it)."""
-    from torchpipedream.model.layer_split import split_wide_layers
-
-    return split_wide_layers(build(), parts)
-
-
-def tpd_model(work: Workload, split_parts: int) -> nn.Module:
-    """The model as torchpipedream runs it: wide linear layers split into column parts so the
-    planner may cut inside them (same function, same training; see layer_split.py)."""
-    from torchpipedream.model.layer_split import split_wide_layers
-
-    model = work.build()
-    return split_wide_layers(model, split_parts) if split_parts > 1 else model
-
-
-def _profile(work: Workload, m: int, split_parts: int, threads: int = 1):
-    """The model profiled in this process (``threads`` torch threads) as the schedule runs it: in
-    microbatches of batch/m samples, with the SGD update timed."""
-    from torchpipedream.model.profiler import profile
-
-    g = torch.Generator().manual_seed(0)
-    x, y = work.make_batch(work.batch_size, g)
-    return profile(tpd_model(work, split_parts), x, loss_fn=work.loss_fn, target=y, name=work.name,
-                   optimizer=lambda p: torch.optim.SGD(p, lr=work.lr), microbatches=m, num_threads=threads)
-
-
-def schedule_microbatches(schedule: str, microbatches: int) -> int:
-    """Microbatches per minibatch as torchpipedream runs ``schedule`` (pipedream: whole minibatches)."""
-    return microbatches if schedule_kind(schedule).microbatched else 1
-
-
-def choose_plan(work: Workload, workers: int, schedule: str, microbatches: int, split_parts: int = 1,
-                minibatches: int = 32, straight: bool = False):
-    """The planner's plan for ``workers`` local workers from one profile (one worker per stage
-    with ``straight``), and its schedule of ``minibatches`` minibatches (the length one timed
-    window runs)."""
-    from torchpipedream.search.planner import plan as make_plan
-    from torchpipedream.schedule.build import build_schedule
-    from torchpipedream.plans.topology import Topology
-
-    m = schedule_microbatches(schedule, microbatches)
-    plan = make_plan(_profile(work, m, split_parts), Topology.local(workers), schedule=schedule, microbatches=m,
-                     straight=straight)
-    return plan, build_schedule(plan, schedule, minibatches=minibatches, microbatches=m)
-
-
-def host_costs(work: Workload, plan, m: int) -> dict:
-    """This host's measured terms for ``plan`` at ``m`` microbatches, as ``host_costs`` of
-    ``choose_schedule``/``choose_layout`` (as train's: a single worker sends and reduces nothing)."""
-    from torchpipedream.runtime.measure import measure_local_costs
-
-    if plan.num_workers < 2:
-        return {}
-    return measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m))
-
-
-def planned_microbatches(work: Workload, workers: int, schedule: str, split_parts: int = 1, minibatches: int = 32,
-                         straight: bool = False) -> int:
-    """The microbatch count the planner predicts fastest for ``schedule`` (``choose_schedule``
-    with this kind alone over auto_schedule.DEFAULT_MICROBATCHES, this host's costs measured
-    for each candidate as ``predict`` measures them)."""
-    from torchpipedream.search.auto import choose_schedule
-    from torchpipedream.plans.topology import Topology
-
-    if not schedule_kind(schedule).microbatched:
-        return 1
-    plan = choose_schedule(
-        lambda m: _profile(work, m, split_parts), Topology.local(workers), kinds=[schedule], minibatches=minibatches,
-        batch_size=work.batch_size, straight=straight, host_costs=functools.partial(host_costs, work))
-    return int(plan.meta["auto"]["chosen"]["microbatches"])
-
-
-def predict(work: Workload, plan, sched, split_parts: int = 1):
-    """The simulator's samples/s for ``sched`` from costs measured now: a fresh profile and this
-    host's terms (runtime.measure.py: message overhead, copy and accumulate bandwidth, all-reduces,
-    and the slowdown of the plan's workers training side by side). Returns (samples/s, Costs,
-    the simulation).
-
-    Called right before each run of the row it predicts: this machine's speed drifts by 20-30%
-    within minutes, so a prediction made before all the rows (as up to run 8) compared one
-    moment's costs with another moment's run.
-    """
-    from torchpipedream.runtime.measure import measure_local_costs
-    from torchpipedream.sim.simulator import Costs, simulate
-
-    m = sched.microbatches
-    graph = _profile(work, m, split_parts)
-    per_stage = {k: [sum(getattr(graph[n], k) for n in st.layers) / 1e3 for st in plan.stages]
-                 for k in ("forward_ms", "backward_ms", "optimizer_ms")}
-    costs = Costs.from_plan(
-        plan, microbatches=m,
-        forward_s=[f / m for f in per_stage["forward_ms"]],
-        # a recomputing stage runs its forward again in every backward (Stage.recompute)
-        backward_s=[(b + (f if st.recompute else 0.0)) / m
-                    for f, b, st in zip(per_stage["forward_ms"], per_stage["backward_ms"], plan.stages)],
-        step_s=per_stage["optimizer_ms"],
-        **measure_local_costs(plan, m, make_step=functools.partial(training_step, work, m)))
-    sim = simulate(sched, costs)
-    return sched.minibatches * work.batch_size / sim.makespan_s, costs, sim
-
-
-def _median_compute(trace, stages: int) -> dict[str, list[float]]:
-    """Each stage's median F, B and U seconds in ``trace`` (measured or simulated)."""
-    return {k: [trace.median_duration_s(s, k) for s in range(stages)] for k in ("F", "B", "W", "U")}
-
-
-def _predict_and_run(work: Workload, plan, sched, microbatches: int, windows: int, per_window: int,
-                     split_parts: int) -> dict:
-    """One pass of a torchpipedream row: predict it from costs measured now, then run it, then
-    simulate it again with the compute times the run measured (a diagnostic, not the prediction).
-
-    The run's median F, B and U already contain any slowdown, gradient accumulation and stash
-    copy; simulating with them separates the two ways a prediction misses: the CPU computing
-    at another speed than profiled (``run_compute_vs_profile``: the stages' median F + B in the
-    run against the same medians in the simulation), and the schedule's waiting and
-    communication (what is left against ``predicted_with_run_compute``).
-    """
-    from torchpipedream.sim.simulator import simulate
-
-    predicted, costs, sim = predict(work, plan, sched, split_parts)
-    res = launch(_tpd_worker, plan.num_workers, work, plan, sched.kind, microbatches, 1, windows, per_window,
-                 split_parts, timeout_s=900)
-    run = _median_compute(res.pop("trace"), plan.num_stages)
-    simulated = _median_compute(sim.trace, plan.num_stages)
-    split = any(w for w in run["W"])  # a split backward: B and W each measured
-    got = dataclasses.replace(costs, forward_s=run["F"], step_s=run["U"], compute_slowdown=1.0,
-                              backward_s=[b + (w if split else 0.0) for b, w in zip(run["B"], run["W"])],
-                              weight_grad_s=run["W"] if split else costs.weight_grad_s,
-                              copy_Bps=float("inf"), accumulate_Bps=float("inf"))
-    return {**res, "predicted_samples_per_s": predicted, "slowdown": costs.compute_slowdown,
-            "predicted_with_run_compute": sched.minibatches * work.batch_size / simulate(sched, got).makespan_s,
-            "run_compute_vs_profile": sum(run["F"] + run["B"] + run["W"])
-            / sum(simulated["F"] + simulated["B"] + simulated["W"])}
-
-
-def _tpd_worker(rank: int, work: Workload, plan, schedule: str, microbatches: int, warmup: int, windows: int,
-                per_window: int, split_parts: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    data = [work.make_batch(work.batch_size, g) for _ in range(per_window)]
-    # the sample lets torch.export trace what torch.fx cannot (the held-out Hugging Face models)
-    pipe = Pipeline(tpd_model(work, split_parts), plan, optimizer=lambda p: torch.optim.SGD(p, lr=work.lr),
-                    loss_fn=work.loss_fn, schedule=schedule, sample=data[0][0],
-                    microbatches=microbatches if schedule_kind(schedule).microbatched else None, timeout_s=120)
-    for _ in range(warmup):
-        pipe.train_minibatches(data)
-    times = []
-    for _ in range(windows):
-        dist.barrier()
-        t0 = time.perf_counter()
-        pipe.train_minibatches(data)  # one schedule of per_window minibatches: fill, steady state, drain
-        times.append((time.perf_counter() - t0) / per_window)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (statistics.median(times), peak_rss_mb()))
-    trace = pipe.trace()  # the last window's events, every rank's (on rank 0)
-    return {"samples_per_s": work.batch_size / max(t for t, _ in out), "peak_rss_mb": [r for _, r in out],
-            "trace": trace}
-
-
-def _peer_worker(rank: int, work: Workload, which: str, microbatches: int, warmup: int, windows: int,
-                 steps: int, cost: list[float] | None = None) -> dict:
-    if which == "DDP":
-        return run_ddp(work, warmup, windows, steps)
-    return run_torch_pipelining(work, which, microbatches, warmup, windows, steps, cost)
-
-
-def _pieces(schedule: str, procs: int) -> int:
-    return 2 * procs if schedule in ("ZBVZeroBubble", "Interleaved1F1B") else procs
-
-
-def tune_torch_pipelining(work: Workload, procs: int, schedule: str) -> tuple[int, list[float] | None, str]:
-    """torch.distributed.pipelining's own best configuration of ``schedule`` for ``work``: every
-    microbatch count of TORCH_MICROBATCHES that divides the batch, with each cut of peers.CUTS
-    (identical cuts tried once), run for one short window; returns the fastest's (microbatches,
-    per-layer cost for split_sequential, label)."""
-    best: tuple[float, int, list[float] | None, str] | None = None
-    for m in TORCH_MICROBATCHES:
-        if work.batch_size % m:
-            continue
-        seen = set()
-        for cut in CUTS:
-            cost = layer_times(work, m) if cut == "time" else None
-            sizes = tuple(len(piece) for piece in split_sequential(work.build(), _pieces(schedule, procs), cost))
-            if sizes in seen:
-                continue
-            seen.add(sizes)
-            label = f"{m} microbatches, cut by {cut} {'-'.join(map(str, sizes))}"
-            try:
-                got = launch(_peer_worker, procs, work, schedule, m, 1, 1, 3, cost, timeout_s=300)["samples_per_s"]
-            except Exception as exc:  # a configuration torch refuses is skipped
-                print(f"  {work.name:<15} torch.pipelining {schedule} [{label}]: failed: "
-                      f"{str(exc).splitlines()[0][:150]}", flush=True)
-                continue
-            print(f"  {work.name:<15} torch.pipelining {schedule} [{label}]: {got:.1f} samples/s (tuning)", flush=True)
-            if best is None or got > best[0]:
-                best = (got, m, cost, label)
-    if best is None:
-        raise RuntimeError(f"torch.pipelining {schedule}: no configuration ran")
-    return best[1], best[2], best[3]
-
-
 # ----------------------------------------------------------------------------- the run
-def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_parts: int) -> tuple[str, Any, str]:
-    """The row of ``train --schedule auto`` on this host: ``choose_layout`` over every way of
-    using ``procs`` cores (workers × threads) and the synchronous kinds at 1, 2, 4 and 8
-    microbatches, priced with this host's measured costs as auto_choice.py does; run on the
-    chosen layout (not predicted per pass: its threads need a profile of their own)."""
-    from torchpipedream.search.auto import choose_layout, local_layouts, threads_per_worker
-    from torchpipedream.plans.topology import Topology
-
-    plan = choose_layout(lambda m, threads: _profile(work, m, split_parts, threads), local_layouts(procs, procs),
-                         Topology.local, batch_size=work.batch_size, host_costs=functools.partial(host_costs, work),
-                         minibatches=per_window, virtual_stages=False)  # as train's
-    threads, m = threads_per_worker(plan), plan.microbatches
-    label = f"{plan.summary}, {plan.num_workers} × {threads} threads, {plan.schedule}, {m} microbatches"
-
-    def run() -> dict:
-        res = launch(_tpd_worker, plan.num_workers, work, plan, plan.schedule, m, 1, windows, per_window, split_parts,
-                     timeout_s=900, threads=threads)
-        res.pop("trace", None)
-        return res
-
-    return "torchpipedream auto", run, label
-
-
-def _baseline_jobs(work: Workload, procs: int, windows: int, microbatches: int, suffix: str) -> list:
-    return [
-        (f"single, 1 thread{suffix}", lambda: run_single(work, 1, warmup=2, windows=windows, steps=3), ""),
-        (f"single, {procs} threads{suffix}", lambda: run_single(work, procs, warmup=2, windows=windows, steps=3), ""),
-        (f"torch DDP{suffix}",
-         lambda: launch(_peer_worker, procs, work, "DDP", microbatches, 2, windows, 3, timeout_s=900), ""),
-    ]
-
-
-def compare_model(work: Workload, procs: int, microbatches: int, windows: int, per_window: int,
-                  split_parts: int = 1, passes: int = 3, rows: tuple[str, ...] = (),
-                  tune_torch: bool = True) -> list[dict]:
-    """Every row of one model, measured in ``passes`` interleaved passes (row 1, row 2, ...,
-    row 1, row 2, ...): the machine's speed drifts by 20-30% within minutes, and interleaving
-    spreads a slow spell over every row instead of the rows that happened to run in it. A
-    row's samples/s is the median over its passes of each pass's median window. ``rows``, when
-    given, keeps the rows whose name contains one of them (and ``BASE_ROWS``).
-
-    The single-process and DDP rows run both the model as given and, with ``split_parts`` > 1,
-    the model as torchpipedream's rows run it (", split model"). Each torch.distributed.pipelining
-    row runs its own best microbatch count and cut (``tune_torch_pipelining``), or with
-    ``tune_torch=False`` ``microbatches`` and the parameter-balanced cut."""
-    torch.set_num_threads(1)
-    def wanted(name: str) -> bool:  # "=NAME" keeps that row only, any other token every row containing it
-        return not rows or name in BASE_ROWS or any(name == r[1:] if r.startswith("=") else r in name for r in rows)
-
-    jobs: list[tuple[str, Any, str]] = _baseline_jobs(work, procs, windows, microbatches, "")  # (row, run, plan)
-    split = dataclasses.replace(work, build=functools.partial(split_built, work.build, split_parts))
-    if split_parts > 1 and len(list(split.build().modules())) != len(list(work.build().modules())):
-        jobs += _baseline_jobs(split, procs, windows, microbatches, ", split model")  # only where a layer was split
-    for s in TORCH_SCHEDULES:
-        name = f"torch.pipelining {s}"
-        if not wanted(name):
-            continue
-        m, cost, label = tune_torch_pipelining(work, procs, s) if tune_torch else (microbatches or 4, None, "")
-        jobs.append((name, lambda s=s, m=m, cost=cost: launch(_peer_worker, procs, work, s, m, 2, windows, 3, cost,
-                                                              timeout_s=900), label))
-    for row, (s, straight) in TPD_ROWS.items():
-        if not wanted(f"torchpipedream {row}"):
-            continue
-        m = microbatches or planned_microbatches(work, procs, s, split_parts, per_window, straight)
-        plan, sched = choose_plan(work, procs, s, m, split_parts, minibatches=per_window, straight=straight)
-        label = plan.summary + (f", {m} microbatches" if not microbatches and schedule_kind(s).microbatched else "")
-        jobs.append((f"torchpipedream {row}", functools.partial(_predict_and_run, work, plan, sched, m,
-                                                              windows, per_window, split_parts), label))
-    if wanted("torchpipedream auto"):
-        jobs.append(auto_job(work, procs, windows, per_window, split_parts))
-    jobs = [j for j in jobs if wanted(j[0])]
-    results: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
-    failed: dict[str, str] = {}
-    for pass_ in range(passes):
-        for name, run, plan in jobs:
-            if name in failed:
-                continue
-            res = None
-            for attempt in (1, 2):  # a crash is retried once (seen: torch.pipelining aborting in gloo)
-                try:
-                    res = run()
-                    break
-                except Exception as exc:  # a row that cannot run is reported as failed, not hidden
-                    print(f"  {work.name:<15} {name}: FAILED (attempt {attempt}): {str(exc).splitlines()[0][:200]}",
-                          flush=True)
-                    if attempt == 2:
-                        failed[name] = str(exc)[:500]
-            if res is None:
-                continue
-            torch.set_num_threads(1)
-            results[name].append(res)
-            pred = res.get("predicted_samples_per_s")
-            print(f"  {work.name:<15} {name:<32} pass {pass_ + 1}: {res['samples_per_s']:9.1f} samples/s"
-                  + (f"   predicted {pred:9.1f} (slowdown {res['slowdown']:.2f}; from the run's compute "
-                     f"{res['predicted_with_run_compute']:.1f}, compute × {res['run_compute_vs_profile']:.2f})"
-                     if pred else "")
-                  + (f"   [{plan}]" if plan else ""), flush=True)
-    rows: list[dict] = []
-    for name, _, plan in jobs:
-        got = results[name]
-        if name in failed and not got:
-            if name.startswith("torchpipedream"):  # our own failures stay in the table
-                rows.append({"model": work.name, "row": name, "samples_per_s": 0.0, "failed": failed[name],
-                             "predicted_samples_per_s": None, "plan": plan, "peak_rss_mb": []})
-            continue
-        rss = [max(r["peak_rss_mb"][i] for r in got) for i in range(len(got[0]["peak_rss_mb"]))]
-        row = {"model": work.name, "row": name,
-               "samples_per_s": statistics.median(r["samples_per_s"] for r in got),
-               "passes_samples_per_s": [r["samples_per_s"] for r in got],
-               "predicted_samples_per_s": None, "plan": plan, "peak_rss_mb": rss}
-        if "predicted_samples_per_s" in got[0]:
-            # each pass's run against the prediction made just before it
-            row.update(predicted_samples_per_s=statistics.median(r["predicted_samples_per_s"] for r in got),
-                       passes_predicted_samples_per_s=[r["predicted_samples_per_s"] for r in got],
-                       passes_slowdown=[r["slowdown"] for r in got],
-                       measured_vs_predicted=statistics.median(r["samples_per_s"] / r["predicted_samples_per_s"]
-                                                               for r in got),
-                       passes_predicted_with_run_compute=[r["predicted_with_run_compute"] for r in got],
-                       passes_run_compute_vs_profile=[r["run_compute_vs_profile"] for r in got],
-                       measured_vs_run_compute=statistics.median(r["samples_per_s"] / r["predicted_with_run_compute"]
-                                                                 for r in got),
-                       run_compute_vs_profile=statistics.median(r["run_compute_vs_profile"] for r in got))
-        rows.append(row)
-    ddp = next(r["samples_per_s"] for r in rows if r["row"] == "torch DDP")
-    single1 = rows[0]["samples_per_s"]
-    # What `procs` copies of this model's own training step (whole minibatches, as the
-    # single-process rows train) reach side by side on this host, as a share of perfect
-    # scaling (runtime.measure.measure_concurrency_slowdown, measured in each pass with
-    # pipedream's prediction): a ceiling for any scheme of `procs` one-thread processes.
-    # A microbatched schedule's own prediction uses the slowdown of microbatched steps.
-    whole = next((r["passes_slowdown"] for r in rows if r["row"] == "torchpipedream pipedream"
-                  and r.get("passes_slowdown")), None) \
-        or [v for r in rows for v in r.get("passes_slowdown", [])]
-    slowdown = statistics.median(whole) if whole else 1.0
-    for r in rows:
-        r["vs_ddp"] = r["samples_per_s"] / ddp
-        r["vs_perfect_scaling"] = r["samples_per_s"] / (procs * single1)
-        r["side_by_side_slowdown"] = slowdown
-        r["vs_side_by_side_ceiling"] = r["samples_per_s"] / (procs * single1 / slowdown)
-        for k in ("measured_vs_predicted", "measured_vs_run_compute", "run_compute_vs_profile"):
-            r.setdefault(k, None)
-    return rows
-
-
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -514,8 +518,12 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import compare_rows  # sets this process's allocator up before it imports torch
+    from peers import probed, write_results
+
+    workloads = compare_rows.WORKLOADS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(WORKLOADS))
+    ap.add_argument("--models", default=",".join(workloads))
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4,
                     help="microbatches per minibatch of torchpipedream's microbatched rows; 0: each row's count the "
@@ -539,14 +547,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/compare")
     args = ap.parse_args(argv)
     for name in args.models.split(","):
-        if name not in WORKLOADS:
-            ap.error(f"unknown model {name!r}; choose from {', '.join(WORKLOADS)}")
-    rows, probes, _ = probed(lambda: [row for name in args.models.split(",") for row in compare_model(
-        WORKLOADS[name], args.procs, args.microbatches, args.windows, args.per_window, args.split_wide, args.passes,
+        if name not in workloads:
+            ap.error(f"unknown model {name!r}; choose from {', '.join(workloads)}")
+    rows, probes, _ = probed(lambda: [row for name in args.models.split(",") for row in compare_rows.compare_model(
+        workloads[name], args.procs, args.microbatches, args.windows, args.per_window, args.split_wide, args.passes,
         tuple(r for r in args.rows.split(",") if r), args.tune_torch)])
-    result = {"probes": probes, "args": vars(args), "huge_pages": huge_pages_on(),
-              "keeps_freed_memory": KEEPS_FREED_MEMORY, "rows": rows}
-    # the same function renders docs/benchmarks.md's table
+    result = {"probes": probes, "args": vars(args), "huge_pages": compare_rows.huge_pages_on(),
+              "keeps_freed_memory": compare_rows.KEEPS_FREED_MEMORY, "rows": rows}
+    # the same function renders docs/benchmarks.md's table (TABLES)
     write_results(args.out, result, compare_results(result))
     _plot(rows, Path(f"{args.out}.png"))
     print(f"wrote {args.out}.png")

@@ -21,23 +21,24 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the zoo is the tests' own
-
-import zoo_models as zoo  # noqa: E402
-
-from torchpipedream.search.planner import plan as make_plan  # noqa: E402
-from torchpipedream.model.profiler import profile  # noqa: E402
-from torchpipedream.plans.topology import Topology  # noqa: E402
-from torchpipedream.runtime.verification import verify_plans  # noqa: E402
+from table_format import Data, Table, listing, table  # noqa: E402
 
 RESULTS = HERE / "results" / "model_zoo.json"
-OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
 
 def check(name: str) -> list[dict]:
+    import torch
+    import zoo_models as zoo
+
+    from torchpipedream.model.profiler import profile
+    from torchpipedream.plans.topology import Topology
+    from torchpipedream.runtime.verification import verify_plans
+    from torchpipedream.search.planner import plan as make_plan
+
+    optimizer = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
     batches = zoo.batches(name, 4)
     loss = zoo.LOSSES.get(name)
     model = zoo.FACTORIES[name]()
@@ -49,7 +50,7 @@ def check(name: str) -> list[dict]:
     if name == "gpt2":
         plans.append(dataclasses.replace(straight, schedule="2bw"))
     t0 = time.perf_counter()
-    reports = verify_plans(zoo.FACTORIES[name], batches, plans, OPTIMIZER, loss_fn=loss)
+    reports = verify_plans(zoo.FACTORIES[name], batches, plans, optimizer, loss_fn=loss)
     seconds = time.perf_counter() - t0
     parameters = sum(p.numel() for p in model.parameters())
     return [{"model": name, "class": type(model).__name__, "parameters": parameters, "layers": len(graph.names),
@@ -60,10 +61,47 @@ def check(name: str) -> list[dict]:
             for p, r in zip(plans, reports)]
 
 
-def main() -> int:
-    import transformers
+# ----------------------------------------------------------------------------- what the docs show
+def model_zoo(data: Data) -> str:
+    """model_zoo.json (benchmarks/model_zoo.py) → each zoo model's parity with its reference."""
+    head = ["model", "parameters", "plan", "schedule", "shared parameters split", "max abs diff", "result",
+            "check (s)"]
+    body = []
+    for r in data["rows"]:
+        shared = ", ".join(f"{t['name']} ({'+'.join(map(str, t['stages']))})" for t in r["shared"]) or "-"
+        schedule = r["schedule"] if r["microbatches"] == 1 else f"{r['schedule']} (m = {r['microbatches']})"
+        body.append([f"{r['model']} ({r['class']})", f"{r['parameters']:,}", r["plan"], schedule, shared,
+                     f"{r['max_abs_diff']:.2g}", "equal" if r["ok"] else "MISMATCH: " + str(r["mismatch"]),
+                     f"{r['check_s']:.1f}"])
+    caption = (f"{data['minibatches']} minibatches of {data['batch_size']}, {data['optimizer']}; torch "
+               f"{data['torch']}, transformers {data['transformers']}; the check time is per model (all its "
+               f"plans in one launch of 2 processes): {'all equal' if data['passed'] else 'FAILED'}.")
+    return caption + "\n\n" + table(head, body)
 
-    from doc_tables import model_zoo  # noqa: E402  (benchmarks/ is this script's directory)
+
+def _schedules(d: Data) -> str:
+    """The schedules every model was checked under, and those only some were."""
+    by_model: dict[str, set[str]] = {}
+    for r in d["rows"]:
+        by_model.setdefault(r["model"], set()).add(r["schedule"])
+    common = set.intersection(*by_model.values())
+    extra = [f"{s} on {m}" for m, ss in by_model.items() for s in sorted(ss - common)]
+    return listing(sorted(common)) + " on every model" + ("; " + listing(extra) if extra else "")
+
+
+VALUES = {
+    "zoo_transformers": Table(("model_zoo.json",), lambda d: d["transformers"]),
+    "zoo_result": Table(("model_zoo.json",), lambda d: "all equal" if d["passed"] else "not all equal"),
+    "zoo_schedules": Table(("model_zoo.json",), _schedules),
+}
+
+TABLES = {"model_zoo": Table(("model_zoo.json",), model_zoo)}
+
+
+def main() -> int:
+    import torch
+    import transformers
+    import zoo_models as zoo
 
     rows = []
     for name in sorted(zoo.FACTORIES):
@@ -73,7 +111,7 @@ def main() -> int:
             "minibatches": 4, "batch_size": 8, "optimizer": "SGD lr 0.01 momentum 0.9", "rows": rows,
             "passed": all(r["ok"] for r in rows)}
     RESULTS.write_text(json.dumps(data, indent=1) + "\n")
-    print(model_zoo(data))
+    print(model_zoo(data))  # as architecture.md shows it (TABLES)
     print(f"wrote {RESULTS}")
     return 0 if data["passed"] else 1
 

@@ -2,7 +2,7 @@
 
 Each runner trains the same model (an ``nn.Sequential``) on the same synthetic batches with the
 same optimizer and reports samples/s as the median of several timed windows after warm-up,
-and the peak resident memory of its process. Used by ``benchmarks/compare.py``.
+and the peak resident memory of its process. Used by ``benchmarks/compare_rows.py``.
 
 Runners: a single process (1 thread, or all threads), torch DistributedDataParallel, and
 torch.distributed.pipelining with ScheduleGPipe, Schedule1F1B and ScheduleZBVZeroBubble (and the

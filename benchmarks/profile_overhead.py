@@ -20,10 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from torchpipedream.models import MODELS, get_model, loss_fn, sample_input
-from torchpipedream.model.profiler import profile
+from table_format import Data, Table, table
 
 BATCH = {"mlp": 64, "cnn": 64, "resnet": 64, "transformer": 16}
 
@@ -45,7 +42,26 @@ def whole_model_ms(model, x, y, loss, iters: int, warmup: int = 3) -> tuple[floa
     return statistics.median(fwd), statistics.median(both)
 
 
+# ----------------------------------------------------------------------------- what the docs show
+def profile_overhead(data: Data) -> str:
+    """profile_overhead.json (benchmarks/profile_overhead.py) → per-layer sums against whole-model times."""
+    head = ["model", "batch", "layers", "forward: per-layer sum ms", "whole ms", "ratio", "backward: per-layer sum ms",
+            "whole ms", "ratio", "profile s"]
+    body = [[r["model"], r["batch"], r["layers"], f"{r['layer_fwd_ms']:.3f}", f"{r['whole_fwd_ms']:.3f}",
+             f"{r['fwd_ratio']:.2f}", f"{r['layer_bwd_ms']:.3f}", f"{r['whole_bwd_ms']:.3f}", f"{r['bwd_ratio']:.2f}",
+             f"{r['profile_s']:.2f}"] for r in data["rows"]]
+    return table(head, body) + f"\n\ntorch {data['torch']}, {data['threads']} thread, median of {data['iters']}."
+
+
+TABLES = {"profile_overhead": Table(("profile_overhead.json",), profile_overhead)}
+
+
 def main() -> None:
+    import torch
+
+    from torchpipedream.model.profiler import profile
+    from torchpipedream.models import MODELS, get_model, loss_fn, sample_input
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--models", default=",".join(MODELS))

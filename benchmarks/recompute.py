@@ -24,11 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import WORKLOADS, _predict_and_run, _profile, schedule_microbatches  # noqa: E402  (tunes the allocator)
-from peers import probed, write_results  # noqa: E402
-from doc_tables import recompute as recompute_table  # noqa: E402  (the docs render it the same way)
-
-import torch  # noqa: E402
+from table_format import Data, Table, listing, span, table  # noqa: E402
 
 SCHEDULES = ("gpipe", "flush", "pipedream")
 
@@ -37,9 +33,11 @@ def straight_plan(work, procs: int, kind: str, microbatches: int, minibatches: i
     """The planner's straight pipeline of ``procs`` stages (activations are what a pipeline
     stage holds; a data-parallel plan would keep whole-model activations on every worker) and
     its schedule of ``minibatches`` minibatches."""
-    from torchpipedream.search.planner import plan as make_plan
-    from torchpipedream.schedule.build import build_schedule
+    from compare_rows import _profile, schedule_microbatches
+
     from torchpipedream.plans.topology import Topology
+    from torchpipedream.schedule.build import build_schedule
+    from torchpipedream.search.planner import plan as make_plan
 
     m = schedule_microbatches(kind, microbatches)
     plan = make_plan(_profile(work, m, 1), Topology.local(procs), schedule=kind, microbatches=m, straight=True,
@@ -49,6 +47,9 @@ def straight_plan(work, procs: int, kind: str, microbatches: int, minibatches: i
 
 def run_model(name: str, batch: int, procs: int, microbatches: int, windows: int, per_window: int,
               passes: int) -> list[dict]:
+    import torch
+    from compare_rows import WORKLOADS, _predict_and_run
+
     work = dataclasses.replace(WORKLOADS[name], batch_size=batch)
     jobs = []
     for kind in SCHEDULES:
@@ -85,7 +86,62 @@ def run_model(name: str, batch: int, procs: int, microbatches: int, windows: int
     return rows
 
 
+# ----------------------------------------------------------------------------- what the docs show
+def recompute(data: Data) -> str:
+    """recompute.json (benchmarks/recompute.py) → time and peak memory with and without
+    activation recomputation, per schedule."""
+    head = ["model", "schedule [plan]", "recompute", "samples/s", "vs without", "predicted", "measured/predicted",
+            "peak RSS per rank (MiB)", "RSS vs without (MiB)"]
+    body = [[f"{r['model']} (batch {r['batch_size']})", f"{r['schedule']} [{r['plan']}]",
+             "yes" if r["recompute"] else "no", f"{r['samples_per_s']:.1f}", f"{r['vs_without']:.2f}",
+             f"{r['predicted_samples_per_s']:.1f}", f"{r['measured_vs_predicted']:.2f}",
+             ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"]), ", ".join(f"{x:+.0f}" for x in r["rss_vs_without_mb"])]
+            for r in data["rows"]]
+    return table(head, body)
+
+
+
+def _with(d: Data, schedule: str) -> dict:
+    return next(r for r in d["rows"] if r["schedule"] == schedule and r["recompute"])
+
+
+def _rss_saved(schedule: str, stages: tuple[int, ...]) -> Table:
+    """A value: MiB of peak RSS that recomputation saved on each of ``stages`` under ``schedule``."""
+    return Table(("recompute.json",),
+                 lambda d: listing([f"{-_with(d, schedule)['rss_vs_without_mb'][s]:.0f}" for s in stages]))
+
+
+def _costs(d: Data) -> str:
+    """Predicted against measured throughput with/without recomputation, per schedule."""
+    rows = [r for r in d["rows"] if r["recompute"]]
+    return (", ".join(f"{r['predicted_vs_without']:.2f} ({r['schedule']})" for r in rows) + " against "
+            + ", ".join(f"{r['vs_without']:.2f}" for r in rows) + " measured")
+
+
+VALUES = {
+    "recompute_probes": Table(("recompute.json",),
+                              lambda d: f"{d['probes'][0]:.2f} at the start, {d['probes'][1]:.2f} at the end"),
+    "recompute_gpipe_saved": _rss_saved("gpipe", (0, 1)),
+    "recompute_flush_first_saved": _rss_saved("flush", (0,)),
+    "recompute_pipedream_first_saved": _rss_saved("pipedream", (0,)),
+    "recompute_last_saved": Table(("recompute.json",), lambda d: listing(sorted(
+        {f"{-r['rss_vs_without_mb'][-1]:.0f}" for r in d["rows"] if r["recompute"] and r["schedule"] != "gpipe"}))),
+    "recompute_cost": Table(("recompute.json",),
+                            lambda d: span([1 - r["vs_without"] for r in d["rows"] if r["recompute"]], ".0%")),
+    "recompute_predicted": Table(("recompute.json",),
+                                 lambda d: span([r["measured_vs_predicted"] for r in d["rows"]])),
+    "recompute_predicted_cost": Table(("recompute.json",), _costs),
+}
+TABLES = {"recompute": Table(("recompute.json",), recompute)}
+COMPANIONS = {"recompute.md": Table(("recompute.json",), recompute)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from compare_rows import WORKLOADS  # tunes the allocator, before torch is imported
+    from peers import probed, write_results
+
+    import torch
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="transformer_lm:256",
                     help="MODEL:BATCH,... from compare.py's workloads (default: %(default)s)")
@@ -105,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, probes, agree = probed(lambda: [row for name, batch in specs for row in run_model(
         name, batch, args.procs, args.microbatches, args.windows, args.per_window, args.passes)])
     result = {"probes": probes, "probes_agree": agree, "args": vars(args), "rows": rows}
-    write_results(args.out, result, recompute_table(result))
+    write_results(args.out, result, recompute(result))  # the docs render it the same way (TABLES)
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

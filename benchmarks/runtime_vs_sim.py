@@ -26,30 +26,18 @@ import statistics
 import time
 from pathlib import Path
 
+from table_format import Data, Table, span, table
+
 from torchpipedream.host.freed_memory import keep_freed_memory
 from torchpipedream.host.huge_pages import prefer_huge_pages
-
-prefer_huge_pages()  # the profile in this process allocates as launch()'s workers do
-keep_freed_memory()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from torchpipedream.search.planner import plan as make_plan
-from torchpipedream.model.profiler import profile
-from torchpipedream.runtime import Pipeline, launch
-from torchpipedream.runtime.comm import pack, unpack
-from torchpipedream.schedule.build import build_schedule
-from torchpipedream.sim.simulator import Costs, simulate
-from torchpipedream.runtime.measure import (measure_concurrency_slowdown, measure_copy_bandwidth,
-                                       measure_loopback_bandwidth, measure_message_overhead)
-from torchpipedream.plans.topology import Topology
 
 BATCH = 64
 
 
-def model() -> nn.Module:
+def model() -> torch.nn.Module:
+    import torch
+    from torch import nn
+
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(64, 512), nn.ReLU()]
     for _ in range(6):
@@ -59,6 +47,8 @@ def model() -> nn.Module:
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    import torch
+
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(BATCH, 64, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(n)]
 
@@ -66,6 +56,10 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def protocol_cost(nbytes: int, iters: int = 200) -> tuple[float, int]:
     """Seconds to pack and unpack one activation message of ``nbytes`` (the copy into the
     message buffer plus header encoding and decoding), and the header's size in bytes."""
+    import torch
+
+    from torchpipedream.runtime.comm import pack, unpack
+
     x, y = torch.randn(max(1, nbytes // 4)), torch.zeros(BATCH, dtype=torch.int64)
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -76,12 +70,19 @@ def protocol_cost(nbytes: int, iters: int = 200) -> tuple[float, int]:
 
 
 def sgd(params):
+    import torch
+
     return torch.optim.SGD(params, lr=0.01)
 
 
 def worker(rank: int, plan, kind: str, n: int, m: int, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from torchpipedream.runtime import Pipeline
+
     torch.set_num_threads(1)
-    pipe = Pipeline(model(), plan, optimizer=sgd, loss_fn=nn.CrossEntropyLoss(),
+    pipe = Pipeline(model(), plan, optimizer=sgd, loss_fn=torch.nn.CrossEntropyLoss(),
                     schedule=kind, microbatches=m if kind not in ("pipedream", "naive") else None, timeout_s=120)
     data = batches(n)
     pipe.train_minibatches(data)  # warm-up run (allocator, gloo connections)
@@ -106,7 +107,39 @@ def worker(rank: int, plan, kind: str, n: int, m: int, repeats: int) -> dict:
             "protocol_s": hdr_s, "header_bytes": hdr_bytes, "activation_bytes": int(act_bytes)}
 
 
+# ----------------------------------------------------------------------------- what the docs show
+def runtime_vs_sim(data: Data) -> str:
+    """runtime_vs_sim.json (benchmarks/runtime_vs_sim.py) → measured against predicted, per kind."""
+    head = ["kind", "microbatches", "rounds", "measured / predicted: median (range)",
+            "from the run's own compute: median (range)"]
+    body = []
+    for kind, s in data["summary"].items():
+        rows = [r for r in data["rows"] if r["kind"] == kind]
+        compute = [r["ratio_vs_measured_compute"] for r in rows]
+        body.append([kind, rows[0]["microbatches"] if rows else "-", len(rows),
+                     f"{s['median_ratio']:.2f} ({s['min_ratio']:.2f}–{s['max_ratio']:.2f})",
+                     f"{s['median_ratio_vs_measured_compute']:.2f} ({span(compute)})"])
+    return (table(head, body) + f"\n\n{data['cpu_count']} CPUs, {data['threads']} thread per process; "
+            f"gloo loopback {data['loopback_Bps'] / 1e9:.2f} GB/s.")
+
+
+TABLES = {"runtime_vs_sim": Table(("runtime_vs_sim.json",), runtime_vs_sim)}
+
+
 def main() -> None:
+    prefer_huge_pages()  # the profile in this process allocates as launch()'s workers do
+    keep_freed_memory()
+    import torch
+
+    from torchpipedream.model.profiler import profile
+    from torchpipedream.plans.topology import Topology
+    from torchpipedream.runtime import launch
+    from torchpipedream.runtime.measure import (measure_concurrency_slowdown, measure_copy_bandwidth,
+                                                measure_loopback_bandwidth, measure_message_overhead)
+    from torchpipedream.schedule.build import build_schedule
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.sim.simulator import Costs, simulate
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="pipedream,flush,gpipe")
     ap.add_argument("--minibatches", type=int, default=24)
@@ -129,7 +162,7 @@ def main() -> None:
         m = 1 if kind in ("pipedream", "naive") else args.microbatches
         # Profiled as the schedule runs it: microbatches of BATCH/m samples (small GEMMs are
         # less efficient than 1/m of a large one) and the update as the runtime makes it.
-        graph = profile(model(), x, nn.CrossEntropyLoss(), y, iters=20, name="mlp512x7", optimizer=sgd,
+        graph = profile(model(), x, torch.nn.CrossEntropyLoss(), y, iters=20, name="mlp512x7", optimizer=sgd,
                         microbatches=m)
         plan = make_plan(graph, topo, schedule=kind, straight=True, num_stages=2, microbatches=m)
         sched = build_schedule(plan, kind, minibatches=args.minibatches)

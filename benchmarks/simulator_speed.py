@@ -13,6 +13,8 @@ import platform
 import time
 from pathlib import Path
 
+from table_format import Data, Table, table, yes
+
 from torchpipedream.plans.plan import Plan, Stage
 from torchpipedream.schedule.build import build_schedule
 from torchpipedream.sim.simulator import Costs, simulate
@@ -35,6 +37,21 @@ CASES = [
     ("flush", [1] * 8, 8),
     ("gpipe", [1] * 8, 8),
 ]
+
+
+# ----------------------------------------------------------------------------- what the docs show
+def simulator_speed(data: Data) -> str:
+    """simulator_speed.json (benchmarks/simulator_speed.py) → build, validate and simulate times."""
+    head = ["schedule", "plan", "microbatches", "actions", "build s", "validate s", "simulate s (wall)",
+            "simulate s (CPU)", "actions simulated per s"]
+    body = [[r["schedule"], r["config"], r["microbatches"], f"{r['actions']:,}", f"{r['build_s']:.2f}",
+             f"{r['validate_s']:.2f}", f"{r['simulate_s']:.2f}", f"{r['simulate_cpu_s']:.2f}",
+             f"{r['simulate_actions_per_s']:,.0f}"] for r in data["rows"]]
+    return (table(head, body) + "\n\nTarget: 1,000,000 actions simulated in < 10 s wall: "
+            + yes(data["target_met"]) + ".")
+
+
+TABLES = {"simulator_speed": Table(("simulator_speed.json",), simulator_speed)}
 
 
 def main() -> None:

@@ -48,11 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
+from table_format import Data, Table, num, span, table
 
 from torchpipedream.plans.plan import Plan
-from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.schedule.validate import bounds
 
 RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
@@ -67,7 +65,10 @@ def vm_rss_mib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
 
 
-def stages() -> list[nn.Module]:
+def stages() -> list[torch.nn.Module]:
+    import torch
+    from torch import nn
+
     torch.manual_seed(0)
     return [nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN)),
             nn.Sequential(nn.ReLU(), nn.Linear(HIDDEN, CLASSES))]
@@ -78,10 +79,14 @@ def plan_for(kind: str, m: int) -> Plan:
 
 
 def soak_worker(rank: int, kind: str, m: int, total: int, every: int) -> dict:
+    import torch
+
+    from torchpipedream.runtime import Pipeline
+
     torch.set_num_threads(1)
     plan = plan_for(kind, m)
     pipe = Pipeline(stages(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-                    loss_fn=nn.CrossEntropyLoss(), microbatches=m if kind != "pipedream" else None, timeout_s=120)
+                    loss_fn=torch.nn.CrossEntropyLoss(), microbatches=m if kind != "pipedream" else None, timeout_s=120)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, FEATURES, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
                for _ in range(every)]
@@ -251,7 +256,103 @@ def soak_train(minutes: float, out: Path, tolerance: float, keep: int) -> dict:
             "passed": not problems, "problems": problems}
 
 
+# ----------------------------------------------------------------------------- what the docs show
+def soak_table(data: Data) -> str:
+    """soak.json (benchmarks/soak.py) → memory and weight versions per rank over the soak."""
+    cfg = data["config"]
+    head = ["kind", "rank (stage)", "RSS at start (MiB)", "after warm-up", "lowest–highest after warm-up",
+            "at the end", "largest growth after warm-up", "peak versions", "bound", "wall (s)"]
+    body = []
+    for kind, run in data["runs"].items():
+        label = kind if run["microbatches"] == 1 else f"{kind} (m = {run['microbatches']})"
+        for r in run["ranks"]:
+            after = [s["rss_mib"] for s in r["samples"] if s["minibatches"] >= cfg["warmup"]]
+            body.append([label, f"{r['rank']} ({r['stage']})", f"{r['start_rss_mib']:.1f}",
+                         f"{r['rss_after_warmup_mib']:.1f}", span(after, ".1f"),
+                         f"{r['samples'][-1]['rss_mib']:.1f}", f"{r['rss_growth_mib']:.2f}", r["versions_peak"],
+                         r["version_bound"], f"{run['wall_s']:.1f}"])
+    verdict = "passed" if data["passed"] else "FAILED: " + "; ".join(data["problems"])
+    caption = (f"{cfg['minibatches']:,} minibatches per kind, one sample every {cfg['every']}; baseline after "
+               f"{cfg['warmup']:,}; tolerance {cfg['tolerance_mib']:g} MiB; torch {data['torch']}: {verdict}.")
+    return caption + "\n\n" + table(head, body)
+
+
+def soak_train_table(data: Data) -> str:
+    """soak_train.json (benchmarks/soak.py --train-minutes) → the main job's long run."""
+    verdict = "passed" if data["passed"] else "FAILED: " + "; ".join(data["problems"])
+    head = ["asked for (min)", "ran (min)", "epochs", "exit code", "most checkpoint directories at once",
+            "--keep-checkpoints", "--out at the end (MB)", "worker memory growth after the first fifth (MiB)",
+            "allowed (MiB)", "final test accuracy"]
+    acc = data.get("final_test_accuracy")
+    body = [[f"{data['minutes']:g}", f"{data['wall_s'] / 60:.1f}", data["epochs"], data["exit_code"],
+             data["max_checkpoint_dirs"], data["keep_checkpoints"], num(data.get("final_out_mb"), ".1f"),
+             f"{data['worker_rss_growth_mib']:.2f}", num(data.get("allowed_growth_mib"), ".1f"),
+             "-" if acc is None else f"{acc:.2%}"]]
+    text = f"`torchpipedream train` with its defaults, torch {data['torch']}: {verdict}.\n\n" + table(head, body)
+    # Per worker: its memory at the end of the first fifth, at the end, and the largest growth.
+    wall = data["wall_s"]
+    steady = [s for s in data["samples"] if s["seconds"] >= wall / 5 and len(s["worker_rss_mib"]) >= 2]
+    if steady:
+        first = steady[0]["worker_rss_mib"]
+        rows = []
+        for n, pid in enumerate(first):
+            series = [(s["seconds"], s["worker_rss_mib"][pid]) for s in steady if pid in s["worker_rss_mib"]]
+            jump = max(((b[1] - a[1]), b[0]) for a, b in zip(series, series[1:]))
+            rows.append([f"worker {n}", f"{first[pid]:.1f}", f"{series[-1][1]:.1f}",
+                         f"{max(v for _, v in series) - first[pid]:.1f}", f"{jump[0]:.1f} at {jump[1] / 60:.0f} min"])
+        text += "\n\n" + table(["worker", "RSS after the first fifth (MiB)", "at the end", "largest growth",
+                                  "largest rise between two samples (10 s)"], rows)
+    return text
+
+
+
+# ----------------------------------------------------------------------------- numbers the docs' prose quotes
+def _at_bound(d: Data) -> str:
+    ranks = [r for run in d["runs"].values() for r in run["ranks"]]
+    return f"{sum(r['versions_peak'] == r['version_bound'] for r in ranks)} of {len(ranks)}"
+
+
+def _grown_worker(d: Data) -> list[tuple[float, float]]:
+    """(seconds, MiB) of the worker whose memory grew most, after the first fifth of the run."""
+    steady = [s for s in d["samples"] if s["seconds"] >= d["wall_s"] / 5 and len(s["worker_rss_mib"]) >= 2]
+    series = {pid: [(s["seconds"], s["worker_rss_mib"][pid]) for s in steady if pid in s["worker_rss_mib"]]
+              for pid in steady[0]["worker_rss_mib"]}
+    return max(series.values(), key=lambda xs: max(v for _, v in xs) - xs[0][1])
+
+
+def _lasting_step(d: Data) -> str:
+    """The largest rise between two samples of that worker that its memory never fell back from."""
+    xs = _grown_worker(d)
+    steps = [(b[1] - a[1], b[0]) for i, (a, b) in enumerate(zip(xs, xs[1:]))
+             if min(v for _, v in xs[i + 1:]) > a[1] + (b[1] - a[1]) / 2]
+    rise, at = max(steps)
+    return f"{rise:.1f} MiB at {at / 60:.1f} minutes"
+
+
+def _levels(d: Data) -> str:
+    """That worker's memory after the first fifth, and its level (the median) over the last tenth."""
+    xs = _grown_worker(d)
+    last = sorted(v for t, v in xs if t >= 0.9 * d["wall_s"])
+    return f"{xs[0][1]:.1f} to about {last[len(last) // 2]:.1f} MiB"
+
+
+VALUES = {
+    "soak_at_bound": Table(("soak.json",), _at_bound),
+    "soak_train_minutes": Table(("soak_train.json",), lambda d: f"{d['wall_s'] / 60:.1f}"),
+    "soak_train_extra_dirs": Table(("soak_train.json",),
+                                   lambda d: str(d["max_checkpoint_dirs"] - d["keep_checkpoints"])),
+    "soak_train_step": Table(("soak_train.json",), _lasting_step),
+    "soak_train_levels": Table(("soak_train.json",), _levels),
+}
+
+TABLES = {"soak": Table(("soak.json",), soak_table), "soak_train": Table(("soak_train.json",), soak_train_table)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from torchpipedream.runtime import launch
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train-minutes", type=float, default=None,
                     help="soak the main job (torchpipedream train) for at least this many minutes instead")

@@ -23,24 +23,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from torch import nn
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import WORKLOADS, choose_plan, tpd_model  # noqa: E402
-from peers import write_results  # noqa: E402
-
-from torchpipedream.runtime.engine import as_tuple  # noqa: E402
-from torchpipedream.model.split_backward import backward_inputs  # noqa: E402
-from torchpipedream.runtime.stage_split import split_stages  # noqa: E402
+from table_format import Data, Table, span, table  # noqa: E402
 
 
-def _stage_case(module: nn.Module, inputs: tuple[Any, ...], loss: Callable[[Any], torch.Tensor] | None,
+def _stage_case(module: torch.nn.Module, inputs: tuple[Any, ...], loss: Callable[[Any], torch.Tensor] | None,
                 first: bool = False) -> Callable[[bool], tuple[float, float]]:
     """A function timing one backward of ``module`` on ``inputs`` (leaves needing a gradient, but
     on the ``first`` stage, whose inputs are data, as in the runtime): full (returns (seconds,
     0)) or split (returns (B seconds, W seconds)). ``loss`` turns the last stage's output into
     the loss; other stages get random output gradients."""
+    import torch
+
+    from torchpipedream.model.split_backward import backward_inputs
+    from torchpipedream.runtime.engine import as_tuple
+
     params = [p for p in module.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(1)
     grads = None
@@ -86,6 +83,12 @@ def _measure(once: Callable[[bool], tuple[float, float]], reps: int) -> dict[str
 
 def model_rows(name: str, microbatches: int, reps: int) -> list[dict]:
     """Every stage of the model's 2-worker zb-h1 plan (compare.py's cut, wide layers in 4 parts)."""
+    import torch
+    from compare_rows import WORKLOADS, choose_plan, tpd_model
+
+    from torchpipedream.runtime.engine import as_tuple
+    from torchpipedream.runtime.stage_split import split_stages
+
     work = WORKLOADS[name]
     plan, _ = choose_plan(work, 2, "zb-h1", microbatches, 4)
     model = tpd_model(work, 4)
@@ -104,17 +107,57 @@ def model_rows(name: str, microbatches: int, reps: int) -> list[dict]:
 
 def deep_rows(blocks: int, reps: int) -> list[dict]:
     """A stage of ``blocks`` transformer blocks (the LM's, d_model 128) after the first stage."""
+    import torch
+
     from torchpipedream.models import transformer
 
     torch.manual_seed(0)
     lm = transformer(layers=blocks)
-    stage = nn.Sequential(*lm.blocks)
+    stage = torch.nn.Sequential(*lm.blocks)
     h = torch.randn(4, 64, lm.blocks[0].ln1.normalized_shape[0])
     return [{"model": f"{blocks} transformer blocks", "stage": 1, "layers": blocks,
              **_measure(_stage_case(stage, (h,), None), reps)}]
 
 
+# ----------------------------------------------------------------------------- what the docs show
+def split_backward(data: Data) -> str:
+    """split_backward.json (benchmarks/split_backward.py) → one stage per row: the full backward
+    against B and W of the split one."""
+    head = ["model", "stage", "layers", "full backward ms", "B ms", "W ms", "(B + W) / full", "W / (B + W)"]
+    body = [[r["model"], r["stage"], r["layers"], f"{r['full_ms']:.2f}", f"{r['b_ms']:.2f}", f"{r['w_ms']:.2f}",
+             f"{r['split_over_full']:.2f}", f"{r['w_share']:.2f}"] for r in data["rows"]]
+    return (table(head, body) + f"\n\nOne process, {data['threads']} thread, {data['args']['reps']} interleaved "
+            f"repetitions (medians); microbatches of batch / {data['args']['microbatches']}.")
+
+
+
+def _stage(model: str, stage: int, key: str = "split_over_full") -> Table:
+    """A value: ``key`` of one row (a model's stage, or a deep stage by its model name)."""
+    def render(d: Data) -> str:
+        return f"{next(r[key] for r in d['rows'] if r['model'] == model and r['stage'] == stage):.2f}"
+    return Table(("split_backward.json",), render)
+
+
+BENCHMARK_MODELS = ("fc_heavy", "small_cnn", "transformer_lm")
+VALUES = {
+    "split_lm_second_stage": _stage("transformer_lm", 1),
+    "split_8_blocks": _stage("8 transformer blocks", 1),
+    "split_24_blocks": _stage("24 transformer blocks", 1),
+    "split_w_share": Table(("split_backward.json",),
+                           lambda d: span([r["w_share"] for r in d["rows"] if r["stage"] > 0])),
+    "split_benchmark_stages": Table(("split_backward.json",), lambda d: span(
+        [r["split_over_full"] for r in d["rows"] if r["model"] in BENCHMARK_MODELS])),
+}
+TABLES = {"split_backward": Table(("split_backward.json",), split_backward)}
+COMPANIONS = {"split_backward.md": Table(("split_backward.json",), split_backward)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from compare_rows import WORKLOADS  # tunes the allocator, before torch is imported
+    from peers import write_results
+
+    import torch
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(WORKLOADS))
     ap.add_argument("--microbatches", type=int, default=4)
@@ -129,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:<22} stage {r['stage']}  full {r['full_ms']:7.2f} ms  B {r['b_ms']:7.2f}  "
               f"W {r['w_ms']:7.2f}  (B+W)/full {r['split_over_full']:.2f}  W share {r['w_share']:.2f}", flush=True)
     result = {"args": vars(args), "threads": 1, "rows": rows}
-    from doc_tables import split_backward
-
     write_results(args.out, result, split_backward(result))
     return 0
 

@@ -23,15 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import statistical_efficiency as efficiency_table  # noqa: E402  (the docs' renderer)
+from table_format import Data, Table, table  # noqa: E402
 
-from torchpipedream.runtime import launch  # noqa: E402
 from torchpipedream.train import TrainConfig  # noqa: E402
-from torchpipedream.train.inputs import build_model, load_data, loss_for, minibatches, optimizer_factory  # noqa: E402
-from torchpipedream.train.job import run  # noqa: E402
 
 PIPELINE_METHODS = {
     "pipedream": dict(schedule="pipedream"),
@@ -43,6 +38,8 @@ PIPELINE_METHODS = {
 
 
 def _evaluate(model: torch.nn.Module, xt: torch.Tensor, yt: torch.Tensor) -> float:
+    import torch
+
     with torch.no_grad():
         return (model(xt).argmax(-1) == yt).float().mean().item()
 
@@ -54,6 +51,8 @@ def _train_epochs(cfg: TrainConfig, model: torch.nn.Module, eval_model: torch.nn
     ``part(n)`` selects this process's samples of a minibatch of n; ``loss_weight(n)`` scales
     its mean loss so that the applied gradient is the mean over the whole minibatch.
     """
+    from torchpipedream.train.inputs import load_data, loss_for, minibatches, optimizer_factory
+
     opt = optimizer_factory(cfg)(model.parameters())
     loss_fn = loss_for(cfg)
     x, y, xt, yt = load_data(cfg)
@@ -72,14 +71,21 @@ def _train_epochs(cfg: TrainConfig, model: torch.nn.Module, eval_model: torch.nn
 
 def single_process(cfg: TrainConfig) -> list[dict]:
     """Plain training in one process: the reference every method is held against."""
+    import torch
+
+    from torchpipedream.train.inputs import build_model
+
     torch.set_num_threads(1)
     model = build_model(cfg)
     return _train_epochs(cfg, model, model, lambda n: slice(0, n), lambda n: 1.0)
 
 
 def _ddp_worker(rank: int, cfg: TrainConfig) -> list[dict] | None:
+    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchpipedream.train.inputs import build_model
 
     world = dist.get_world_size()
     model = DDP(build_model(cfg))
@@ -91,6 +97,8 @@ def _ddp_worker(rank: int, cfg: TrainConfig) -> list[dict] | None:
 
 
 def ddp(cfg: TrainConfig, workers: int = 2) -> list[dict]:
+    from torchpipedream.runtime import launch
+
     return launch(_ddp_worker, workers, cfg, timeout_s=900)
 
 
@@ -107,6 +115,8 @@ def fixed_plan(cfg: TrainConfig, stages: int, path: Path) -> str:
 
 
 def pipeline(cfg: TrainConfig, stages: int, plan_file: str, **method) -> list[dict]:
+    from torchpipedream.train.job import run
+
     run_cfg = replace(cfg, workers=stages, plan_file=plan_file, progress=False,
                       out=f"/tmp/tpd_stateff/{os.getpid()}", **method)
     report = run(run_cfg)
@@ -185,13 +195,12 @@ def summarise(results: dict[str, list[list[dict]]], targets: list[float]) -> lis
 
 def write_outputs(results: dict[str, list[list[dict]]], meta: dict, out: Path) -> None:
     """Print and write the table (epochs to 95%, 97% and the headline target), JSON and plot."""
-    targets = sorted({0.95, 0.97, meta["target"]})
-    data = {"meta": meta, "rows": summarise(results, targets), "histories": results}
-    table = efficiency_table(data)  # the same function renders docs/statistical_efficiency.md's tables
-    print(table)
+    data = {"meta": meta, "rows": summarise(results, _targets(meta)), "histories": results}
+    text = statistical_efficiency(data)  # the same function renders docs/statistical_efficiency.md's tables
+    print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(data, indent=1))
-    Path(f"{out}.md").write_text(table + "\n")
+    Path(f"{out}.md").write_text(text + "\n")
     _plot(results, meta["target"], Path(f"{out}.png"))
     print(f"wrote {out}.json, {out}.md, {out}.png")
 
@@ -218,6 +227,76 @@ def _plot(results: dict[str, list[list[dict]]], target: float, path: Path) -> No
     a1.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------------------- what the docs show
+def _targets(meta: Data) -> list[float]:
+    return sorted({0.95, 0.97, meta["target"]})
+
+
+def statistical_efficiency(data: Data) -> str:
+    """statistical_efficiency*.json (benchmarks/statistical_efficiency.py) → epochs to each target
+    accuracy (mean over the seeds that reach it), final accuracy and seconds per epoch per method."""
+    targets = _targets(data["meta"])
+    head = ["method"] + [f"epochs to {t:.0%} (seeds)" for t in targets] + ["final accuracy", "s/epoch"]
+    body = []
+    for r in data["rows"]:
+        cells = []
+        for t in targets:
+            e = r[f"epochs_to_{t:g}"]
+            cells.append(("-" if e is None else f"{e:.2f}") + f" ({r[f'reached_{t:g}']})")
+        body.append([r["method"], *cells, f"{r['final_accuracy_mean']:.4f}", f"{r['seconds_per_epoch']:.2f}"])
+    return table(head, body)
+
+
+#: Accuracies closer than this are equal: the single process stores float32 values, the others float64.
+SAME_ACCURACY = 1e-4
+
+
+def statistical_efficiency_agreement(data: Data) -> str:
+    """statistical_efficiency*.json → for each method, the epochs whose test accuracy differs from
+    the single process's in the same seed, and by how much."""
+    hist = data["histories"]
+    reference = hist["single"]
+    head = ["method", "epochs that differ from the single process", "largest difference", "seeds with a difference"]
+    body = []
+    for method, runs in hist.items():
+        if method == "single":
+            continue
+        diffs = [[b["test_accuracy"] - a["test_accuracy"] for a, b in zip(ref, run)]
+                 for ref, run in zip(reference, runs)]
+        differ = [d for seed in diffs for d in seed if abs(d) > SAME_ACCURACY]
+        seeds = sum(any(abs(d) > SAME_ACCURACY for d in seed) for seed in diffs)
+        total = sum(len(seed) for seed in diffs)
+        largest = max(differ, key=abs) if differ else 0.0
+        body.append([method, f"{len(differ)} of {total}", f"{largest:+.4f}" if differ else "0",
+                     f"{seeds} of {len(diffs)}"])
+    return table(head, body)
+
+
+def statistical_efficiency_by_epoch(data: Data) -> str:
+    """statistical_efficiency*.json → mean test accuracy over the seeds after every epoch."""
+    hist = data["histories"]
+    epochs = len(next(iter(hist.values()))[0])
+    head = ["method"] + [f"epoch {e + 1}" for e in range(epochs)]
+    body = [[m] + [f"{statistics.mean(run[e]['test_accuracy'] for run in runs):.4f}" for e in range(epochs)]
+            for m, runs in hist.items()]
+    return table(head, body)
+
+
+TABLES = {
+    "statistical_efficiency": Table(("statistical_efficiency.json",), statistical_efficiency),
+    "statistical_efficiency_agreement": Table(("statistical_efficiency.json",), statistical_efficiency_agreement),
+    "statistical_efficiency_by_epoch": Table(("statistical_efficiency.json",), statistical_efficiency_by_epoch),
+    "statistical_efficiency_momentum": Table(("statistical_efficiency_momentum.json",), statistical_efficiency),
+    "statistical_efficiency_momentum_agreement": Table(("statistical_efficiency_momentum.json",),
+                                                       statistical_efficiency_agreement),
+    "statistical_efficiency_momentum_by_epoch": Table(("statistical_efficiency_momentum.json",),
+                                                      statistical_efficiency_by_epoch),
+}
+COMPANIONS = {"statistical_efficiency.md": Table(("statistical_efficiency.json",), statistical_efficiency),
+              "statistical_efficiency_momentum.md": Table(("statistical_efficiency_momentum.json",),
+                                                          statistical_efficiency)}
 
 
 if __name__ == "__main__":
