@@ -122,6 +122,48 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
     assert cycle is not None and "torchpipedream.model.graph" in cycle and "torchpipedream.search.planner" in cycle
 
 
+#: The flow's layers, lowest first: a module may import its own layer or a lower one, never a
+#: higher one. util and host hold helpers; model describes and measures the model; plans say what
+#: a plan is; schedule turns a plan into action lists; sim interprets them without torch; search
+#: chooses plans by simulating them; runtime runs them; train and cli are the jobs on top.
+LAYERS = [("util", "host"), ("model", "models"), ("plans",), ("schedule",), ("sim",), ("search",), ("runtime",),
+          ("train",), ("cli",)]
+
+
+def _layer(module: str) -> int:
+    """The layer index of a torchpipedream module (the package's own __init__/__main__ is on top)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] in ("__main__",):
+        return len(LAYERS)
+    for index, folders in enumerate(LAYERS):
+        if parts[1] in folders:
+            return index
+    raise AssertionError(f"{module} is in no layer: add its folder to LAYERS")
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{src} ({LAYERS[_layer(src)][0]}) imports {dst} ({LAYERS[_layer(dst)][0]})"
+                  for src, targets in graph.items() if _layer(src) < len(LAYERS)
+                  for dst in targets if dst.startswith("torchpipedream.") and _layer(dst) > _layer(src))
+
+
+def test_every_module_sits_in_a_layer_folder() -> None:
+    for name in _modules():
+        _layer(name)  # raises for a module outside the layer folders
+
+
+def test_no_module_imports_one_above_it_in_the_flow() -> None:
+    bad = _upward_imports(_graph())
+    assert not bad, "imports against the flow:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_finds_a_planted_upward_import() -> None:
+    graph = _graph()
+    graph["torchpipedream.plans.plan"] = graph["torchpipedream.plans.plan"] | {"torchpipedream.schedule.build"}
+    assert any(line.startswith("torchpipedream.plans.plan (plans) imports torchpipedream.schedule.build")
+               for line in _upward_imports(graph))
+
+
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
