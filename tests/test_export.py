@@ -11,7 +11,7 @@ import torch
 
 from torchpipedream.models import get_model
 from torchpipedream.runtime.checkpoint import latest_checkpoint, read_stage_states
-from torchpipedream.util.state_files import load_state_file
+from torchpipedream.model.state_files import load_state_file
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

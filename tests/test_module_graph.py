@@ -20,7 +20,8 @@ PACKAGE = Path(torchpipedream.__file__).resolve().parent
 #: Modules that plan, prove and simulate without torch: graph → plan → schedule → simulator.
 PURE = {"util.jsonio", "util.units", "model.graph", "model.pipedream_profile", "model.profiles",
         "plans.kinds", "plans.plan", "plans.memory", "plans.topology", "schedule.placement", "schedule.actions",
-        "schedule.build", "schedule.validate", "schedule.torch_text", "sim.simulator", "sim.trace", "sim.draw",
+        "schedule.build", "schedule.orders", "schedule.versions", "schedule.validate", "schedule.torch_text",
+        "sim.costs", "sim.simulator", "sim.trace", "sim.draw",
         "search.planner", "search.auto", "host.tuning", "host.huge_pages", "host.freed_memory"}
 
 

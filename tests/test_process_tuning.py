@@ -68,7 +68,7 @@ def test_only_freed_memory_calls_mallopt() -> None:
 
     package = Path(torchpipedream.__file__).parent
     callers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "mallopt" in p.read_text())
-    assert callers == ["freed_memory.py"]
+    assert callers == ["host/freed_memory.py"]
 
 
 @glibc_only
@@ -81,7 +81,7 @@ def test_pipeline_tunes_the_allocator_when_asked() -> None:
 @glibc_only
 def test_the_command_tunes_its_own_process() -> None:
     code = ("import os, sys\n"
-            "from torchpipedream import freed_memory\n"
+            "from torchpipedream.host import freed_memory\n"
             "from torchpipedream.cli import console_main\n"
             "sys.argv = ['torchpipedream', 'plan', 'vgg16', '--topology', 'A']\n"
             "assert console_main() == 0\n"

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
 import pytest
 
 from torchpipedream.schedule.actions import Kind, Schedule
 from torchpipedream.plans.plan import Plan, Stage
-from torchpipedream.schedule.build import GENERATORS, ScheduleBuildError, build_schedule, warmup_depth
+from torchpipedream.plans.kinds import SCHEDULE_KINDS
+from torchpipedream.schedule import orders
+from torchpipedream.schedule.build import ScheduleBuildError, build_schedule
+from torchpipedream.schedule.orders import order_function
+from torchpipedream.schedule.placement import warmup_depth
 
 
 def straight(n: int, **kw) -> Plan:
@@ -33,10 +39,21 @@ def versions(sched: Schedule, kind: Kind) -> dict[tuple[int, int], int]:
 
 
 def test_registry_has_every_kind_with_a_picture() -> None:
-    assert set(GENERATORS) == {"pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v", "zb-2bw",
-                               "naive"}
-    for fn in GENERATORS.values():
+    assert set(SCHEDULE_KINDS) == {"pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2", "interleaved", "zb-v",
+                                   "zb-2bw", "naive"}
+    for kind in SCHEDULE_KINDS.values():
+        fn = order_function(kind)
         assert "F0" in (fn.__doc__ or ""), f"{fn.__name__} needs an ASCII picture"
+
+
+def test_every_kind_names_a_generator_and_every_generator_belongs_to_a_kind() -> None:
+    generators = {name for name, fn in vars(orders).items() if inspect.isfunction(fn) and fn.__module__ == orders.__name__
+                  and not name.startswith("_") and name != "order_function"}
+    assert {kind.order for kind in SCHEDULE_KINDS.values()} == generators
+    for kind in SCHEDULE_KINDS.values():
+        assert order_function(kind).__name__ == kind.order
+    with pytest.raises(LookupError, match="not a generator"):
+        order_function(dataclasses.replace(SCHEDULE_KINDS["flush"], order="replica_of"))
 
 
 def test_pipedream_two_stage_golden() -> None:

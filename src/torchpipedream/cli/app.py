@@ -6,7 +6,7 @@ on stderr and exit status 2, never a traceback.
 
 :func:`main` may be called from Python and changes nothing process-wide; the installed
 ``torchpipedream`` command and ``python -m torchpipedream`` enter through :func:`console_main`,
-whose process is the command's own, so it tunes its allocator first (``tuning.py``).
+whose process is the command's own, so it tunes its allocator first (``host/tuning.py``).
 Starting the command imports no torch: commands that need it import it when they run.
 """
 
@@ -20,6 +20,7 @@ import sys
 from typing import Sequence
 
 from .. import __version__
+from ..host.tuning import tune_own_process
 from . import commands
 from .commands import CommandError
 
@@ -66,9 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console_main() -> int:
     """The ``torchpipedream`` command: this process is the command's own, so it allocates like
-    the workers it starts (huge pages, freed memory kept; ``tuning.py``), then runs :func:`main`."""
-    from ..host.tuning import tune_own_process
-
+    the workers it starts (huge pages, freed memory kept; ``host/tuning.py``), then runs :func:`main`."""
     tune_own_process()  # before the first tensor: the profile and `train`'s preparation run here
     return main()
 

@@ -57,7 +57,7 @@ class Layer:
     one optimizer step over the layer's parameters (once per update; 0 when not measured):
     on small stages it is as large as the backward, and a plan that ignores it mispredicts.
     ``input_grad_ms`` and ``weight_grad_ms`` are the two halves of the backward as a split
-    backward runs them (B: the inputs' gradients, W: the weights'; runtime/split_backward.py),
+    backward runs them (B: the inputs' gradients, W: the weights'; model/split_backward.py),
     timed separately; their sum exceeds ``backward_ms`` by what splitting costs. None where
     not measured (profiles of older versions, PipeDream's files, the reference profiles).
     """
@@ -113,7 +113,7 @@ class Block:
 
     ``cut_bytes`` is the total size of the tensors that cross from this block and everything
     before it to the layers after it (0 for the last block); ``cut_tensors`` names their
-    producers. The memory model's terms (memory_model.py): ``saved_bytes``, what the block's
+    producers. The memory model's terms (plans/memory.py): ``saved_bytes``, what the block's
     layers leave for the backward; ``unsaved_cut_bytes``, the part of the cut no layer saved;
     ``working_bytes``, the largest output + inputs of one of its layers, and ``released_bytes``
     what of that layer's output later layers' backward has freed by its own;

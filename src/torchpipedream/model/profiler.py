@@ -285,7 +285,7 @@ def _sequential_program(seq: nn.Sequential) -> _Program:
 
 
 def _build_program(module: nn.Module | Sequence[nn.Module], args: tuple, kwargs: dict) -> tuple[_Program, nn.Module]:
-    """The steps to time: the traced graph's nodes (``tracing.trace``: torch.fx, else
+    """The steps to time: the traced graph's nodes (``capture.trace``: torch.fx, else
     torch.export with the sample), or the children of a list / an untraceable nn.Sequential."""
     if isinstance(module, (list, tuple)):
         if not module or not all(isinstance(m, nn.Module) for m in module):
@@ -389,7 +389,7 @@ def _backward_once(step: _Step, env: dict[str, Any], timer: _Timer) -> Any:
 
 def _split_backward_once(step: _Step, env: dict[str, Any], timer: _Timer) -> tuple[Any, Any] | None:
     """Re-run ``step`` on detached inputs and time its backward split as the zero-bubble kinds run
-    it (runtime/split_backward.py): B, the inputs' gradients, then W, the weights'. (None, None)
+    it (model/split_backward.py): B, the inputs' gradients, then W, the weights'. (None, None)
     when the layer has no backward; None when the split fails (its layer stays unmeasured)."""
     a, k = step.resolve(env)
     own = {id(p): p for p in step.own_params if p.requires_grad}
@@ -460,7 +460,7 @@ def profile(
     """Profile ``module`` on ``sample_input`` and return its layer graph.
 
     Args:
-        module: the model (traced with torch.fx, else torch.export: ``tracing.py``), or an
+        module: the model (traced with torch.fx, else torch.export: ``model/capture.py``), or an
             nn.Sequential / list of modules that neither can trace (profiled child by child).
         sample_input: one minibatch of the model's inputs: a tensor, a tuple with one value per
             positional argument, or a dict of keyword arguments (``{"input_ids": ...,
@@ -493,7 +493,7 @@ def profile(
             assumes ``simulator.WEIGHT_GRAD_SHARE``).
 
     The times include what this process's allocator pays. The command line and the workers of
-    ``launch`` keep freed memory for reuse (``tuning.py``); in a process of your own, call
+    ``launch`` keep freed memory for reuse (``host/tuning.py``); in a process of your own, call
     ``torchpipedream.keep_freed_memory()`` first (process-wide) if the workers will be tuned, so
     that the profile does not charge page faults that the workers do not pay.
 
@@ -501,17 +501,47 @@ def profile(
         ProfilerError: fx cannot trace a non-Sequential model, the sample does not fit the
             model, or the arguments are invalid. The message says what to do.
     """
+    _check_counts(iters, warmup, microbatches)
+    root = module if isinstance(module, nn.Module) else None
+    home, dev = _devices(root, device)
+    args, kwargs, target, batch_size = _timed_inputs(sample_input, target, dev, microbatches)
+    with _process_state_kept(root, home, dev):
+        program, traced = _build_program(module, args, kwargs)
+        flat = _flat_sample(program, args, kwargs)
+        if dev.type == "cpu" and num_threads is not None:
+            torch.set_num_threads(num_threads)
+        graph = _measure_model(program, traced, flat, loss_fn, target, dev, warmup, iters, batch_size,
+                               split_backward, optimizer)
+        graph.tied = _shared(program, root if root is not None else traced)
+        if microbatches > 1:  # one microbatch was timed: the graph describes the whole minibatch
+            _scale_to_minibatch(graph, microbatches, batch_size)
+        graph.meta.update(_profile_meta(module, name, dev, program.split, microbatches, warmup, iters))
+        return graph
+
+
+def _check_counts(iters: int, warmup: int, microbatches: int) -> None:
+    """Refuse repetition and microbatch counts that cannot be profiled."""
     if iters < 1 or warmup < 0:
         raise ProfilerError(f"profile: need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ProfilerError(f"profile: microbatches must be a positive integer, got {microbatches!r}")
-    root = module if isinstance(module, nn.Module) else None
+
+
+def _devices(root: nn.Module | None, device: str | torch.device | None) -> tuple[torch.device, torch.device]:
+    """(where the model's parameters are, where to time): ``device``, else where the model is
+    (CPU for a parameterless model or a list of modules)."""
     first_param = next(iter(root.parameters()), None) if root is not None else None
     home = first_param.device if first_param is not None else torch.device("cpu")
     dev = torch.device(device) if device is not None else home
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfilerError(f"profile: device {dev} requested but CUDA is not available")
-    args, kwargs, target, batch_size = _timed_inputs(sample_input, target, dev, microbatches)
+    return home, dev
+
+
+@contextlib.contextmanager
+def _process_state_kept(root: nn.Module | None, home: torch.device, dev: torch.device) -> Iterator[None]:
+    """Move the model to ``dev`` for profiling; afterwards put back the thread count, the RNG
+    states and the model's device."""
     moved = root is not None and dev != home
     if moved:
         root.to(dev)
@@ -519,46 +549,7 @@ def profile(
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
     try:
-        program, traced = _build_program(module, args, kwargs)
-        try:
-            flat = program.flatten(args, kwargs)
-        except (TypeError, ValueError) as exc:
-            raise ProfilerError(f"profile: the sample does not fit the model's arguments: {_first_line(exc)}") from None
-        if dev.type == "cpu" and num_threads is not None:
-            torch.set_num_threads(num_threads)
-        with _model_state_kept(traced):
-            with torch.enable_grad():
-                graph = _measure(program, flat, loss_fn, target, _Timer(dev), warmup, iters, batch_size,
-                                 split_backward)
-                _measure_saved(program, flat, loss_fn, target, graph)
-            if optimizer is not None:
-                _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
-        graph.tied = _shared(program, root if root is not None else traced)
-        if microbatches > 1:  # one microbatch was timed: the graph describes the whole minibatch
-            for layer in graph.layers:
-                layer.forward_ms *= microbatches
-                layer.backward_ms *= microbatches
-                for attr in ("input_grad_ms", "weight_grad_ms"):
-                    if getattr(layer, attr) is not None:
-                        setattr(layer, attr, getattr(layer, attr) * microbatches)
-                layer.activation_bytes *= microbatches
-                layer.saved_bytes = None if layer.saved_bytes is None else layer.saved_bytes * microbatches
-                layer.saved_output_bytes = (None if layer.saved_output_bytes is None
-                                            else layer.saved_output_bytes * microbatches)
-                layer.released_bytes = None if layer.released_bytes is None else layer.released_bytes * microbatches
-            graph.batch_size = batch_size
-        graph.meta.update(
-            microbatches=microbatches,
-            model=name or (type(module).__name__ if root is not None else "list"),
-            device=str(dev),
-            torch=torch.__version__,
-            threads=torch.get_num_threads() if dev.type == "cpu" else None,
-            split=program.split,
-            warmup=warmup,
-            iters=iters,
-            timer="cuda_events" if dev.type == "cuda" else "perf_counter",
-        )
-        return graph
+        yield
     finally:
         torch.set_num_threads(old_threads)
         torch.set_rng_state(rng)
@@ -566,6 +557,62 @@ def profile(
             torch.cuda.set_rng_state(cuda_rng, dev)
         if moved:
             root.to(home)
+
+
+def _flat_sample(program: _Program, args: tuple, kwargs: dict) -> tuple:
+    """The sample as the program's flat arguments; a sample that does not fit is the user's to fix."""
+    try:
+        return program.flatten(args, kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ProfilerError(f"profile: the sample does not fit the model's arguments: {_first_line(exc)}") from None
+
+
+def _measure_model(program: _Program, traced: nn.Module, flat: tuple, loss_fn: Callable[..., Tensor] | None,
+                   target: Any, dev: torch.device, warmup: int, iters: int, batch_size: int | None,
+                   split_backward: bool,
+                   optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None) -> LayerGraph:
+    """Time every layer (and the loss, and with ``optimizer`` each layer's update) and record
+    what autograd saves, with the model's gradients and buffers put back afterwards."""
+    with _model_state_kept(traced):
+        with torch.enable_grad():
+            graph = _measure(program, flat, loss_fn, target, _Timer(dev), warmup, iters, batch_size, split_backward)
+            _measure_saved(program, flat, loss_fn, target, graph)
+        if optimizer is not None:
+            _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
+    return graph
+
+
+def _scale_to_minibatch(graph: LayerGraph, microbatches: int, batch_size: int | None) -> None:
+    """One microbatch was timed: scale every time and size to the whole minibatch of
+    ``microbatches`` of them, whose size the graph records."""
+    for layer in graph.layers:
+        layer.forward_ms *= microbatches
+        layer.backward_ms *= microbatches
+        for attr in ("input_grad_ms", "weight_grad_ms"):
+            if getattr(layer, attr) is not None:
+                setattr(layer, attr, getattr(layer, attr) * microbatches)
+        layer.activation_bytes *= microbatches
+        layer.saved_bytes = None if layer.saved_bytes is None else layer.saved_bytes * microbatches
+        layer.saved_output_bytes = (None if layer.saved_output_bytes is None
+                                    else layer.saved_output_bytes * microbatches)
+        layer.released_bytes = None if layer.released_bytes is None else layer.released_bytes * microbatches
+    graph.batch_size = batch_size
+
+
+def _profile_meta(module: nn.Module | Sequence[nn.Module], name: str | None, dev: torch.device, split: str,
+                  microbatches: int, warmup: int, iters: int) -> dict[str, Any]:
+    """How the profile was taken, for ``graph.meta`` (read while the profiling thread count is set)."""
+    return dict(
+        microbatches=microbatches,
+        model=name or (type(module).__name__ if isinstance(module, nn.Module) else "list"),
+        device=str(dev),
+        torch=torch.__version__,
+        threads=torch.get_num_threads() if dev.type == "cpu" else None,
+        split=split,
+        warmup=warmup,
+        iters=iters,
+        timer="cuda_events" if dev.type == "cuda" else "perf_counter",
+    )
 
 
 def _timed_inputs(sample_input: Any, target: Any, dev: torch.device, microbatches: int
@@ -606,7 +653,7 @@ def _model_state_kept(module: nn.Module) -> Iterator[None]:
 
 def _shared(program: _Program, model: nn.Module) -> list[SharedParameter]:
     """Parameters that more than one layer uses (a tied embedding and output layer), by their
-    canonical names (``tracing.canonical_names``)."""
+    canonical names (``capture.canonical_names``)."""
     names = canonical_names(model)
     users: dict[int, list[str]] = {}
     sizes: dict[int, int] = {}
@@ -616,6 +663,17 @@ def _shared(program: _Program, model: nn.Module) -> list[SharedParameter]:
             sizes[id(p)] = p.numel() * p.element_size()
     return [SharedParameter(names.get(pid, f"parameter_{pid}"), layers, sizes[pid])
             for pid, layers in users.items() if len(layers) > 1]
+
+
+@dataclass
+class _Timings:
+    """The timed milliseconds of every iteration: per layer, and of the loss."""
+
+    fwd: dict[str, list[float]]
+    bwd: dict[str, list[float]]
+    split: dict[str, list[tuple[float, float]]]  # per layer, (B, W); a layer whose split fails is dropped
+    loss_fwd: list[float] = field(default_factory=list)
+    loss_bwd: list[float] = field(default_factory=list)
 
 
 def _measure(
@@ -629,13 +687,23 @@ def _measure(
     batch_size: int | None,
     split_backward: bool = True,
 ) -> LayerGraph:
+    """The layer graph with every layer's median times (and the loss's, added to the output layer)."""
+    env, timings = _time_layers(program, args, loss_fn, target, timer, warmup, iters, split_backward)
+    layers, edges = _timed_layers(program, env, timings)
+    meta: dict[str, Any] = {"loss_layer": None}
+    if loss_fn and program.output_producers:
+        meta["loss_layer"] = _add_loss(program, layers, timings)
+    return LayerGraph(layers, edges, batch_size=batch_size, meta=meta)
+
+
+def _time_layers(program: _Program, args: tuple, loss_fn: Callable[..., Tensor] | None, target: Any,
+                 timer: _Timer, warmup: int, iters: int, split_backward: bool) -> tuple[dict[str, Any], _Timings]:
+    """Run the forward, each layer's backward (whole and split) and the loss ``warmup + iters``
+    times; the last forward's values and the timed iterations' times."""
     any_mutation = any(s.mutates for s in program.steps)
-    fwd: dict[str, list[float]] = {s.name: [] for s in program.steps}
-    bwd: dict[str, list[float]] = {s.name: [] for s in program.steps}
-    loss_fwd: list[float] = []
-    loss_bwd: list[float] = []
-    # per layer, the timed (B, W) of each iteration; a layer whose split fails is dropped (unmeasured)
-    split: dict[str, list[tuple[float, float]]] = {s.name: [] for s in program.steps} if split_backward else {}
+    timings = _Timings(fwd={s.name: [] for s in program.steps}, bwd={s.name: [] for s in program.steps},
+                       split={s.name: [] for s in program.steps} if split_backward else {})
+    split = timings.split
     env: dict[str, Any] = {}
     for i in range(warmup + iters):
         run_args = _detached(args, clone=True) if any_mutation else args
@@ -648,9 +716,9 @@ def _measure(
         if i < warmup:
             continue
         for step in program.steps:
-            fwd[step.name].append(timer.ms(pending[step.name]))
+            timings.fwd[step.name].append(timer.ms(pending[step.name]))
             pb = pending_bwd[step.name]
-            bwd[step.name].append(timer.ms(pb) if pb is not None else 0.0)
+            timings.bwd[step.name].append(timer.ms(pb) if pb is not None else 0.0)
         for name, halves in pending_split.items():
             if halves is None:
                 del split[name]
@@ -658,9 +726,14 @@ def _measure(
                 b, w = (timer.ms(h) if h is not None else 0.0 for h in halves)
                 split[name].append((b, w))
         if loss_fn:
-            loss_fwd.append(timer.ms(pending_loss[0]))
-            loss_bwd.append(timer.ms(pending_loss[1]) if pending_loss[1] is not None else 0.0)
+            timings.loss_fwd.append(timer.ms(pending_loss[0]))
+            timings.loss_bwd.append(timer.ms(pending_loss[1]) if pending_loss[1] is not None else 0.0)
+    return env, timings
 
+
+def _timed_layers(program: _Program, env: dict[str, Any], timings: _Timings
+                  ) -> tuple[list[Layer], list[tuple[str, str]]]:
+    """The graph's layers (inputs first) with their median times, and its edges."""
     layers: list[Layer] = []
     edges: list[tuple[str, str]] = []
     for input_name, _ in program.inputs if program.input_layers else []:
@@ -676,25 +749,28 @@ def _measure(
         # A node with no tensor output is shape arithmetic (x.shape[1]): about a microsecond
         # of Python. It is recorded as free so that LayerGraph.linearize() merges it away.
         free = not _tensors(env[step.name]) and not pbytes
-        layer = _layer(step.name, step.kind, env[step.name], 0.0 if free else statistics.median(fwd[step.name]),
-                       statistics.median(bwd[step.name]), pbytes)
-        halves = split.get(step.name)
+        fwd = 0.0 if free else statistics.median(timings.fwd[step.name])
+        layer = _layer(step.name, step.kind, env[step.name], fwd, statistics.median(timings.bwd[step.name]), pbytes)
+        halves = timings.split.get(step.name)
         if halves:
             layer.input_grad_ms = statistics.median(b for b, _ in halves)
             layer.weight_grad_ms = statistics.median(w for _, w in halves)
         layers.append(layer)
         edges.extend((src, step.name) for src in step.inputs)
-    meta: dict[str, Any] = {"loss_layer": None}
-    if loss_fn and program.output_producers:
-        order = {s.name: i for i, s in enumerate(program.steps)}
-        last = max(program.output_producers, key=lambda n: order.get(n, -1))
-        layer = next(l for l in layers if l.name == last)
-        layer.forward_ms += statistics.median(loss_fwd)
-        layer.backward_ms += statistics.median(loss_bwd)
-        if layer.input_grad_ms is not None:  # B starts at the loss: its backward is B's
-            layer.input_grad_ms += statistics.median(loss_bwd)
-        meta["loss_layer"] = last
-    return LayerGraph(layers, edges, batch_size=batch_size, meta=meta)
+    return layers, edges
+
+
+def _add_loss(program: _Program, layers: list[Layer], timings: _Timings) -> str:
+    """Add the loss's median times to the layer that produces the model's output (the last such
+    in graph order); that layer's name."""
+    order = {s.name: i for i, s in enumerate(program.steps)}
+    last = max(program.output_producers, key=lambda n: order.get(n, -1))
+    layer = next(l for l in layers if l.name == last)
+    layer.forward_ms += statistics.median(timings.loss_fwd)
+    layer.backward_ms += statistics.median(timings.loss_bwd)
+    if layer.input_grad_ms is not None:  # B starts at the loss: its backward is B's
+        layer.input_grad_ms += statistics.median(timings.loss_bwd)
+    return last
 
 
 def _storage(t: Tensor) -> tuple[int, int]:

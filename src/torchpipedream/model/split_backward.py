@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -317,14 +318,7 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
     roots = list(roots)
     inputs = list(inputs)
     params = list({id(p): p for p in params}.values())
-    for t in params + inputs:
-        if not t.requires_grad:
-            raise RuntimeError("One of the differentiated Tensors does not require grad")
-    for p in params:
-        if p.grad_fn is not None:
-            raise ValueError("backward_inputs: params must be leaf tensors")
-    if {id(p) for p in params} & {id(t) for t in inputs}:
-        raise ValueError("backward_inputs: a tensor is both a param and an input")
+    _check_differentiated(inputs, params)
     if not roots or not (params or inputs):
         return WeightGradients([], [], None, [], [], [])
     grads = _root_grads(roots, grad_outputs)
@@ -338,8 +332,43 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
         torch.autograd.backward(roots, grad_tensors=grads, inputs=inputs)
         return WeightGradients([], [], None, [], [], [])
 
-    # One walk of the graph, then one pass in postorder (children first): I, and the parameters
-    # (bits) each node reaches.
+    path = _input_path(root_edges, inputs, params)
+    groups = _group_sources(path, _sources(path, root_edges, grads), len(params))
+    calls = _merge_groups(groups)
+    _assign_parameters(calls, path, params)
+    return _run_input_gradients(path, calls, roots, grads, inputs, root_edges)
+
+
+def _check_differentiated(inputs: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    """Refuse what ``torch.autograd.backward`` would, and params that are not leaves or are inputs too."""
+    for t in params + inputs:
+        if not t.requires_grad:
+            raise RuntimeError("One of the differentiated Tensors does not require grad")
+    for p in params:
+        if p.grad_fn is not None:
+            raise ValueError("backward_inputs: params must be leaf tensors")
+    if {id(p) for p in params} & {id(t) for t in inputs}:
+        raise ValueError("backward_inputs: a tensor is both a param and an input")
+
+
+@dataclass
+class _InputPath:
+    """The graph below the roots, split by the input-gradient path I (module docstring)."""
+
+    nodes: list[Node]
+    node_index: dict[Node, int]
+    in_i: list[bool]  # per node: on I
+    reach: list[int]  # per node: the parameters (bits) it reaches
+    boundary: list[int] = field(default_factory=list)  # nodes of I with an edge out of I to a parameter
+    wmask: list[int] = field(default_factory=list)  # per boundary node: parameters it reaches outside I
+    below: list[int] = field(default_factory=list)  # per boundary node: parameters it reaches through I
+    nonleaf_inputs: list[torch.Tensor] = field(default_factory=list)
+
+
+def _input_path(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
+                params: list[torch.Tensor]) -> _InputPath:
+    """One walk of the graph, then one pass in postorder (children first): I, the parameters
+    (bits) each node reaches, and the boundary nodes."""
     nodes, node_index, kids, order = _walk([e.node for e in root_edges])
     n = len(nodes)
     param_bit = {id(p): 1 << i for i, p in enumerate(params)}
@@ -351,11 +380,8 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
             i = node_index.get(t.grad_fn)
             if i is not None:
                 target[i] = True
-    in_i = [False] * n
-    reach = [0] * n
-    boundary: list[int] = []
-    wmask: list[int] = []  # per boundary node: parameters it reaches outside I
-    below: list[int] = []  # per boundary node: parameters it reaches through I
+    path = _InputPath(nodes, node_index, [False] * n, [0] * n, nonleaf_inputs=nonleaf_inputs)
+    in_i, reach = path.in_i, path.reach
     for i in order:
         ch = kids[i]
         if not ch:
@@ -378,23 +404,37 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
         reach[i] = r
         in_i[i] = ini
         if ini and w:
-            boundary.append(i)
-            wmask.append(w)
-            below.append(b)
+            path.boundary.append(i)
+            path.wmask.append(w)
+            path.below.append(b)
+    return path
 
-    # Sources of W: boundary nodes, and roots outside I that reach a parameter.
-    src_masks = list(wmask)
-    src_below = list(below)
-    root_src: list[tuple[GradientEdge, torch.Tensor]] = []
+
+@dataclass
+class _Sources:
+    """The sources of W: the boundary nodes, then the roots outside I that reach a parameter;
+    per source, the parameters (bits) it reaches outside I and through I."""
+
+    masks: list[int]
+    below: list[int]
+    roots: list[tuple[GradientEdge, torch.Tensor]]  # the roots among them, with their gradients
+
+
+def _sources(path: _InputPath, root_edges: list[GradientEdge], grads: list[torch.Tensor]) -> _Sources:
+    src = _Sources(list(path.wmask), list(path.below), [])
     for e, g in zip(root_edges, grads):
-        i = node_index[e.node]
-        if not in_i[i] and reach[i]:
-            root_src.append((e, g))
-            src_masks.append(reach[i])
-            src_below.append(0)
+        i = path.node_index[e.node]
+        if not path.in_i[i] and path.reach[i]:
+            src.roots.append((e, g))
+            src.masks.append(path.reach[i])
+            src.below.append(0)
+    return src
 
-    # Group the sources by the parameters they share (union-find over parameter bits).
-    parent = list(range(len(params)))
+
+def _group_sources(path: _InputPath, src: _Sources, n_params: int) -> list[_Call]:
+    """The sources grouped by the parameters they share (union-find over parameter bits): one
+    W call per group, in the order of each group's first source."""
+    parent = list(range(n_params))
 
     def find(a: int) -> int:
         while parent[a] != a:
@@ -402,7 +442,7 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
             a = parent[a]
         return a
 
-    for m in src_masks:
+    for m in src.masks:
         low = m & -m
         first = find(low.bit_length() - 1)
         m ^= low
@@ -414,7 +454,7 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
             m ^= low
     groups: dict[int, _Call] = {}
     src_group: list[_Call] = []
-    for m, b in zip(src_masks, src_below):
+    for m, b in zip(src.masks, src.below):
         g = find((m & -m).bit_length() - 1)
         call = groups.get(g)
         if call is None:
@@ -422,18 +462,22 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
         call.mask |= m
         call.below |= b
         src_group.append(call)
-    for k, call in enumerate(src_group[:len(boundary)]):
+    n_boundary = len(path.boundary)
+    for k, call in enumerate(src_group[:n_boundary]):
         call.boundary.append(k)
-    for (e, g), call in zip(root_src, src_group[len(boundary):]):
+    for (e, g), call in zip(src.roots, src_group[n_boundary:]):
         call.roots.append(e)
         call.root_grads.append(g)
+    return list(groups.values())
 
-    # Merge groups into few engine calls: a call must not reach its own parameters through I
-    # (else the engine re-runs the input-gradient chain). Groups that do (weight sharing along
-    # it) run alone. Siblings (q/k/v projections) are close in postorder: only the last few
-    # calls are tried, which keeps this linear in the number of groups.
+
+def _merge_groups(groups: list[_Call]) -> list[_Call]:
+    """Merge groups into few engine calls: a call must not reach its own parameters through I
+    (else the engine re-runs the input-gradient chain). Groups that do (weight sharing along
+    it) run alone. Siblings (q/k/v projections) are close in postorder: only the last few
+    calls are tried, which keeps this linear in the number of groups."""
     calls: list[_Call] = []
-    for grp in groups.values():
+    for grp in groups:
         if grp.below & grp.mask:
             calls.append(grp)
             continue
@@ -447,8 +491,13 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
                 break
         else:
             calls.append(grp)
+    return calls
 
-    boundary_set = set(boundary)
+
+def _assign_parameters(calls: list[_Call], path: _InputPath, params: list[torch.Tensor]) -> None:
+    """Each call's parameters (from its bits) and, for a call that re-runs I, the nodes of I
+    it must skip."""
+    boundary_set = set(path.boundary)
     for call in calls:
         m = call.mask
         while m:
@@ -456,24 +505,28 @@ def backward_inputs(roots: Sequence[torch.Tensor], grad_outputs: Sequence[torch.
             call.params.append(params[low.bit_length() - 1])
             m ^= low
         if call.reruns_i:
-            call.skip = [nodes[i] for i in range(n) if in_i[i] and reach[i] & call.mask
+            call.skip = [path.nodes[i] for i in range(len(path.nodes)) if path.in_i[i] and path.reach[i] & call.mask
                          and i not in boundary_set]
             logger.debug("split backward: %d parameter(s) shared along the input path; their W "
                          "re-runs part of the input-gradient chain", bin(call.mask).count("1"))
 
-    # B, recording the gradient into each boundary node.
-    state = _Hooks(len(boundary))
-    bnodes = [nodes[i] for i in boundary]
+
+def _run_input_gradients(path: _InputPath, calls: list[_Call], roots: list[torch.Tensor],
+                         grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                         root_edges: list[GradientEdge]) -> WeightGradients:
+    """B, recording the gradient into each boundary node; the W half that replays them."""
+    state = _Hooks(len(path.boundary))
+    bnodes = [path.nodes[i] for i in path.boundary]
     for c, call in enumerate(calls):
         for k in call.boundary:
             state.call_of[k] = c
     handles = [node.register_prehook(_boundary_hook(state, k)) for k, node in enumerate(bnodes)]
     try:
-        if any(in_i[i] for i in (node_index[e.node] for e in root_edges)):
+        if any(path.in_i[i] for i in (path.node_index[e.node] for e in root_edges)):
             torch.autograd.backward(roots, grad_tensors=grads, inputs=inputs, retain_graph=True)
     except BaseException:
         for h in handles:
             h.remove()
         raise
     state.capturing = False
-    return WeightGradients(calls, bnodes, state, handles, root_edges, nonleaf_inputs)
+    return WeightGradients(calls, bnodes, state, handles, root_edges, path.nonleaf_inputs)

@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -50,8 +51,6 @@ def digits_data(
     """
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"digits_data: test_fraction must be in (0, 1), got {test_fraction}")
-    import numpy as np
-
     with resources.files("torchpipedream").joinpath("data", "digits.npz").open("rb") as f:
         stored = np.load(f, allow_pickle=False)
         images, labels = stored["images"], stored["labels"]

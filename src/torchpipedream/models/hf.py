@@ -38,7 +38,7 @@ def gpt2(vocab_size: int = VOCAB_SIZE, context: int = 64, d_model: int = 64, lay
     ``use_cache=False``: the key/value cache is for generation, and torch.export cannot return it.
     """
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import GPT2Config, GPT2LMHeadModel  # lazy: an optional dependency, for --model gpt2 only
     except ImportError:
         raise ImportError(
             "--model gpt2 needs Hugging Face transformers: pip install 'torchpipedream[hf]' "

@@ -4,7 +4,14 @@ A kind is named in plans, schedules, traces and on the command line by its text
 (``"pipedream"``, ``"2bw"``, ...); in code it is a :class:`ScheduleKind` with the properties
 that the planner, the generators, the validator, the runtime and the CLI need. Code asks a
 property (``kind.microbatched``, ``kind.version_rule``), never compares names, so a new kind
-is one entry here plus one generator in ``schedules.py``.
+is one entry here, its generator included.
+
+The generator (the kind's compute order, pass 1 of ``build_schedule``) is named, not held:
+``order="two_bw"`` names the function ``schedule.orders.two_bw``, which
+``schedule.orders.order_function(kind)`` returns. The entry cannot hold the function itself:
+plans/ sits below schedule/ (the generators import ``Plan`` and this registry), so that would
+be an import circle. tests/test_schedules.py checks that every kind's order exists and that
+every generator in schedule/orders.py belongs to a kind.
 
 The semantics behind the properties (docs/architecture.md, "Schedule semantics"; w^(k) is a
 stage's weights after k updates, minibatch t, n stages, s counted from 0):
@@ -35,7 +42,7 @@ from typing import Any
 
 __all__ = ["VersionRule", "ScheduleKind", "SCHEDULE_KINDS", "KIND_NAMES", "AUTO", "schedule_kind", "UnknownKindError"]
 
-#: Not a kind: the name that asks the planner to choose the kind and microbatches (auto_schedule.py).
+#: Not a kind: the name that asks the planner to choose the kind and microbatches (search/auto.py).
 AUTO = "auto"
 
 
@@ -80,6 +87,9 @@ class ScheduleKind:
             flush's for v chunks per worker. Only these kinds take plans with virtual stages.
         v_shape: (virtual kinds) two stages per worker placed in a V (``Plan.v_shape``: worker r
             holds stages r and 2p − 1 − r, so the first worker also holds the last stage): ZB-V.
+        order: the name of the kind's generator, a function of ``schedule/orders.py`` that
+            writes every stage replica's compute order (the module docstring says why a name;
+            every registered kind has one).
     """
 
     name: str
@@ -92,6 +102,7 @@ class ScheduleKind:
     double_warmup: bool = False
     virtual_stages: bool = False
     v_shape: bool = False
+    order: str = ""
 
     @property
     def round_robin(self) -> bool:
@@ -139,7 +150,7 @@ class ScheduleKind:
         per batch: ZB-H1 delays every stage's W passes until it holds as many microbatches as
         the input stage does, ZB-H2 until it holds 2 × that − 1. zb-2bw holds 2bw's warm-up
         depth where 2bw runs without a bubble (μ ≥ n − 1), and else up to two batches (2μ) on
-        every stage: as many as its version rule lets in flight (schedules.zb_2bw)."""
+        every stage: as many as its version rule lets in flight (schedule.orders.zb_2bw)."""
         if not self.split_backward:
             return depth
         first = max(depth, first_depth or depth)
@@ -156,7 +167,7 @@ class ScheduleKind:
         μ ≥ 2n − 1); interleaved 1F1B over ``depth`` workers of ``chunks`` stages each in
         μ + (n − 1)/v (Narayanan et al., SC'21); ZB-V in μ + (n − 1)/6 (μ ≥ 2n). The others
         keep the pipeline full across minibatches, zb-2bw once μ ≥ n/2: below, a batch takes
-        max(3μ, n + μ) slots for 3μ (equal F, B and W; schedules.zb_2bw). (2bw's order, 1F1B
+        max(3μ, n + μ) slots for 3μ (equal F, B and W; schedule.orders.zb_2bw). (2bw's order, 1F1B
         with its warm-up capped at μ + 1, takes n − μ times the ideal for μ ≤ n − 2, which this
         model does not charge: the paper asks μ ≥ n.)"""
         if not self.flushes:
@@ -197,31 +208,32 @@ class ScheduleKind:
 
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
     ScheduleKind("pipedream", "1F1B with weight stashing (PipeDream): no flush, stale but true gradients",
-                 VersionRule.STASHED, microbatched=False),
+                 VersionRule.STASHED, microbatched=False, order="pipedream"),
     ScheduleKind("2bw", "PipeDream-2BW: 1F1B over microbatches, double-buffered weights, one update stale",
-                 VersionRule.PREVIOUS_BATCH, microbatched=True),
+                 VersionRule.PREVIOUS_BATCH, microbatched=True, order="two_bw"),
     ScheduleKind("flush", "PipeDream-Flush (synchronous 1F1B): plain training with gradient accumulation",
-                 VersionRule.BATCH, microbatched=True, flushes=True),
+                 VersionRule.BATCH, microbatched=True, order="flush", flushes=True),
     ScheduleKind("gpipe", "GPipe: all forwards of a batch, then all backwards; plain training",
-                 VersionRule.BATCH, microbatched=True, flushes=True, forwards_first=True),
+                 VersionRule.BATCH, microbatched=True, order="gpipe", flushes=True, forwards_first=True),
     ScheduleKind("zb-h1", "Zero Bubble H1 (Qi et al.): synchronous 1F1B with the backward split into B and W, "
                  "W delayed to fill the bubble; a third of flush's bubble",
-                 VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True),
+                 VersionRule.BATCH, microbatched=True, order="zb_h1", flushes=True, split_backward=True),
     ScheduleKind("zb-h2", "Zero Bubble H2: zb-h1 with twice the warm-up and W kept for the batch's end, "
                  "so batches follow each other without a bubble; up to 2n - 1 microbatches held",
-                 VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True, double_warmup=True),
+                 VersionRule.BATCH, microbatched=True, order="zb_h2", flushes=True, split_backward=True,
+                 double_warmup=True),
     ScheduleKind("interleaved", "interleaved 1F1B (Megatron): v stages per worker, looped; synchronous, "
                  "1/v of flush's bubble, more transfers",
-                 VersionRule.BATCH, microbatched=True, flushes=True, virtual_stages=True),
+                 VersionRule.BATCH, microbatched=True, order="interleaved", flushes=True, virtual_stages=True),
     ScheduleKind("zb-v", "ZB-V (Qi et al.): two stages per worker in a V, backward split into B and W; "
                  "synchronous, only the forward wave's start idles once m >= 2p",
-                 VersionRule.BATCH, microbatched=True, flushes=True, split_backward=True, virtual_stages=True,
-                 v_shape=True),
+                 VersionRule.BATCH, microbatched=True, order="zb_v", flushes=True, split_backward=True,
+                 virtual_stages=True, v_shape=True),
     ScheduleKind("zb-2bw", "2bw with the backward split into B and W (asynchronous, one update stale): "
                  "W fills the slots where 2bw waits, so fewer, larger microbatches (m >= n/2) keep the pipeline full",
-                 VersionRule.PREVIOUS_BATCH, microbatched=True, split_backward=True),
+                 VersionRule.PREVIOUS_BATCH, microbatched=True, order="zb_2bw", split_backward=True),
     ScheduleKind("naive", "pipelining without weight stashing (for experiments: wrong gradients)",
-                 VersionRule.NEWEST, microbatched=False),
+                 VersionRule.NEWEST, microbatched=False, order="naive"),
 )}
 
 #: The kind names in registry order (for ``choices=`` and messages).

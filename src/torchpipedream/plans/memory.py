@@ -39,8 +39,15 @@ from .kinds import ScheduleKind, schedule_kind
 if TYPE_CHECKING:
     from ..model.graph import Block
 
-__all__ = ["WORKING_FACTOR", "NO_SCRATCH", "scratch_of_options", "StageActivations", "stage_activations", "working_key", "once_bytes", "memory_terms",
-           "stage_memory_bytes"]
+__all__ = ["WORKING_FACTOR", "DEFAULT_OPTIMIZER_STATE_FACTOR", "NO_SCRATCH", "scratch_of_options", "StageActivations",
+           "stage_activations", "working_key", "once_bytes", "memory_terms", "stage_memory_bytes"]
+
+#: Extra copies of a stage's weights a worker holds besides its weight versions
+#: (``optimizer_state_factor``): the gradient buffer and one momentum buffer (SGD with
+#: momentum). Adam would be 3. The planner's and the simulator's default, so planned and
+#: simulated memory agree.
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
+
 
 @dataclass(frozen=True)
 class StageActivations:

@@ -12,6 +12,7 @@ replicas processes every r-th minibatch).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,7 +72,7 @@ class Stage:
         recompute: activation recomputation: the forward keeps only the stage's inputs and the
             backward runs the forward again (same weight version, same dropout masks) before
             differentiating it; ``backward_ms`` does not include that second forward.
-        activations: the memory model's activation terms of the stage (memory_model.py), so
+        activations: the memory model's activation terms of the stage (plans/memory.py), so
             that its memory can be predicted again for another schedule, microbatch count or
             recomputation; None in plans written before they existed.
         input_grad_ms / weight_grad_ms: the stage's backward split as the zero-bubble kinds
@@ -118,6 +119,56 @@ class TiedParameter:
     stages: list[int]
     bytes: int = 0
     layers: list[str] = field(default_factory=list)
+
+
+def _check_stage_shape(s: int, stage: Any) -> None:
+    """Stage ``s`` is a Stage with layer names, a positive replica count and one integer rank per replica."""
+    if not isinstance(stage, Stage):
+        raise PlanError(f"stage {s} is a {type(stage).__name__}, not a Stage")
+    if not isinstance(stage.layers, list) or not all(isinstance(n, str) for n in stage.layers):
+        raise PlanError(f"stage {s}: layers must be a list of layer names, got {stage.layers!r:.100}")
+    if not stage.layers:
+        raise PlanError(f"stage {s} has no layers")
+    if isinstance(stage.replicas, bool) or not isinstance(stage.replicas, int) or stage.replicas < 1:
+        raise PlanError(f"stage {s}: replicas must be a positive integer, got {stage.replicas!r}")
+    if not isinstance(stage.ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                      for r in stage.ranks):
+        raise PlanError(f"stage {s}: ranks must be a list of integers, got {stage.ranks!r:.100}")
+    if len(stage.ranks) != stage.replicas:
+        raise PlanError(f"stage {s}: {stage.replicas} replicas but {len(stage.ranks)} ranks {stage.ranks}")
+
+
+def _check_stage_values(s: int, stage: Stage) -> None:
+    """Stage ``s`` names each rank once, and its recompute flag, costs and sizes are of the right kind."""
+    if len(set(stage.ranks)) != len(stage.ranks):
+        raise PlanError(f"stage {s}: ranks {stage.ranks} name a rank twice")
+    if not isinstance(stage.recompute, bool):
+        raise PlanError(f"stage {s}: recompute must be true or false, got {stage.recompute!r}")
+    for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes",
+                 "memory_bytes", "input_grad_ms", "weight_grad_ms"):
+        v = getattr(stage, attr)
+        if v is None and attr.endswith("_grad_ms"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
+
+
+def _check_same_layers(layer_names: list[str], seen_layers: dict[str, int]) -> None:
+    """The plan's layers (``seen_layers``: name -> stage) are the model's, no more and no fewer."""
+    missing = [n for n in layer_names if n not in seen_layers]
+    extra = [n for n in seen_layers if n not in set(layer_names)]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"model layers not in the plan: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        if extra:
+            parts.append(f"plan layers not in the model: {extra[:6]}{' ...' if len(extra) > 6 else ''}")
+        raise PlanError(
+            "the plan does not match the model ("
+            + "; ".join(parts)
+            + f"). The model has {len(layer_names)} layers, the plan {len(seen_layers)}: "
+            "re-run `torchpipedream plan` on this model's profile."
+        )
 
 
 @dataclass
@@ -229,55 +280,20 @@ class Plan:
         seen_layers: dict[str, int] = {}
         seen_ranks: set[int] = set()
         for s, stage in enumerate(self.stages):
-            if not isinstance(stage, Stage):
-                raise PlanError(f"stage {s} is a {type(stage).__name__}, not a Stage")
-            if not isinstance(stage.layers, list) or not all(isinstance(n, str) for n in stage.layers):
-                raise PlanError(f"stage {s}: layers must be a list of layer names, got {stage.layers!r:.100}")
-            if not stage.layers:
-                raise PlanError(f"stage {s} has no layers")
-            if isinstance(stage.replicas, bool) or not isinstance(stage.replicas, int) or stage.replicas < 1:
-                raise PlanError(f"stage {s}: replicas must be a positive integer, got {stage.replicas!r}")
-            if not isinstance(stage.ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool)
-                                                              for r in stage.ranks):
-                raise PlanError(f"stage {s}: ranks must be a list of integers, got {stage.ranks!r:.100}")
-            if len(stage.ranks) != stage.replicas:
-                raise PlanError(f"stage {s}: {stage.replicas} replicas but {len(stage.ranks)} ranks {stage.ranks}")
+            _check_stage_shape(s, stage)
             for name in stage.layers:
                 if name in seen_layers:
                     raise PlanError(f"layer {name!r} is in stage {seen_layers[name]} and stage {s}")
                 seen_layers[name] = s
-            if len(set(stage.ranks)) != len(stage.ranks):
-                raise PlanError(f"stage {s}: ranks {stage.ranks} name a rank twice")
+            _check_stage_values(s, stage)
             seen_ranks.update(stage.ranks)
-            if not isinstance(stage.recompute, bool):
-                raise PlanError(f"stage {s}: recompute must be true or false, got {stage.recompute!r}")
-            for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes",
-                         "memory_bytes", "input_grad_ms", "weight_grad_ms"):
-                v = getattr(stage, attr)
-                if v is None and attr.endswith("_grad_ms"):
-                    continue
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
-                    raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
         if seen_ranks != set(range(self.num_workers)):
             raise PlanError(f"ranks must be 0..{self.num_workers - 1}, got {sorted(seen_ranks)}")
         if self.virtual:
             self._validate_virtual()
         self._validate_tied()
         if layer_names is not None:
-            missing = [n for n in layer_names if n not in seen_layers]
-            extra = [n for n in seen_layers if n not in set(layer_names)]
-            if missing or extra:
-                parts = []
-                if missing:
-                    parts.append(f"model layers not in the plan: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
-                if extra:
-                    parts.append(f"plan layers not in the model: {extra[:6]}{' ...' if len(extra) > 6 else ''}")
-                raise PlanError(
-                    "the plan does not match the model ("
-                    + "; ".join(parts)
-                    + f"). The model has {len(layer_names)} layers, the plan {len(seen_layers)}: "
-                    "re-run `torchpipedream plan` on this model's profile."
-                )
+            _check_same_layers(layer_names, seen_layers)
         if edges is not None:
             for a, b in edges:
                 if a in seen_layers and b in seen_layers and seen_layers[a] > seen_layers[b]:
@@ -455,8 +471,6 @@ class Plan:
     def with_recompute(self, stages: bool | Iterable[int]) -> "Plan":
         """A copy of the plan with activation recomputation on every stage (``True``), on none
         (``False``) or on the stages listed."""
-        import copy
-
         n = self.num_stages
         if isinstance(stages, bool):
             chosen = set(range(n)) if stages else set()

@@ -33,6 +33,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..util.jsonio import read_json
+
 __all__ = [
     "Level",
     "Topology",
@@ -404,8 +406,6 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
-        from ..util.jsonio import read_json
-
         return cls.from_dict(read_json(path, TopologyError), source=str(path))
 
     @classmethod

@@ -69,21 +69,28 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
-from ..plans.plan import Plan, PlanError
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - torch runs without numpy; its random state is then not saved
+    np = None  # type: ignore[assignment]
+
 from ..model.capture import with_aliases
+from ..plans.plan import Plan, PlanError
 from . import liveness
+from .agreement import Agreement
+from .buffers import ReplicaBuffers
+from .loss_scaling import LossScaler
 from .optimizer_state import OptimizerStateError, load_state_by_name, state_by_name
+from .weights import WeightVersions
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .pipeline import Pipeline
-
-__all__ = ["CheckpointError", "Manifest", "save_checkpoint", "load_checkpoint", "verify_checkpoint",
-           "latest_checkpoint", "checkpoints_newest_first", "read_manifest", "read_extra", "read_stage_states",
-           "remove_temporary_files", "MANIFEST", "EXTRA"]
+__all__ = ["CheckpointError", "CheckpointState", "Resumed", "Manifest", "save_checkpoint", "load_checkpoint",
+           "verify_checkpoint", "latest_checkpoint", "checkpoints_newest_first", "read_manifest", "read_extra",
+           "read_stage_states", "remove_temporary_files", "MANIFEST", "EXTRA"]
 
 log = logging.getLogger(__name__)
 
@@ -365,13 +372,9 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     """This process's random states as tensors and plain values (loadable without code)."""
     version, mt, gauss = random.getstate()
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(mt), gauss]}
-    try:
-        import numpy as np
-
+    if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
-    except ImportError:  # pragma: no cover
-        pass
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -382,145 +385,204 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     version, mt, gauss = state["python"]
     random.setstate((int(version), tuple(int(x) for x in mt), gauss))
     if "numpy" in state:
-        import numpy as np
-
+        if np is None:  # pragma: no cover
+            raise ImportError("numpy is needed to restore the random state this checkpoint saved")
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+# ---------------------------------------------------------------------------- what is saved
+@dataclass
+class CheckpointState:
+    """One rank's part of a pipeline, as checkpointing reads and restores it (the pipeline
+    hands it over; this module knows nothing else of the pipeline).
+
+    ``module``, ``weights``, ``buffers`` and ``scaler`` are the pipeline's own objects: loading
+    restores into them. The data position and the loss history are copies: loading returns the
+    restored ones (:class:`Resumed`).
+    """
+
+    rank: int
+    world_size: int
+    stage: int
+    replica: int
+    device: torch.device
+    plan: Plan
+    kind: str  # the schedule kind
+    module: nn.Module  # this rank's stage module: its state_dict holds the stage's tensors
+    state_names: dict[str, str]  # the module's state_dict key -> the model's name
+    weights: list[WeightVersions]  # the stage's own first, then its copies of shared parameters
+    aliases: dict[str, list[str]]  # a tied parameter's first name -> every name of it
+    buffers: ReplicaBuffers | None  # a replicated stage's buffers (re-based after loading)
+    scaler: LossScaler | None  # float16's loss scale
+    agreement: Agreement | None  # the ranks' deadline-bounded collectives; None in one process
+    epochs_done: int
+    minibatches_done: int
+    history: list[float]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What loading a checkpoint gives back besides the restored tensors: the caller's
+    ``extra``, the data position and the loss history."""
+
+    extra: dict[str, Any]
+    epochs_done: int
+    minibatches_done: int
+    history: list[float]
+
+
 # ---------------------------------------------------------------------------- collectives
-def _agree(pipe: "Pipeline", what: str, error: str | None) -> None:
+def _agree(state: CheckpointState, what: str, error: str | None) -> None:
     """Raise the first rank's error on every rank (so no rank walks into a collective that
     would hang); a rank that does not answer within the deadline is named."""
-    if not pipe.distributed:
+    if state.agreement is None:
         if error is not None:
             raise CheckpointError(error)
         return
-    first = pipe.agreement.first_error(what, error)
+    first = state.agreement.first_error(what, error)
     if first is not None:
         r, text = first
-        raise CheckpointError(text if r == pipe.rank else f"{text} (reported by rank {r})")
+        raise CheckpointError(text if r == state.rank else f"{text} (reported by rank {r})")
 
 
-def _exchange(pipe: "Pipeline", what: str, value: Any) -> list[Any]:
-    return pipe.agreement.exchange(what, value) if pipe.distributed else [value]
+def _exchange(state: CheckpointState, what: str, value: Any) -> list[Any]:
+    return state.agreement.exchange(what, value) if state.agreement is not None else [value]
 
 
-# ---------------------------------------------------------------------------- save / load
-def _name_of_parameters(pipe: "Pipeline", weights: Any) -> dict[int, str]:
+# ---------------------------------------------------------------------------- save
+def _name_of_parameters(state: CheckpointState, weights: WeightVersions) -> dict[int, str]:
     """id(parameter) -> the model's name, for one WeightVersions' parameters."""
-    return {id(p): pipe.state_names.get(n, n) for n, p in zip(weights.names, weights.params)}
+    return {id(p): state.state_names.get(n, n) for n, p in zip(weights.names, weights.params)}
 
 
-def _holdings(pipe: "Pipeline") -> dict[str, list[str]]:
+def _holdings(state: CheckpointState) -> dict[str, list[str]]:
     """What this rank's stage holds, by the model's names (replica 0 writes it)."""
-    return {"tensors": sorted(set(pipe.state_names.values())) if pipe.replica == 0 else []}
+    return {"tensors": sorted(set(state.state_names.values())) if state.replica == 0 else []}
 
 
-def _owners(pipe: "Pipeline", holdings: list[dict[str, list[str]]]) -> dict[str, int]:
+def _owners(plan: Plan, holdings: list[dict[str, list[str]]]) -> dict[str, int]:
     """Name -> the stage that writes it: the first stage holding it (a shared parameter and a
     constant buffer used by several stages are written once)."""
     owner: dict[str, int] = {}
-    for rank in sorted(range(len(holdings)), key=lambda r: pipe.plan.stage_of_rank(r)):
+    for rank in sorted(range(len(holdings)), key=lambda r: plan.stage_of_rank(r)):
         for name in holdings[rank]["tensors"]:
-            owner.setdefault(name, pipe.plan.stage_of_rank(rank)[0])
+            owner.setdefault(name, plan.stage_of_rank(rank)[0])
     return owner
 
 
-def _stage_file(pipe: "Pipeline", save_id: str, owner: dict[str, int]) -> tuple[str, dict[str, Any]]:
+def _stage_file(state: CheckpointState, save_id: str, owner: dict[str, int]) -> tuple[str, dict[str, Any]]:
     """This rank's file name and content (tensors and plain values only)."""
-    states = [w.boundary_state() for w in pipe._all_weights()]  # asserts nothing is in flight
-    payload: dict[str, Any] = {"save_id": save_id, "stage": pipe.stage, "replica": pipe.replica, "rank": pipe.rank,
-                               "version": states[0]["version"], "rng": _rng_state(pipe.device),
-                               "data": {"epoch": pipe.epochs_done, "minibatches": pipe.minibatches_done}}
-    if pipe.replica != 0:
-        return f"stage{pipe.stage}_replica{pipe.replica}.pt", payload
-    mine = {name for name, s in owner.items() if s == pipe.stage}
-    local = pipe.module.state_dict()
-    tensors = {pipe.state_names[k]: v.detach().cpu().clone() for k, v in local.items()
-               if k in pipe.state_names and pipe.state_names[k] in mine}
+    states = [w.boundary_state() for w in state.weights]  # asserts nothing is in flight
+    payload: dict[str, Any] = {"save_id": save_id, "stage": state.stage, "replica": state.replica, "rank": state.rank,
+                               "version": states[0]["version"], "rng": _rng_state(state.device),
+                               "data": {"epoch": state.epochs_done, "minibatches": state.minibatches_done}}
+    if state.replica != 0:
+        return f"stage{state.stage}_replica{state.replica}.pt", payload
+    mine = {name for name, s in owner.items() if s == state.stage}
+    names = state.state_names
+    tensors = {names[k]: v.detach().cpu().clone() for k, v in state.module.state_dict().items()
+               if k in names and names[k] in mine}
     optimizer: dict[str, Any] = {}
-    for weights in pipe._all_weights():
+    for weights in state.weights:
         if weights.optimizer is not None:
-            for name, entry in state_by_name(weights.optimizer, _name_of_parameters(pipe, weights)).items():
+            for name, entry in state_by_name(weights.optimizer, _name_of_parameters(state, weights)).items():
                 if name in mine:
                     optimizer[name] = entry
     payload.update(tensors=tensors, optimizer=optimizer)
-    return f"stage{pipe.stage}.pt", payload
+    return f"stage{state.stage}.pt", payload
 
 
-def save_checkpoint(pipe: "Pipeline", directory: str | Path, **extra: Any) -> Path:
-    """Write ``pipe``'s state into ``directory`` (collective: call on every rank, at a schedule
-    boundary). ``extra`` must be JSON-serialisable (it is written as ``extra.json``)."""
-    directory = Path(directory)
-    save_id = _exchange(pipe, "the start of a checkpoint", uuid.uuid4().hex if pipe.rank == 0 else None)[0]
+def _prepare_directory(state: CheckpointState, directory: Path) -> str:
+    """Agree on the save's identifier and make the directory (rank 0 takes its manifest away:
+    the directory stops being a checkpoint until the new manifest lands)."""
+    save_id = _exchange(state, "the start of a checkpoint", uuid.uuid4().hex if state.rank == 0 else None)[0]
     error = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        if pipe.rank == 0:
-            # Overwriting: the directory stops being a checkpoint until the new manifest lands.
+        if state.rank == 0:
             (directory / MANIFEST).unlink(missing_ok=True)
             _fsync_dir(directory)
     except OSError as exc:
         error = f"cannot prepare checkpoint directory {directory}: {exc.strerror or exc}"
-    _agree(pipe, "the creation of the checkpoint directory", error)
-    holdings = _exchange(pipe, "the checkpoint's names", _holdings(pipe))
-    owner = _owners(pipe, holdings)
+    _agree(state, "the creation of the checkpoint directory", error)
+    return save_id
 
+
+def _write_files(state: CheckpointState, directory: Path, save_id: str, owner: dict[str, int],
+                 extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Write this rank's stage file (and rank 0 ``extra.json``); their manifest entries."""
     entries: list[dict[str, Any]] = []
     error = None
     try:
-        name, payload = _stage_file(pipe, save_id, owner)
+        name, payload = _stage_file(state, save_id, owner)
         data = _serialize(payload)
         liveness.mark()
         write_atomic(directory / name, data)
-        entries.append({"file": name, "sha256": _sha256(data), "size": len(data), "stage": pipe.stage,
-                        "replica": pipe.replica, "rank": pipe.rank})
-        if pipe.rank == 0:
+        entries.append({"file": name, "sha256": _sha256(data), "size": len(data), "stage": state.stage,
+                        "replica": state.replica, "rank": state.rank})
+        if state.rank == 0:
             data = json.dumps({"save_id": save_id, "extra": extra}, indent=1).encode()
             write_atomic(directory / EXTRA, data)
             entries.append({"file": EXTRA, "sha256": _sha256(data), "size": len(data)})
     except OSError as exc:
-        error = f"rank {pipe.rank}: {exc.strerror or exc}"
+        error = f"rank {state.rank}: {exc.strerror or exc}"
     except Exception as exc:  # mid-schedule, an extra that is not JSON: must reach every rank
-        error = f"rank {pipe.rank}: cannot write its checkpoint file into {directory}: {type(exc).__name__}: {exc}"
-    _agree(pipe, "the writing of the checkpoint files", error)
+        error = f"rank {state.rank}: cannot write its checkpoint file into {directory}: {type(exc).__name__}: {exc}"
+    _agree(state, "the writing of the checkpoint files", error)
+    return entries
 
+
+def _manifest(state: CheckpointState, save_id: str, owner: dict[str, int],
+              files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's content (see the module docstring)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "save_id": save_id,
+        "created_unix": time.time(),
+        "world_size": state.world_size,
+        "plan_config": state.plan.config,
+        "plan": state.plan.to_dict(),
+        "schedule": state.kind,
+        "version": state.weights[0].version,
+        "data": {"epoch": state.epochs_done, "minibatches": state.minibatches_done},
+        "files": files,
+        "history": [float(x) for x in state.history],
+        # Which file holds each tensor (and the optimizer state of each trained one), by
+        # the model's names: any plan reads what its stages need (module docstring).
+        "index": {name: f"stage{stage}.pt" for name, stage in sorted(owner.items())},
+        "aliases": dict(sorted(state.aliases.items())),
+        # float16's loss scale (the same on every rank), so a resumed run skips what it would have
+        "loss_scaler": state.scaler.state_dict() if state.scaler is not None else None,
+    }
+
+
+def save_checkpoint(state: CheckpointState, directory: str | Path, **extra: Any) -> Path:
+    """Write ``state`` into ``directory`` (collective: call on every rank, at a schedule
+    boundary). ``extra`` must be JSON-serialisable (it is written as ``extra.json``)."""
+    directory = Path(directory)
+    save_id = _prepare_directory(state, directory)
+    holdings = _exchange(state, "the checkpoint's names", _holdings(state))
+    owner = _owners(state.plan, holdings)
+    entries = _write_files(state, directory, save_id, owner, extra)
     # Every stage file is on disk before rank 0 writes the manifest.
-    parts = _exchange(pipe, "the checkpoint file list", entries)
+    parts = _exchange(state, "the checkpoint file list", entries)
     error = None
-    if pipe.rank == 0:
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "save_id": save_id,
-            "created_unix": time.time(),
-            "world_size": pipe.world_size,
-            "plan_config": pipe.plan.config,
-            "plan": pipe.plan.to_dict(),
-            "schedule": pipe.kind,
-            "version": pipe.weights.version,
-            "data": {"epoch": pipe.epochs_done, "minibatches": pipe.minibatches_done},
-            "files": [e for p in parts for e in p],
-            "history": [float(x) for x in pipe.history],
-            # Which file holds each tensor (and the optimizer state of each trained one), by
-            # the model's names: any plan reads what its stages need (module docstring).
-            "index": {name: f"stage{stage}.pt" for name, stage in sorted(owner.items())},
-            "aliases": dict(sorted(pipe._aliases.items())),
-            # float16's loss scale (the same on every rank), so a resumed run skips what it would have
-            "loss_scaler": pipe.engine.scaler.state_dict() if pipe.engine.scaler is not None else None,
-        }
+    if state.rank == 0:
+        manifest = _manifest(state, save_id, owner, [e for p in parts for e in p])
         try:
             write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
         except OSError as exc:
             error = f"cannot write the checkpoint manifest: {exc.strerror or exc}"
-    _agree(pipe, "the writing of the checkpoint manifest", error)  # nobody returns before it exists
-    log.info("rank %d: checkpoint %s written", pipe.rank, directory)
+    _agree(state, "the writing of the checkpoint manifest", error)  # nobody returns before it exists
+    log.info("rank %d: checkpoint %s written", state.rank, directory)
     return directory
 
 
+# ---------------------------------------------------------------------------- load
 @dataclass
 class _Loaded:
     """What one rank read for its stage: its state dict (own keys), its optimizers' states by
@@ -535,64 +597,86 @@ class _Loaded:
     version: int
 
 
-def _same_layout(pipe: "Pipeline", manifest: Manifest) -> bool:
-    if manifest.world_size != pipe.world_size:
+def _same_layout(state: CheckpointState, manifest: Manifest) -> bool:
+    if manifest.world_size != state.world_size:
         return False
     try:
-        return Plan.from_dict(manifest.plan).same_layout(pipe.plan)
+        return Plan.from_dict(manifest.plan).same_layout(state.plan)
     except PlanError:
         return False
 
 
-def _read_for_stage(pipe: "Pipeline", directory: Path) -> _Loaded:
-    """Read and check what this rank needs, from whichever files hold it (any plan)."""
-    manifest = verify_checkpoint(directory) if pipe.rank == 0 else read_manifest(directory)
-    by_file = {e["file"]: e for e in manifest.files}
-    local = pipe.module.state_dict()
-    needed = {pipe.state_names[k]: k for k in local if k in pipe.state_names}
+class _StageFiles:
+    """The checkpoint's stage files, each read, verified and loaded (as plain tensors) once."""
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.directory, self.manifest = directory, manifest
+        self._by_file = {e["file"]: e for e in manifest.files}
+        self._files: dict[str, dict[str, Any]] = {}
+
+    def payload(self, name: str) -> dict[str, Any]:
+        if name not in self._files:
+            if name not in self._by_file:
+                raise CheckpointError(f"checkpoint {self.directory}: the manifest lists no {name}")
+            self._files[name] = _load_tensors(_read_verified(self.directory, self._by_file[name]),
+                                              self.directory / name, self.manifest.save_id)
+        return self._files[name]
+
+
+def _read_tensors(state: CheckpointState, files: _StageFiles) -> dict[str, torch.Tensor]:
+    """This stage's state dict (its own keys) from the files that hold it, shapes checked."""
+    directory, manifest = files.directory, files.manifest
+    local = state.module.state_dict()
+    needed = {state.state_names[k]: k for k in local if k in state.state_names}
     missing = sorted(n for n in needed if n not in manifest.index)
     if missing:
         raise CheckpointError(f"checkpoint {directory} holds no {missing[:4]}{' ...' if len(missing) > 4 else ''} "
-                              f"that stage {pipe.stage} needs: it is from another model")
-    files: dict[str, dict[str, Any]] = {}
-
-    def payload(name: str) -> dict[str, Any]:
-        if name not in files:
-            if name not in by_file:
-                raise CheckpointError(f"checkpoint {directory}: the manifest lists no {name}")
-            files[name] = _load_tensors(_read_verified(directory, by_file[name]), directory / name, manifest.save_id)
-        return files[name]
-
-    state: dict[str, torch.Tensor] = {}
+                              f"that stage {state.stage} needs: it is from another model")
+    tensors: dict[str, torch.Tensor] = {}
     for name, key in needed.items():
         holder = manifest.index[name]
-        tensor = payload(holder).get("tensors", {}).get(name)
+        tensor = files.payload(holder).get("tensors", {}).get(name)
         if not isinstance(tensor, torch.Tensor) or tensor.shape != local[key].shape:
             got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise CheckpointError(f"checkpoint file {directory / holder}: {name} is {got}, the model's is "
                                   f"{tuple(local[key].shape)}: resume with the same model")
-        state[key] = tensor
+        tensors[key] = tensor
+    return tensors
+
+
+def _read_optimizer_states(state: CheckpointState, files: _StageFiles) -> dict[str, dict[str, Any]]:
+    """The optimizer state of each of this stage's trained parameters, by the model's names."""
+    index = files.manifest.index
     optimizer: dict[str, dict[str, Any]] = {}
-    for weights in pipe._all_weights():
-        for name in _name_of_parameters(pipe, weights).values():
-            entry = payload(manifest.index[name]).get("optimizer", {}).get(name)
+    for weights in state.weights:
+        for name in _name_of_parameters(state, weights).values():
+            entry = files.payload(index[name]).get("optimizer", {}).get(name)
             if entry is None:
-                raise CheckpointError(f"checkpoint file {directory / manifest.index[name]} holds no optimizer state "
+                raise CheckpointError(f"checkpoint file {files.directory / index[name]} holds no optimizer state "
                                       f"for {name}")
             optimizer[name] = entry
+    return optimizer
+
+
+def _read_for_stage(state: CheckpointState, directory: Path) -> _Loaded:
+    """Read and check what this rank needs, from whichever files hold it (any plan)."""
+    manifest = verify_checkpoint(directory) if state.rank == 0 else read_manifest(directory)
+    files = _StageFiles(directory, manifest)
+    tensors = _read_tensors(state, files)
+    optimizer = _read_optimizer_states(state, files)
     # Laid out as saved: this rank's own random state and update count. Otherwise the count is
     # a label (weight versions are counted from a schedule's start): rank 0's.
-    own = f"stage{pipe.stage}.pt" if pipe.replica == 0 else f"stage{pipe.stage}_replica{pipe.replica}.pt"
-    same = _same_layout(pipe, manifest)
-    rng, version = (payload(own)["rng"], int(payload(own)["version"])) if same else (None, manifest.version)
-    return _Loaded(state, optimizer, rng, manifest, read_extra(directory, manifest), version)
+    own = f"stage{state.stage}.pt" if state.replica == 0 else f"stage{state.stage}_replica{state.replica}.pt"
+    same = _same_layout(state, manifest)
+    rng, version = (files.payload(own)["rng"], int(files.payload(own)["version"])) if same else (None, manifest.version)
+    return _Loaded(tensors, optimizer, rng, manifest, read_extra(directory, manifest), version)
 
 
-def _check_names_cover(pipe: "Pipeline", directory: Path, manifest: Manifest) -> str | None:
+def _check_names_cover(state: CheckpointState, directory: Path, manifest: Manifest) -> str | None:
     """Every tensor of the checkpoint is used by some stage of this pipeline (else the model
     lacks some of the checkpoint's layers): checked on rank 0 from every rank's names."""
-    names = _exchange(pipe, "the names the stages load", sorted(set(pipe.state_names.values())))
-    if pipe.rank != 0:
+    names = _exchange(state, "the names the stages load", sorted(set(state.state_names.values())))
+    if state.rank != 0:
         return None
     unused = sorted(set(manifest.index) - {n for part in names for n in part})
     if unused:
@@ -601,49 +685,58 @@ def _check_names_cover(pipe: "Pipeline", directory: Path, manifest: Manifest) ->
     return None
 
 
-def load_checkpoint(pipe: "Pipeline", directory: str | Path) -> dict[str, Any]:
-    """Restore ``pipe`` from ``directory`` (collective); returns the ``extra`` given at save time.
+def _read_everywhere(state: CheckpointState, directory: Path) -> _Loaded:
+    """Every rank reads what it needs; any rank's failure is raised on every rank."""
+    error = None
+    loaded = None
+    try:
+        loaded = _read_for_stage(state, directory)
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # a malformed file: refuse on every rank, never hang
+        error = f"checkpoint {directory} cannot be used: {type(exc).__name__}: {exc}"
+    _agree(state, "the reading of the checkpoint files", error)
+    assert loaded is not None  # every rank read its files (the agreement above)
+    _agree(state, "the checking of the checkpoint's names", _check_names_cover(state, directory, loaded.manifest))
+    return loaded
+
+
+def _restore(state: CheckpointState, loaded: _Loaded, directory: Path) -> None:
+    """Put what was read into the stage: tensors, weight versions, optimizer states, loss
+    scale (agreed on every rank), random state."""
+    with torch.no_grad():
+        state.module.load_state_dict(loaded.state, strict=False)
+    if state.buffers is not None:
+        state.buffers.snapshot()
+    error = None
+    try:
+        for weights in state.weights:
+            weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
+            if weights.optimizer is not None:
+                load_state_by_name(weights.optimizer, loaded.optimizer, _name_of_parameters(state, weights))
+        scaler_state = loaded.manifest.raw.get("loss_scaler")
+        if state.scaler is not None and isinstance(scaler_state, dict):
+            state.scaler.load_state_dict(scaler_state)
+    except (OptimizerStateError, ValueError) as exc:
+        error = f"checkpoint {directory}: {exc}"
+    _agree(state, "the loading of the optimizer states", error)
+    if loaded.rng is not None:
+        _set_rng_state(loaded.rng, state.device)
+
+
+def load_checkpoint(state: CheckpointState, directory: str | Path) -> Resumed:
+    """Restore ``state`` from ``directory`` (collective); returns the ``extra`` given at save
+    time, the data position and the loss history.
 
     The checkpoint may come from any plan of the same model (other stages, replicas, workers or
     schedule): each rank reads the tensors its stage needs by name. Nothing is changed unless
     every rank verified what it needs.
     """
     directory = Path(directory)
-    error = None
-    loaded = None
-    try:
-        loaded = _read_for_stage(pipe, directory)
-    except CheckpointError as exc:
-        error = str(exc)
-    except Exception as exc:  # a malformed file: refuse on every rank, never hang
-        error = f"checkpoint {directory} cannot be used: {type(exc).__name__}: {exc}"
-    _agree(pipe, "the reading of the checkpoint files", error)
-    assert loaded is not None  # every rank read its files (the agreement above)
-    _agree(pipe, "the checking of the checkpoint's names", _check_names_cover(pipe, directory, loaded.manifest))
-
-    with torch.no_grad():
-        pipe.module.load_state_dict(loaded.state, strict=False)
-    if pipe.engine.buffers is not None:
-        pipe.engine.buffers.snapshot()
-    error = None
-    try:
-        for weights in pipe._all_weights():
-            weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
-            if weights.optimizer is not None:
-                load_state_by_name(weights.optimizer, loaded.optimizer, _name_of_parameters(pipe, weights))
-        scaler_state = loaded.manifest.raw.get("loss_scaler")
-        if pipe.engine.scaler is not None and isinstance(scaler_state, dict):
-            pipe.engine.scaler.load_state_dict(scaler_state)
-    except (OptimizerStateError, ValueError) as exc:
-        error = f"checkpoint {directory}: {exc}"
-    _agree(pipe, "the loading of the optimizer states", error)
-    if loaded.rng is not None:
-        _set_rng_state(loaded.rng, pipe.device)
-    pipe.epochs_done = loaded.manifest.epoch
-    pipe.minibatches_done = loaded.manifest.minibatches
-    pipe.history.clear()
-    pipe.history.extend(loaded.manifest.history)
-    if pipe.distributed:
-        pipe.agreement.barrier("the end of loading the checkpoint")
-    log.info("rank %d: resumed from %s at version %d", pipe.rank, directory, loaded.version)
-    return loaded.extra
+    loaded = _read_everywhere(state, directory)
+    _restore(state, loaded, directory)
+    resumed = Resumed(loaded.extra, loaded.manifest.epoch, loaded.manifest.minibatches, list(loaded.manifest.history))
+    if state.agreement is not None:
+        state.agreement.barrier("the end of loading the checkpoint")
+    log.info("rank %d: resumed from %s at version %d", state.rank, directory, loaded.version)
+    return resumed

@@ -20,7 +20,7 @@ forward updates (BatchNorm's running statistics) are restored after every second
 forward, so they move once per microbatch, as without recomputation.
 
 A split backward (a microbatch with a W action on this rank: zero-bubble kinds) runs in two
-parts (runtime/split_backward.py): B computes only the gradients of the stage's inputs, which
+parts (model/split_backward.py): B computes only the gradients of the stage's inputs, which
 SG sends at once, and keeps the graph; W computes the weights' gradients from where B left
 them, releases the weight version and frees the graph.
 
@@ -50,7 +50,7 @@ from .loss_scaling import LossScaler
 from ..model.split_backward import WeightGradients, backward_inputs
 from .weights import WeightVersions
 
-__all__ = ["Engine", "MicrobatchResult", "as_tuple", "run_actions"]
+__all__ = ["Engine", "EngineConfig", "MicrobatchResult", "as_tuple", "run_actions"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,33 @@ class _Context:
     tied_versions: dict[int, int] = field(default_factory=dict)  # shared parameter k -> version F used
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an :class:`Engine` runs its stage, fixed at its construction.
+
+    Args:
+        timeout_s: deadline for collectives.
+        loss_reduction: "mean" or "sum" (what ``loss_fn`` returns).
+        device: the stage's device.
+        draws_random: the stage draws random numbers in training (dropout): each forward then
+            draws from a generator seeded by (``rng_seed``, stage, microbatch number since the
+            start), so replicas draw different masks, a recomputed forward the same, and a run
+            with the same seed the same (see ``Engine._seeded``).
+        recompute: activation recomputation (``Stage.recompute``).
+        compute_dtype: bf16/fp16: forwards run under autocast in it (``Pipeline(precision=)``);
+            None: float32, no autocast.
+        rng_seed: the seed of the stage's random numbers in training.
+    """
+
+    timeout_s: float = 300.0
+    loss_reduction: str = "mean"
+    device: torch.device | str = "cpu"
+    draws_random: bool = False
+    recompute: bool = False
+    compute_dtype: torch.dtype | None = None
+    rng_seed: int = 0
+
+
 class Engine:
     """Executes one stage's actions of a rank's list (``run_actions`` drives the engines of a
     rank's stages through the list: one, or several with virtual stages).
@@ -123,13 +150,13 @@ class Engine:
         module: the stage module (see stage_split).
         is_first / is_last: stage position (the first reads data, the last computes the loss).
         weights: the stage's WeightVersions.
-        comm: P2P channels (None for a single-stage run).
         loss_fn: ``loss_fn(output, *targets) -> scalar tensor``.
         ar_group: the replicas' process group (None when the stage is not replicated).
-        timeout_s: deadline for collectives.
         tied: the stage's copies of shared parameters, by index into ``plan.tied`` (their
             weights are not in ``weights``).
         buffers: a replicated stage's buffers, combined with its replicas' at every ``AR``.
+        scaler: float16's loss scale (``loss_scaling.py``; None without one).
+        config: the engine's settings (:class:`EngineConfig`).
     """
 
     def __init__(
@@ -143,34 +170,33 @@ class Engine:
         weights: WeightVersions,
         loss_fn: Callable[..., torch.Tensor],
         ar_group: Any = None,
-        timeout_s: float = 300.0,
-        loss_reduction: str = "mean",
         tied: dict[int, TiedCopy] | None = None,
         buffers: ReplicaBuffers | None = None,
-        device: torch.device | str = "cpu",
+        scaler: LossScaler | None = None,
+        config: EngineConfig | None = None,
     ) -> None:
+        config = config or EngineConfig()
+        self.config = config
         self.rank, self.stage, self.replica = rank, stage, replica
         self.module = module
         self.is_first, self.is_last = is_first, is_last
         self.weights = weights
         self.loss_fn = loss_fn
         self.ar_group = ar_group
-        self.timeout_s = timeout_s
-        self.loss_reduction = loss_reduction
-        self.device = torch.device(device)
+        self.timeout_s = config.timeout_s
+        self.loss_reduction = config.loss_reduction
+        self.device = torch.device(config.device)
         self.tied = dict(tied or {})
         self.buffers = buffers
         names = set(weights.names).union(*(set(c.weights.names) for c in self.tied.values()))
         self._slots = _parameter_slots(module, names)
         self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
-        # Random numbers (dropout) in training: each forward draws from a generator seeded by
-        # (rng_seed, stage, microbatch number since the start): replicas draw different masks, a
-        # recomputed forward the same, and a run with the same seed the same (see ``_seeded``).
-        self.draws_random = False
-        self.recompute = False  # activation recomputation (Stage.recompute)
-        self.compute_dtype: torch.dtype | None = None  # bf16/fp16: forwards under autocast (Pipeline(precision=))
-        self.scaler: LossScaler | None = None  # float16's loss scale (loss_scaling.py)
-        self.rng_seed = 0
+        # The settings the actions read, copied from the config (plain attributes, as before it).
+        self.draws_random = config.draws_random
+        self.recompute = config.recompute
+        self.compute_dtype = config.compute_dtype
+        self.scaler = scaler
+        self.rng_seed = config.rng_seed
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
     # ------------------------------------------------------------------ run (run_actions drives these)

@@ -24,7 +24,7 @@ launch's own workers write, so tensors and plain objects both work. A worker's e
 rank whose own code failed, rather than a rank that stopped because a peer failed
 (:class:`PipelineFailure`).
 
-The workers are processes of torchpipedream's own, so they are tuned (``tuning.py``) before
+The workers are processes of torchpipedream's own, so they are tuned (``host/tuning.py``) before
 their first tensor: PyTorch's huge-page allocation on (``THP_MEM_ALLOC_ENABLE=1``) unless the
 caller's environment says otherwise, and malloc keeping the memory of freed tensors for reuse
 instead of faulting fresh pages in every step. The caller's own process and environment are
@@ -262,28 +262,19 @@ def launch(
         failure_grace_s: after a worker fails, how long the others may take to stop on their
             own before they are killed.
         huge_pages: start the workers with PyTorch's huge-page allocation on
-            (``THP_MEM_ALLOC_ENABLE=1``; see ``huge_pages.py``) unless the environment
+            (``THP_MEM_ALLOC_ENABLE=1``; see ``host/huge_pages.py``) unless the environment
             already sets it.
         keep_freed_memory: the workers' malloc keeps freed memory for reuse
-            (``freed_memory.py``; a training step re-allocates the same buffers each time).
+            (``host/freed_memory.py``; a training step re-allocates the same buffers each time).
 
     Raises:
         LaunchError: a worker raised (the message names its rank and has its traceback), the
             run exceeded ``timeout_s``, or it stalled for ``stall_timeout_s``.
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
-    for name, value in (("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s),
-                        ("comm_timeout_s", comm_timeout_s)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    _check_launch_arguments(nprocs, timeout_s, stall_timeout_s, comm_timeout_s)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
-    try:
-        payload = pickle.dumps((fn, args))
-    except Exception as exc:
-        raise LaunchError(f"launch() sends fn and args to the workers by pickling them: {type(exc).__name__}: {exc} "
-                          "(use a module-level function and picklable arguments)") from None
+    payload = _pickled(fn, args)
     store, port = _loopback_store(nprocs, comm_timeout_s)
     marks = mp.get_context("spawn").Array("d", nprocs, lock=False)  # 0.0 until a worker starts
     try:
@@ -294,32 +285,68 @@ def launch(
                       huge_pages, keep_freed_memory, marks),
                 nprocs=nprocs, join=False, start_method="spawn",
             )
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            try:
-                failed, early = _wait_for_workers(ctx.processes, deadline, failure_grace_s, marks, stall_timeout_s,
-                                                  comm_timeout_s)
-                if early == "start":
-                    late = [r for r in range(nprocs) if marks[r] == 0.0]
-                    raise LaunchError(f"worker rank(s) {', '.join(map(str, late))} did not start within "
-                                      f"{comm_timeout_s:g} s; all {nprocs} workers were killed")
-                if early == "deadline":
-                    raise LaunchError(f"the run did not finish within {timeout_s:g} s; all {nprocs} workers were killed")
-                if early == "stall":
-                    raise LaunchError(_stall_message(marks, stall_timeout_s, nprocs))  # type: ignore[arg-type]
-                if failed:
-                    running = [r for r, p in enumerate(ctx.processes) if p.exitcode is None]
-                    raise LaunchError(_root_cause(failed, Path(outdir), running))
-            finally:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                for p in ctx.processes:
-                    p.join(timeout=5)
-            results = []
-            for rank in range(nprocs):  # this launch's own private directory, written by its own workers
-                path = Path(outdir) / f"result_{rank}.pickle"
-                with open(path, "rb") if path.exists() else contextlib.nullcontext() as f:
-                    results.append(pickle.load(f) if f is not None else None)
+            _watch_workers(ctx.processes, marks, Path(outdir), timeout_s, stall_timeout_s, comm_timeout_s,
+                           failure_grace_s)
+            results = _read_results(Path(outdir), nprocs)
     finally:
         del store  # closes the listening socket
     return results if return_all else results[0]
+
+
+def _check_launch_arguments(nprocs: Any, timeout_s: float | None, stall_timeout_s: float | None,
+                            comm_timeout_s: float) -> None:
+    """ValueError for a number of processes or a timeout that :func:`launch` cannot use."""
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    for name, value in (("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s),
+                        ("comm_timeout_s", comm_timeout_s)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _pickled(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """``(fn, args)`` as the workers receive them, or LaunchError saying why they cannot travel."""
+    try:
+        return pickle.dumps((fn, args))
+    except Exception as exc:
+        raise LaunchError(f"launch() sends fn and args to the workers by pickling them: {type(exc).__name__}: {exc} "
+                          "(use a module-level function and picklable arguments)") from None
+
+
+def _watch_workers(processes: list[Any], marks: Any, outdir: Path, timeout_s: float | None,
+                   stall_timeout_s: float | None, comm_timeout_s: float, failure_grace_s: float) -> None:
+    """Wait for the workers to finish; LaunchError when one failed, one did not start, the run
+    passed its deadline or stalled. Workers still alive afterwards are killed either way."""
+    nprocs = len(processes)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        failed, early = _wait_for_workers(processes, deadline, failure_grace_s, marks, stall_timeout_s,
+                                          comm_timeout_s)
+        if early == "start":
+            late = [r for r in range(nprocs) if marks[r] == 0.0]
+            raise LaunchError(f"worker rank(s) {', '.join(map(str, late))} did not start within "
+                              f"{comm_timeout_s:g} s; all {nprocs} workers were killed")
+        if early == "deadline":
+            raise LaunchError(f"the run did not finish within {timeout_s:g} s; all {nprocs} workers were killed")
+        if early == "stall":
+            raise LaunchError(_stall_message(marks, stall_timeout_s, nprocs))  # type: ignore[arg-type]
+        if failed:
+            running = [r for r, p in enumerate(processes) if p.exitcode is None]
+            raise LaunchError(_root_cause(failed, outdir, running))
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        for p in processes:
+            p.join(timeout=5)
+
+
+def _read_results(outdir: Path, nprocs: int) -> list[Any]:
+    """Every rank's result (None where a rank wrote none), from this launch's own private
+    directory, written by its own workers."""
+    results = []
+    for rank in range(nprocs):
+        path = outdir / f"result_{rank}.pickle"
+        with open(path, "rb") if path.exists() else contextlib.nullcontext() as f:
+            results.append(pickle.load(f) if f is not None else None)
+    return results

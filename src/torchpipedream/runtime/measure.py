@@ -21,10 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing as mp
+import queue as queues
+import socket
 import statistics
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+import torch
+import torch.distributed as dist
+
 from ..host.tuning import tune_own_process
+from ..model.profiler import disturb_caches
+from .comm import pack, post_recv, post_send, unpack
 
 if TYPE_CHECKING:
     from ..plans.plan import Plan
@@ -105,10 +114,6 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 20) -> float
     the simulator's ``Costs.copy_Bps`` for the copy on update of a stashed weight version.
     Caches make small copies several times faster than large ones, so measure at the size of
     a stage's weights."""
-    import time
-
-    import torch
-
     def once() -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
@@ -125,12 +130,6 @@ def measure_accumulate_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 10) ->
     as autograd accumulates a microbatch's weight gradient), each add after other compute
     (profiler.disturb_caches), median of ``repeats``: the simulator's ``Costs.accumulate_Bps``.
     Measure at the size of a stage's weights."""
-    import time
-
-    import torch
-
-    from ..model.profiler import disturb_caches
-
     def once() -> float:
         new = torch.full_like(acc, 0.5)  # a fresh gradient, as each backward makes one
         disturb_caches()
@@ -146,8 +145,6 @@ def measure_accumulate_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 10) ->
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
     """Run the block with one intra-op thread (a worker's setting), then restore."""
-    import torch
-
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -159,8 +156,6 @@ def _one_thread() -> Iterator[None]:
 def _median_seconds(once: Callable[[], float], repeats: int, warmup: int = 2) -> float:
     """Median of ``repeats`` calls of ``once()`` (each returns the seconds it timed) after
     ``warmup`` untimed ones."""
-    import statistics
-
     for _ in range(warmup):
         once()
     return statistics.median(once() for _ in range(repeats))
@@ -188,8 +183,6 @@ def measure_concurrency_slowdown(workers: int = 2, seconds: float = 0.5,
     group alternate (``repeats`` group runs, each between two runs alone: see
     :func:`bracketed_slowdown`), because a shared host's speed drifts by 20-30% within seconds.
     """
-    import multiprocessing as mp
-
     barrier = mp.get_context("spawn").Barrier(workers, timeout=timeout_s)
     alone: list[float] = []
     together: list[list[float]] = []
@@ -209,8 +202,6 @@ def _spawned_pool(workers: int, limit_s: float, **pool_options: Any) -> Iterator
     """A pool of ``workers`` spawned processes (with huge pages and freed memory kept, as
     launch()'s workers run); a result that takes longer than ``limit_s`` raises RuntimeError
     with the likely cause."""
-    import multiprocessing as mp
-
     init = (pool_options.pop("initializer", None), pool_options.pop("initargs", ()))
     with mp.get_context("spawn").Pool(workers, initializer=_measuring_process_init, initargs=init,
                                       **pool_options) as pool:
@@ -252,8 +243,6 @@ _barrier: Any = None
 
 def _lockstep_init(barrier: Any, make_step: Callable[[], Callable[[], None]]) -> None:
     """Pool initializer: one thread, build the step once and warm it up."""
-    import torch
-
     global _step, _barrier
     torch.set_num_threads(1)
     _barrier = barrier
@@ -264,8 +253,6 @@ def _lockstep_init(barrier: Any, make_step: Callable[[], Callable[[], None]]) ->
 
 def _steps_for_seconds(seconds: float) -> float:
     """Steps per second of this process's step, run for about ``seconds``."""
-    import time
-
     assert _step is not None
     n, t0 = 0, time.perf_counter()
     while n == 0 or time.perf_counter() - t0 < seconds:
@@ -276,8 +263,6 @@ def _steps_for_seconds(seconds: float) -> float:
 
 def _run_steps(n: int, lockstep: bool) -> float:
     """Steps per second over ``n`` steps; with ``lockstep``, waiting for the group after each."""
-    import time
-
     assert _step is not None
     if lockstep:
         _barrier.wait()
@@ -304,8 +289,6 @@ def concurrent_rates(workers: int, seconds: float, rate: Callable[[float], float
 
 def _gemm_step() -> Callable[[], None]:
     """A stage-like step: 20 products of 64×512 by 512×512 on one thread (a few ms)."""
-    import torch
-
     g = torch.Generator().manual_seed(0)
     x0, w = torch.randn(64, 512, generator=g), torch.randn(512, 512, generator=g) * 0.04
 
@@ -320,9 +303,6 @@ def _gemm_step() -> Callable[[], None]:
 def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
     """Run the measurement ``target(rank, world, nbytes, repeats) -> float`` on ``workers``
     spawned one-thread processes joined by a gloo group; rank 0's answer."""
-    import multiprocessing as mp
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -332,9 +312,6 @@ def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: 
              for r in range(workers)]
     for p in procs:
         p.start()
-    import queue as queues
-    import time
-
     deadline = time.monotonic() + timeout_s
     try:
         while True:  # poll, so that a process that dies is reported at once, not at the deadline
@@ -360,9 +337,6 @@ def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: 
 def _group_worker(target: Any, rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
     """One measuring process: join the group, measure, put rank 0's answer (or the error, as
     one line) on ``queue``."""
-    import torch
-    import torch.distributed as dist
-
     tune_own_process()  # allocate as launch()'s workers do
     try:
         torch.set_num_threads(1)
@@ -377,15 +351,6 @@ def _group_worker(target: Any, rank: int, world: int, port: int, nbytes: int, re
 
 
 def _message_overhead(rank: int, world: int, nbytes: int, repeats: int) -> float:
-    import statistics
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from ..model.profiler import disturb_caches
-    from .comm import pack, post_recv, post_send, unpack
-
     cpu = torch.device("cpu")
     act = torch.randn(max(1, nbytes // 4))
     size = pack(1, [act], [], cpu).numel()
@@ -415,20 +380,12 @@ def _message_overhead(rank: int, world: int, nbytes: int, repeats: int) -> float
 
 def _everyone(value: float, world: int) -> list[float]:
     """``value`` of every rank of the measuring group (a tensor gather: nothing unpickled)."""
-    import torch
-    import torch.distributed as dist
-
     parts = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(parts, torch.tensor([value], dtype=torch.float64))
     return [float(p.item()) for p in parts]
 
 
 def _loopback(rank: int, world: int, nbytes: int, repeats: int) -> float:
-    import time
-
-    import torch
-    import torch.distributed as dist
-
     buf = torch.zeros(nbytes // 4, dtype=torch.float32)
     best = math.inf
     for _ in range(repeats):
@@ -445,14 +402,6 @@ def _loopback(rank: int, world: int, nbytes: int, repeats: int) -> float:
 
 
 def _allreduce(rank: int, world: int, nbytes: int, repeats: int) -> float:
-    import statistics
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from ..model.profiler import disturb_caches
-
     flat = torch.ones(max(1, nbytes // 4))
     times = []
     for i in range(repeats + 3):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["AllocationPeak", "allocation_peak", "held_bytes"]
 
@@ -45,8 +46,6 @@ def allocation_peak(device: torch.device | str = "cpu") -> Iterator[AllocationPe
         result.peak_bytes = torch.cuda.max_memory_allocated(dev) - start
         result.end_bytes = torch.cuda.memory_allocated(dev) - start
         return
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield result
     total = peak = 0

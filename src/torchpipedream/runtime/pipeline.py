@@ -48,22 +48,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..schedule.actions import Action, Kind, Schedule, message_key
+from ..host.freed_memory import keep_freed_memory
 from ..host.huge_pages import HUGE_PAGES_ENV
-from ..plans.kinds import UnknownKindError, schedule_kind
-from ..schedule.placement import tied_support_problem
-from ..plans.plan import Plan, PlanError, TiedParameter
-from ..schedule.build import build_schedule
-from ..sim.trace import Event, Trace
 from ..model.capture import as_call, draws_random_numbers, microbatch_sample, model_loss, parameter_aliases, with_aliases
+from ..plans.kinds import UnknownKindError, schedule_kind
+from ..plans.plan import Plan, PlanError, TiedParameter
+from ..schedule.actions import Action, Kind, Schedule, message_key
+from ..schedule.build import build_schedule
+from ..schedule.placement import tied_support_problem
 from ..schedule.validate import ScheduleError, validate_schedule
+from ..sim.trace import Event, Trace
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
+from .checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
 from .comm import P2P
-from .engine import Engine, MicrobatchResult, TiedCopy, as_tuple, run_actions
+from .engine import Engine, EngineConfig, MicrobatchResult, TiedCopy, as_tuple, run_actions
+from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
+from .launcher import init_from_env
 from .loss_scaling import LossScaler, LossScaling
 from .memory_probe import allocation_peak, held_bytes
-from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
 from .stage_split import model_state_names, split_stages
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means, wait_for
 
@@ -119,6 +122,29 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def _check_arguments(optimizer: Any, loss_reduction: str, precision: str) -> None:
+    """Refuse a loss reduction, an optimizer or a precision the pipeline cannot use."""
+    if loss_reduction not in ("mean", "sum"):
+        raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise PipelineError(
+            "optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)` "
+            "(each rank builds it on its own stage's parameters), not an optimizer instance"
+        )
+    if precision not in PRECISIONS:
+        raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def _with_recompute(plan: Plan, recompute: bool | Sequence[int] | None) -> Plan:
+    """``plan`` with ``Pipeline(recompute=)`` applied to its stages (unchanged when None)."""
+    if recompute is None:
+        return plan
+    try:
+        return plan.with_recompute(recompute)
+    except PlanError as exc:
+        raise PipelineError(str(exc)) from None
+
+
 class Pipeline:
     """Pipeline-parallel training of ``module_or_stages`` as laid out by ``plan``.
 
@@ -148,7 +174,7 @@ class Pipeline:
             state is left alone. Default: ``torch.initial_seed()`` (what ``torch.manual_seed`` set).
         sample: one batch of the model's inputs (a tensor, a tuple of positional arguments or a
             dict of keyword arguments), needed when torch.fx cannot trace the model:
-            torch.export runs it on the sample (``tracing.py``).
+            torch.export runs it on the sample (``model/capture.py``).
         tune_allocator: make this process's malloc keep freed memory for reuse
             (``torchpipedream.keep_freed_memory``; process-wide and for the process's
             lifetime, so off by default; the workers of ``launch`` and of the command line
@@ -210,27 +236,14 @@ class Pipeline:
         measure_memory: bool = False,
         loss_scaling: LossScaling | None = None,
     ) -> None:
-        if loss_reduction not in ("mean", "sum"):
-            raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-            raise PipelineError(
-                "optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)` "
-                "(each rank builds it on its own stage's parameters), not an optimizer instance"
-            )
-        if precision not in PRECISIONS:
-            raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        _check_arguments(optimizer, loss_reduction, precision)
         self._check_loss_scaling(precision, loss_scaling, schedule or plan.schedule)
         self.precision = precision
         # Peak tensor bytes of this rank's training runs (memory_probe.py), when measured.
         self.measure_memory = bool(measure_memory)
         self.memory_peak_bytes: int | None = None
-        if recompute is not None:
-            try:
-                plan = plan.with_recompute(recompute)
-            except PlanError as exc:
-                raise PipelineError(str(exc)) from None
-        self.plan = plan
-        self.kind = schedule or plan.schedule
+        self.plan = _with_recompute(plan, recompute)
+        self.kind = schedule or self.plan.schedule
         self.microbatches = microbatches
         self.vertical_sync = vertical_sync
         self.loss_reduction = loss_reduction
@@ -238,104 +251,152 @@ class Pipeline:
         if not failure_timeout_s > 0:
             raise PipelineError(f"failure_timeout_s must be a positive number of seconds, got {failure_timeout_s!r}")
         self.failure_timeout_s = float(failure_timeout_s)
+        self._join_processes(precision)
+        self._choose_device(device, tune_allocator)
+        self.loss_fn = loss_fn
+        modules, local_tied = self._split_model(module_or_stages, sample)
+        self._ar_group = self._make_replica_groups()
+        weights = self._make_weights(modules, local_tied, optimizer)
+        scaler = self._make_loss_scaler(precision, loss_scaling)
+        self.engines = self._make_engines(modules, weights, scaler, precision, seed)
+        # This rank's (first) stage: what a one-stage-per-rank pipeline is made of.
+        self.engine = self.engines[self.stage]
+        self.module, self.weights = self.engine.module, self.engine.weights
+        self.state_names = self._state_names[self.stage]
+        self._start_bookkeeping()
+
+    # ------------------------------------------------------------------ setup
+    def _join_processes(self, precision: str) -> None:
+        """Join (or make) the process group; this rank's place in the plan: the stages it runs
+        (one, or several of one worker each: virtual stages) and its replica."""
+        plan = self.plan
         self.distributed = self._ensure_process_group(plan.num_workers)
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         plan.validate(world_size=self.world_size)
-        # The stages this rank runs: one, or several of one worker each (virtual stages).
         self.stages_held = plan.stages_of_rank(self.rank)
         self.stage, self.replica = (self.stages_held[0], 0) if plan.virtual else plan.stage_of_rank(self.rank)
         if plan.virtual and precision == "fp16":
             raise PipelineError("precision='fp16' is not supported with virtual stages (a rank holding several "
                                 "stages) yet: use precision='bf16'")
+
+    def _choose_device(self, device: torch.device | str | None, tune_allocator: bool) -> None:
+        """This rank's device (cuda:LOCAL_RANK with NCCL, else cpu, unless given) and allocator."""
         if device is None:
             backend = dist.get_backend() if self.distributed else "gloo"
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu"
         self.device = torch.device(device)
-        if tune_allocator:  # every microbatch re-allocates the same buffers: reuse them (freed_memory.py)
-            from ..host.freed_memory import keep_freed_memory
-
+        if tune_allocator:  # every microbatch re-allocates the same buffers: reuse them (host/freed_memory.py)
             keep_freed_memory()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL point-to-point uses the current device
         elif self.rank == 0 and HUGE_PAGES_ENV not in os.environ:
             log.info("%s is not set: CPU workers allocate weight gradients on 4 KiB pages; "
                      "`export %s=1` before torchrun makes weight-heavy models train faster "
-                     "(torchpipedream.launch sets it; see torchpipedream/huge_pages.py)", HUGE_PAGES_ENV, HUGE_PAGES_ENV)
-        self.loss_fn = loss_fn
+                     "(torchpipedream.launch sets it; see torchpipedream/host/huge_pages.py)", HUGE_PAGES_ENV, HUGE_PAGES_ENV)
+
+    def _split_model(self, module_or_stages: nn.Module | Sequence[nn.Module],
+                     sample: Any) -> tuple[dict[int, nn.Module], dict[int, str]]:
+        """Split the model into this rank's stage modules (on its device); returns them by stage
+        and this stage's local name of each shared parameter it holds (by index into
+        ``plan.tied``). Keeps what the runs need of the split: the plan with the shared
+        parameters it found (checked against the plan's), the model's names of the stages'
+        state, the first stage's input mapping, the last stage's output finish and, for a graph
+        torch.export traced, the stages traced for evaluation."""
+        model = module_or_stages if isinstance(module_or_stages, nn.Module) else None
         # traced at the size the profile was (torch.export specialises a graph to the sizes it sees)
-        profiled = plan.meta.get("profile_microbatches") if isinstance(plan.meta, dict) else None
+        profiled = self.plan.meta.get("profile_microbatches") if isinstance(self.plan.meta, dict) else None
         m = profiled if isinstance(profiled, int) and profiled > 1 else 1
         call = as_call(microbatch_sample(sample, m)) if sample is not None else None
-        split = split_stages(module_or_stages, plan, sample=call, train=True)
-        self.plan = plan = self._with_shared_parameters(plan, split)
+        split = split_stages(module_or_stages, self.plan, sample=call, train=True)
+        self.plan = plan = self._with_shared_parameters(self.plan, split)
         # parameters the model knows by several names (tied): canonical name -> every name
-        self._aliases = {k: v for k, v in parameter_aliases(module_or_stages).items() if len(v) > 1} \
-            if isinstance(module_or_stages, nn.Module) else {}
+        self._aliases = {k: v for k, v in parameter_aliases(model).items() if len(v) > 1} if model is not None else {}
         local_tied = {k: split.tied[t.name][self.stage] for k, t in enumerate(plan.tied) if self.stage in t.stages}
         # The model's name of each entry of each held stage's state (checkpoints are keyed by it).
-        self._state_names = {s: model_state_names(split.modules[s],
-                                                  module_or_stages if isinstance(module_or_stages, nn.Module) else None)
-                             for s in self.stages_held}
+        self._state_names = {s: model_state_names(split.modules[s], model) for s in self.stages_held}
         modules = {s: split.modules[s].to(self.device) for s in self.stages_held}
         self._stage_inputs, self._finish = split.inputs, split.finish
         # torch.export fixes dropout's mode in the graph: evaluation runs a graph traced for it.
         self._eval_modules = self._evaluation_stages(module_or_stages, plan, call, split, modules) \
             if split.method == "export" else {}
-        del split
-        # One process group per replicated stage, created in the same order on every rank.
-        self._ar_group = None
-        for s, st in enumerate(plan.stages):
+        return modules, local_tied
+
+    def _make_replica_groups(self) -> Any:
+        """One process group per replicated stage, created in the same order on every rank;
+        returns this rank's stage's (None when it is not replicated)."""
+        mine = None
+        for s, st in enumerate(self.plan.stages):
             if st.replicas > 1:
                 group = dist.new_group(st.ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
                 if s == self.stage:
-                    self._ar_group = group
+                    mine = group
+        return mine
+
+    def _make_tied_copies(self, module: nn.Module, factory: OptimizerFactory,
+                          local_tied: dict[int, str]) -> dict[int, TiedCopy]:
+        """This stage's copy of each shared parameter it holds: weights of its own, stepped by
+        the TR actions, and a process group of every rank holding a copy (every shared
+        parameter's group is created, in the same order, on every rank)."""
+        plan, tied = self.plan, {}
+        for k, t in enumerate(plan.tied):
+            ranks = sorted(r for ts in t.stages for r in plan.stages[ts].ranks)
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+            if k in local_tied:
+                weights = WeightVersions(module, factory, self.loss_reduction, replicated=True, only={local_tied[k]})
+                tied[k] = TiedCopy(weights, group, holders=len(t.stages))
+        return tied
+
+    def _make_loss_scaler(self, precision: str, loss_scaling: LossScaling | None) -> LossScaler | None:
+        """float16's loss scale, with every rank's overflow flag MAX-reduced at each update (in a
+        group of its own, made on every rank like the groups above); None in other precisions."""
+        if precision != "fp16":
+            return None
+        group = dist.new_group(list(range(self.world_size)), timeout=datetime.timedelta(seconds=self.timeout_s)) \
+            if self.distributed else None
+        return LossScaler(loss_scaling or LossScaling(), self._overflow_agreement(group))
+
+    def _make_weights(self, modules: dict[int, nn.Module], local_tied: dict[int, str],
+                      optimizer: OptimizerFactory) -> dict[int, WeightVersions]:
+        """The weight versions (and optimizer) of each stage this rank holds; for this rank's
+        (first) stage also its copies of shared parameters (``self.tied``)."""
         factory = self._guard_optimizer(optimizer)
         self.tied: dict[int, TiedCopy] = {}
-        n = plan.num_stages
-        self.engines: dict[int, Engine] = {}
+        weights: dict[int, WeightVersions] = {}
         for s in self.stages_held:
-            module = modules[s]
-            weights = WeightVersions(module, factory, loss_reduction, replicated=self._ar_group is not None,
-                                     exclude=set(local_tied.values()))
+            weights[s] = WeightVersions(modules[s], factory, self.loss_reduction,
+                                        replicated=self._ar_group is not None, exclude=set(local_tied.values()))
             if s == self.stage:
-                # Each shared parameter's copy: weights of its own, stepped by the TR actions, and a
-                # process group of every rank holding a copy (created in the same order everywhere).
-                for k, t in enumerate(plan.tied):
-                    ranks = sorted(r for ts in t.stages for r in plan.stages[ts].ranks)
-                    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
-                    if k in local_tied:
-                        tied_weights = WeightVersions(module, factory, loss_reduction, replicated=True,
-                                                      only={local_tied[k]})
-                        self.tied[k] = TiedCopy(tied_weights, group, holders=len(t.stages))
-            engine = Engine(
-                self.rank, s, self.replica, module,
-                is_first=s == 0, is_last=s == n - 1, weights=weights,
-                loss_fn=self._loss_of_output, ar_group=self._ar_group, timeout_s=self.timeout_s,
-                loss_reduction=loss_reduction, tied=self.tied if s == self.stage else {},
-                # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
-                buffers=ReplicaBuffers(module, self._ar_group, plan.stages[s].replicas)
-                if self._ar_group is not None else None,
-                device=self.device,
-            )
-            engine.draws_random = draws_random_numbers(module)
-            engine.recompute = plan.stages[s].recompute
-            engine.compute_dtype = PRECISIONS[precision]
-            self.engines[s] = engine
-        # This rank's (first) stage: what a one-stage-per-rank pipeline is made of.
-        self.engine = self.engines[self.stage]
-        self.module, self.weights = self.engine.module, self.engine.weights
-        self.state_names = self._state_names[self.stage]
-        if precision == "fp16":
-            # every rank's overflow flag, MAX-reduced at each update (a group of its own, made
-            # here on every rank like the groups above)
-            group = dist.new_group(list(range(self.world_size)), timeout=datetime.timedelta(seconds=self.timeout_s)) \
-                if self.distributed else None
-            self.engine.scaler = LossScaler(loss_scaling or LossScaling(), self._overflow_agreement(group))
+                self.tied = self._make_tied_copies(modules[s], factory, local_tied)
+        return weights
+
+    def _make_engines(self, modules: dict[int, nn.Module], weights: dict[int, WeightVersions],
+                      scaler: LossScaler | None, precision: str, seed: int | None) -> dict[int, Engine]:
+        """One engine per stage this rank holds, its settings in one :class:`EngineConfig`; this
+        rank's (first) stage gets the copies of shared parameters and the loss scale."""
         # Dropout masks come from (this seed, stage, microbatch): distinct on every replica and
         # reproducible; without a seed, the process's (what torch.manual_seed set, if anything).
-        for engine in self.engines.values():
-            engine.rng_seed = seed if seed is not None else torch.initial_seed()
+        rng_seed = seed if seed is not None else torch.initial_seed()
+        engines: dict[int, Engine] = {}
+        for s in self.stages_held:
+            module, own = modules[s], s == self.stage
+            config = EngineConfig(timeout_s=self.timeout_s, loss_reduction=self.loss_reduction, device=self.device,
+                                  draws_random=draws_random_numbers(module), recompute=self.plan.stages[s].recompute,
+                                  compute_dtype=PRECISIONS[precision], rng_seed=rng_seed)
+            engines[s] = Engine(
+                self.rank, s, self.replica, module,
+                is_first=s == 0, is_last=s == self.plan.num_stages - 1, weights=weights[s],
+                loss_fn=self._loss_of_output, ar_group=self._ar_group, tied=self.tied if own else {},
+                # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
+                buffers=ReplicaBuffers(module, self._ar_group, self.plan.stages[s].replicas)
+                if self._ar_group is not None else None,
+                scaler=scaler if own else None, config=config,
+            )
+        return engines
+
+    def _start_bookkeeping(self) -> None:
+        """What the runs keep: built schedules, negotiated message sizes, the last run's events,
+        the loss history and data position, and the failure board and agreement of the ranks."""
         self._schedules: dict[int, Schedule] = {}
         self._message_sizes: dict[tuple[str, int], int] = {}  # negotiated once per channel
         self._events: list[Any] = []
@@ -353,7 +414,6 @@ class Pipeline:
             self.agreement = Agreement(store, self.rank, self.world_size, self.timeout_s, prefix + "agree/",
                                        self._describe)
 
-    # ------------------------------------------------------------------ setup
     def _with_shared_parameters(self, plan: Plan, split: Any) -> Plan:
         """``plan`` with the parameters its stages share (``plan.tied``), as the split found them,
         checked against what the plan says and against the schedule kind."""
@@ -407,8 +467,6 @@ class Pipeline:
         if dist.is_available() and dist.is_initialized():
             return True
         if all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
-            from .launcher import init_from_env
-
             init_from_env(_default_backend(), self.timeout_s)
             return True
         if workers == 1:
@@ -487,7 +545,7 @@ class Pipeline:
     def use_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` for every run of its number of minibatches, instead of the one
         ``build_schedule`` would generate: one written by hand, or read from torch's action
-        text (torch_interop.py). Every rank passes the same schedule. It must be for this
+        text (schedule/torch_text.py). Every rank passes the same schedule. It must be for this
         pipeline's plan (the same stages, layers and ranks), the same weight-version rule and
         microbatch count; ``validate_schedule`` proves it here.
 
@@ -887,11 +945,9 @@ class Pipeline:
         file's sha256 and the data position last. ``extra`` (JSON-serialisable) comes back from
         :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
         """
-        from .checkpoint import CheckpointError, save_checkpoint
-
         self._refuse_virtual("save_checkpoint")
         with self._failure_guard("saving a checkpoint", agreed=(CheckpointError,)):
-            return save_checkpoint(self, directory, **extra)
+            return save_checkpoint(self._checkpoint_state(), directory, **extra)
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore this pipeline from a verified checkpoint (collective); returns its ``extra``.
@@ -901,11 +957,23 @@ class Pipeline:
         message on every rank) for a missing manifest, a corrupted, truncated or non-tensor
         file, another model, or another optimizer class.
         """
-        from .checkpoint import CheckpointError, load_checkpoint
-
         self._refuse_virtual("load_checkpoint")
         with self._failure_guard("loading a checkpoint", agreed=(CheckpointError,)):
-            return load_checkpoint(self, directory)
+            resumed = load_checkpoint(self._checkpoint_state(), directory)
+            self.epochs_done, self.minibatches_done = resumed.epochs_done, resumed.minibatches_done
+            self.history.clear()
+            self.history.extend(resumed.history)
+            return resumed.extra
+
+    def _checkpoint_state(self) -> CheckpointState:
+        """This rank's stage as checkpointing reads and restores it (``runtime/checkpoint.py``)."""
+        return CheckpointState(
+            rank=self.rank, world_size=self.world_size, stage=self.stage, replica=self.replica, device=self.device,
+            plan=self.plan, kind=self.kind, module=self.module, state_names=self.state_names,
+            weights=self._all_weights(), aliases=self._aliases, buffers=self.engine.buffers,
+            scaler=self.engine.scaler, agreement=self.agreement,
+            epochs_done=self.epochs_done, minibatches_done=self.minibatches_done, history=list(self.history),
+        )
 
     def _refuse_virtual(self, what: str) -> None:
         if self.plan.virtual:

@@ -47,6 +47,8 @@ from torch.utils import _pytree as pytree
 from ..plans.kinds import ScheduleKind, VersionRule, schedule_kind
 from ..plans.plan import Plan
 from ..model.capture import as_call, model_loss, parameter_aliases
+from .launcher import launch
+from .pipeline import Pipeline
 
 __all__ = ["verify", "verify_plans", "VerifyReport", "Mismatch", "VerifyError"]
 
@@ -127,8 +129,6 @@ class _Job:
 
 def _worker(rank: int, job: _Job) -> list[dict[int, dict[str, Any]]]:
     """Each plan's and prefix's stage state on this rank (with its stage and replica)."""
-    from . import Pipeline
-
     out = []
     for plan in job.plans:
         runs = {}
@@ -342,8 +342,6 @@ def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: 
     references = [None if kind.version_rule is VersionRule.STASHED else _reference(
         job, plan, _version_rule(plan, kind, {}, {})) for plan, kind in zip(plans, rules)]
     t0 = time.perf_counter()
-    from . import launch
-
     results = launch(_worker, plans[0].num_workers, job, return_all=True, stall_timeout_s=timeout_s)
     seconds = time.perf_counter() - t0
     reports = []
@@ -385,8 +383,6 @@ def _aliases(model: Callable[[], nn.Module]) -> dict[str, list[str]]:
 def _first_difference(job: _Job, i: int, want: list[dict[str, torch.Tensor]], aliases: dict[str, list[str]],
                       atol: float, rtol: float, skip: set[str]) -> Mismatch | None:
     """Run plan ``i`` on every shorter prefix of the minibatches; the first that differs."""
-    from . import launch
-
     prefixes = list(range(1, len(job.batches)))
     if not prefixes:
         return None

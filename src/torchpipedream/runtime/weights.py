@@ -8,8 +8,9 @@ parameter but have their own autograd version counter). The autograd graph of ``
 those aliases, so ``B`` differentiates with exactly the weights ``F`` used: weight stashing
 without a copy at ``F`` time.
 
-Copy on update, only where needed. The schedule is known in advance, so for every version
-we count the ``F``/``B`` actions that will still use it. At an optimizer step, if the
+Copy on update, only where needed (``schedule.versions.copies_on_update``, the rule the
+simulator charges too). The schedule is known in advance, so for every version we count the
+``F``/``B`` actions that will still use it. At an optimizer step, if the
 current version is still needed (an in-flight minibatch has run ``F`` but not ``B``, or a
 later ``F`` is scheduled with it, as in vertical sync or 2BW), every parameter is moved to a
 copy *before* the optimizer updates it in place (into the storage of a stash dropped earlier
@@ -18,8 +19,9 @@ of a pipedream pipeline), the step is in place and nothing is copied. Stashes ar
 when their last use has run, so a pipedream stage holds at most one version per in-flight
 minibatch and 2BW at most two.
 
-Gradient buffers. On a replicated stage every parameter has one persistent gradient buffer
-(views into a single flat tensor with a slot for the sample count), set as the ``.grad`` of
+Gradient buffers (``schedule.versions.keeps_gradient_buffers``, which also tells the simulator
+which backwards accumulate). On a replicated stage every parameter has one persistent gradient
+buffer (views into a single flat tensor with a slot for the sample count), set as the ``.grad`` of
 every alias, so each backward accumulates in place and the replicas' all-reduce runs on the
 flat tensor without a copy (a parameter without gradient is then stepped with a zero one).
 On a stage without replicas the aliases start with no ``.grad``: the first backward of an
@@ -60,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule.actions import Kind, Schedule
+from ..schedule.versions import copies_on_update, keeps_gradient_buffers
 from .loss_scaling import has_nonfinite
 
 __all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means", "wait_for"]
@@ -126,7 +129,7 @@ class WeightVersions:
         # Replicated stages: persistent flat buffers for the all-reduce. Otherwise the first
         # backward of an update hands its gradient tensors over (autograd "steals" them: no
         # add, no zeroing) and they are dropped after the step.
-        self._flat, self._grads = self._grad_buffers() if replicated else (None, None)
+        self._flat, self._grads = self._grad_buffers() if keeps_gradient_buffers(replicated) else (None, None)
         self._pending: list[torch.Tensor | None] = [None] * len(self.params)
         self._samples = 0.0
         self._spare: list[list[torch.Tensor]] = []
@@ -324,8 +327,7 @@ class WeightVersions:
         current version first when a stash still needs it); the version counter advances."""
         copied = False
         if self.params and self.optimizer is not None:
-            still_needed = self._uses.get(self.version, 0) > 0
-            if still_needed:
+            if copies_on_update(self._uses.get(self.version, 0)):
                 # Copy on update: the stash keeps the old storage, the parameters move.
                 self.tensors(self.version)
                 spare = self._spare.pop() if self._spare else None

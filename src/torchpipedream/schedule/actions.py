@@ -1,7 +1,7 @@
 """The schedule IR: actions, their compact text form, and a schedule (one action list per rank).
 
-This is the contract between the schedule generators (schedules.py), the simulator
-(simulator.py) and the runtime (runtime/engine.py): each interprets the same lists.
+This is the contract between the schedule generators (schedule/build.py), the simulator
+(sim/simulator.py) and the runtime (runtime/engine.py): each interprets the same lists.
 
 Text form of an action (rank is implied by the list it is in)::
 
@@ -160,7 +160,7 @@ class Schedule:
         actions: rank -> ordered actions.
         options: generator options (e.g. vertical_sync) kept for provenance; ``max_inflight``
             declares a schedule's own bound on in-flight microbatches per rank where it holds
-            more than its kind's (an order imported from torch, torch_interop.py).
+            more than its kind's (an order imported from torch, torch_text.py).
     """
 
     plan: Plan

@@ -2,7 +2,7 @@
 stage runs a microbatch, which update its gradient joins, how deep each stage's warm-up is.
 
 Plain functions of the plan and the kind's properties (see ``kinds.py``), so that the
-generators (``schedules.py``) and the independent checks (``validate.py``) ask the same
+generators (``build.py``) and the independent checks (``validate.py``) ask the same
 questions without importing each other.
 """
 

@@ -14,7 +14,7 @@ durations and ``Pipeline.use_schedule`` runs; and one of ours becomes torch's te
 
 The mapping: torch's ``F``, ``B``, ``I``, ``W`` are our F, B, B-with-a-W (a split backward) and
 W. Transfers are not read: our lowering puts them around the compute, in the compute's order
-(``schedules.schedule_from_order``), and torch's loader does the same for a compute-only file.
+(``build.schedule_from_order``), and torch's loader does the same for a compute-only file.
 ``UNSHARD``/``RESHARD`` (no FSDP here) and ``REDUCE_GRAD`` (our updates follow the kind's rule)
 are dropped. torch's stage index is our stage index and its ranks are ours: a rank may run
 several stages (virtual stages: ``Interleaved1F1B``, ``LoopedBFS`` with several stages per rank),
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -95,6 +96,116 @@ def _default_plan(placement: Mapping[int, int], workers: int, microbatches: int,
                 microbatches=microbatches)
 
 
+@dataclass
+class _TorchOrder:
+    """What torch's per-rank action lists say, read into our terms."""
+
+    ranks: list[int]
+    order: dict[int, list[tuple[Kind, int]]] = field(default_factory=dict)  # stage -> its compute items, in order
+    rank_order: dict[int, list[int]] = field(default_factory=dict)  # rank -> the stage of each of its compute items
+    placement: dict[int, int] = field(default_factory=dict)  # stage -> the rank that runs it
+    splits: bool = False  # some backward is split (I and W)
+    top: int = -1  # the largest microbatch id
+
+    def read_rank(self, r: int, cells: Iterable[str | object | None]) -> None:
+        """Read rank ``r``'s cells; refuse a stage on two ranks, an action without a microbatch,
+        and an ``I`` without its ``W`` (or the reverse)."""
+        inputs_only: set[tuple[int, int]] = set()  # (stage, microbatch)
+        weights: set[tuple[int, int]] = set()
+        self.rank_order[r] = []
+        for cell in cells:
+            for stage, kind_text, mb in parse_torch_action("" if cell is None else str(cell)):
+                if kind_text in _DROPPED:
+                    continue
+                if self.placement.setdefault(stage, r) != r:
+                    raise TorchScheduleError(f"stage {stage} runs on rank {self.placement[stage]} and on rank {r}: a "
+                                             "stage runs on one rank (one worker per stage)")
+                if mb is None:
+                    raise TorchScheduleError(f"rank {r}: {stage}{kind_text} names no microbatch")
+                self.top = max(self.top, mb)
+                self.order.setdefault(stage, []).append((_COMPUTE[kind_text], mb))
+                self.rank_order[r].append(stage)
+                if kind_text == "I":
+                    inputs_only.add((stage, mb))
+                elif kind_text == "W":
+                    weights.add((stage, mb))
+        self._check_split(r, inputs_only, weights)
+        self.splits = self.splits or bool(weights)
+
+    def _check_split(self, r: int, inputs_only: set[tuple[int, int]], weights: set[tuple[int, int]]) -> None:
+        """A split backward only with one stage on the rank, or two in a V; every I with its W."""
+        held = sorted(set(self.rank_order[r]))
+        in_a_v = len(held) == 2 and all(v_shape_rank(s, len(self.ranks)) == r for s in held)
+        if len(held) > 1 and (weights or inputs_only) and not in_a_v:
+            raise TorchScheduleError(
+                f"rank {r} runs stages {held} and splits the backward (I and W): several stages per rank with a "
+                "split backward are supported in a V only (rank r holding stages r and 2p - 1 - r: ZBVZeroBubble, "
+                "DualPipeV without its overlapped passes), read as zb-v; not looped (InterleavedZeroBubble with "
+                "several stages per rank)")
+        if inputs_only != weights:
+            stage, odd = sorted(inputs_only ^ weights)[0]
+            what = "an I (input-gradient backward) without its W" if (stage, odd) in inputs_only else "a W without its I"
+            raise TorchScheduleError(f"rank {r}, stage {stage}: microbatch {odd} has {what}")
+
+    def check_coverage(self) -> None:
+        """Every rank runs a stage, and the stages are 0..n-1."""
+        idle = [r for r in self.ranks if not self.rank_order[r]]
+        if idle:
+            raise TorchScheduleError(f"rank {idle[0]} runs no compute action: every rank runs at least one stage")
+        missing = sorted(set(range(max(self.placement) + 1)) - set(self.placement))
+        if missing:
+            raise TorchScheduleError(f"the torch schedule runs stages {sorted(self.placement)}; stage {missing[0]} is "
+                                     "missing (stages are numbered 0..n-1)")
+
+    def kind(self, given: str | None) -> str:
+        """``given``, else the kind inferred from the order; refused where a rank runs several
+        stages under a kind that runs one stage per rank."""
+        virtual = len(self.placement) > len(self.ranks)
+        chosen = given or _infer_kind(self.order, self.splits, virtual)
+        info = SCHEDULE_KINDS.get(chosen)
+        if virtual and info is not None and not info.virtual_stages:
+            r = next(r for r in self.ranks if len(set(self.rank_order[r])) > 1)
+            raise TorchScheduleError(f"rank {r} runs stages {sorted(set(self.rank_order[r]))}: kind {chosen} runs one "
+                                     "stage per rank; several stages per rank are read as interleaved")
+        return chosen
+
+    def check_plan(self, plan: Plan) -> None:
+        """``plan`` has one worker per stage, placed as torch's order runs them."""
+        theirs = {r: sorted(s for s, rr in self.placement.items() if rr == r) for r in self.ranks}
+        ours = {r: [s for s, st in enumerate(plan.stages) if r in st.ranks] for r in range(plan.num_workers)}
+        if (plan.num_stages != len(self.placement) or any(st.replicas != 1 for st in plan.stages) or ours != theirs):
+            raise TorchScheduleError(
+                f"the plan ({plan.summary}, stages per rank {ours}) must have {len(self.placement)} stages of one "
+                f"worker each, placed as the torch schedule runs them: stages per rank {theirs}")
+
+
+def _read_torch_order(actions: Mapping[int, Iterable[str | object | None]]) -> _TorchOrder:
+    """torch's per-rank actions read rank by rank (ranks 0..n-1), every rank and stage checked."""
+    ranks = sorted(actions)
+    if ranks != list(range(len(ranks))) or not ranks:
+        raise TorchScheduleError(f"torch schedules list ranks 0..n-1; got {ranks}")
+    read = _TorchOrder(ranks)
+    for r in ranks:
+        read.read_rank(r, actions[r])
+    read.check_coverage()
+    return read
+
+
+def _declare_inflight(sched: Schedule, plan: Plan, kind: str, m: int) -> None:
+    """torch's orders may hold more microbatches than our kind's bound (its Interleaved1F1B with one
+    stage per rank warms up deeper than 1F1B; LoopedBFS runs every forward of a stage first):
+    the schedule declares its own, and memory counts what it holds."""
+    stats, limit = schedule_stats(sched), bounds(plan, kind, m)
+    over = [inflight for (_, s), (_, inflight) in stats.by_stage.items() if inflight > limit[s][1]]
+    if over:
+        sched.options = {**(sched.options or {}), "max_inflight": max(over)}
+    if plan.virtual:  # and over a rank's stages together (LoopedBFS; a V-shaped order read as interleaved)
+        rank_over = [held for r, held in stats.max_inflight.items()
+                     if held > rank_inflight_bound(plan, kind, m, r)]
+        if rank_over:
+            sched.options = {**(sched.options or {}), "max_rank_inflight": max(rank_over)}
+
+
 def from_torch(actions: Mapping[int, Iterable[str | object | None]], plan: Plan | None = None,
                minibatches: int = 1, kind: str | None = None, microbatches: int | None = None) -> Schedule:
     """A schedule of ours from torch's per-rank actions (strings, or torch's ``_Action`` objects,
@@ -118,88 +229,20 @@ def from_torch(actions: Mapping[int, Iterable[str | object | None]], plan: Plan 
             stage per rank, an ``I`` without its ``W`` (or the reverse), or a plan that does
             not match.
     """
-    ranks = sorted(actions)
-    if ranks != list(range(len(ranks))) or not ranks:
-        raise TorchScheduleError(f"torch schedules list ranks 0..n-1; got {ranks}")
-    order: dict[int, list[tuple[Kind, int]]] = {}  # stage -> its compute items, in order
-    rank_order: dict[int, list[int]] = {}  # rank -> the stage of each of its compute items
-    placement: dict[int, int] = {}  # stage -> the rank that runs it
-    splits = False  # some backward is split (I and W)
-    top = -1
-    for r in ranks:
-        inputs_only: set[tuple[int, int]] = set()  # (stage, microbatch)
-        weights: set[tuple[int, int]] = set()
-        rank_order[r] = []
-        for cell in actions[r]:
-            for stage, kind_text, mb in parse_torch_action("" if cell is None else str(cell)):
-                if kind_text in _DROPPED:
-                    continue
-                if placement.setdefault(stage, r) != r:
-                    raise TorchScheduleError(f"stage {stage} runs on rank {placement[stage]} and on rank {r}: a stage "
-                                             "runs on one rank (one worker per stage)")
-                if mb is None:
-                    raise TorchScheduleError(f"rank {r}: {stage}{kind_text} names no microbatch")
-                top = max(top, mb)
-                order.setdefault(stage, []).append((_COMPUTE[kind_text], mb))
-                rank_order[r].append(stage)
-                if kind_text == "I":
-                    inputs_only.add((stage, mb))
-                elif kind_text == "W":
-                    weights.add((stage, mb))
-        held = sorted(set(rank_order[r]))
-        in_a_v = len(held) == 2 and all(v_shape_rank(s, len(ranks)) == r for s in held)
-        if len(held) > 1 and (weights or inputs_only) and not in_a_v:
-            raise TorchScheduleError(
-                f"rank {r} runs stages {held} and splits the backward (I and W): several stages per rank with a "
-                "split backward are supported in a V only (rank r holding stages r and 2p - 1 - r: ZBVZeroBubble, "
-                "DualPipeV without its overlapped passes), read as zb-v; not looped (InterleavedZeroBubble with "
-                "several stages per rank)")
-        if inputs_only != weights:
-            stage, odd = sorted(inputs_only ^ weights)[0]
-            what = "an I (input-gradient backward) without its W" if (stage, odd) in inputs_only else "a W without its I"
-            raise TorchScheduleError(f"rank {r}, stage {stage}: microbatch {odd} has {what}")
-        splits = splits or bool(weights)
-    idle = [r for r in ranks if not rank_order[r]]
-    if idle:
-        raise TorchScheduleError(f"rank {idle[0]} runs no compute action: every rank runs at least one stage")
-    missing = sorted(set(range(max(placement) + 1)) - set(placement))
-    if missing:
-        raise TorchScheduleError(f"the torch schedule runs stages {sorted(placement)}; stage {missing[0]} is missing "
-                                 "(stages are numbered 0..n-1)")
-    m = microbatches if microbatches is not None else top + 1
+    read = _read_torch_order(actions)
+    m = microbatches if microbatches is not None else read.top + 1
     if m < 1:
         raise TorchScheduleError("the torch schedule runs no microbatch")
-    virtual = len(placement) > len(ranks)
-    chosen = kind or _infer_kind(order, splits, virtual)
-    info = SCHEDULE_KINDS.get(chosen)
-    if virtual and info is not None and not info.virtual_stages:
-        r = next(r for r in ranks if len(set(rank_order[r])) > 1)
-        raise TorchScheduleError(f"rank {r} runs stages {sorted(set(rank_order[r]))}: kind {chosen} runs one stage per "
-                                 "rank; several stages per rank are read as interleaved")
+    chosen = read.kind(kind)
     if plan is None:
-        plan = _default_plan(placement, len(ranks), m, chosen)
+        plan = _default_plan(read.placement, len(read.ranks), m, chosen)
     else:
-        theirs = {r: sorted(s for s, rr in placement.items() if rr == r) for r in ranks}
-        ours = {r: [s for s, st in enumerate(plan.stages) if r in st.ranks] for r in range(plan.num_workers)}
-        if (plan.num_stages != len(placement) or any(st.replicas != 1 for st in plan.stages) or ours != theirs):
-            raise TorchScheduleError(
-                f"the plan ({plan.summary}, stages per rank {ours}) must have {len(placement)} stages of one worker "
-                f"each, placed as the torch schedule runs them: stages per rank {theirs}")
-    repeated = {(s, 0): [(k, t * m + mb) for t in range(minibatches) for k, mb in items] for s, items in order.items()}
+        read.check_plan(plan)
+    repeated = {(s, 0): [(k, t * m + mb) for t in range(minibatches) for k, mb in items]
+                for s, items in read.order.items()}
     sched = schedule_from_order(plan, chosen, minibatches, m, repeated,
-                                {r: stages * minibatches for r, stages in rank_order.items()})
-    # torch's orders may hold more microbatches than our kind's bound (its Interleaved1F1B with one
-    # stage per rank warms up deeper than 1F1B; LoopedBFS runs every forward of a stage first):
-    # the schedule declares its own, and memory counts what it holds
-    stats, limit = schedule_stats(sched), bounds(plan, chosen, m)
-    over = [inflight for (_, s), (_, inflight) in stats.by_stage.items() if inflight > limit[s][1]]
-    if over:
-        sched.options = {**(sched.options or {}), "max_inflight": max(over)}
-    if plan.virtual:  # and over a rank's stages together (LoopedBFS; a V-shaped order read as interleaved)
-        rank_over = [held for r, held in stats.max_inflight.items()
-                     if held > rank_inflight_bound(plan, chosen, m, r)]
-        if rank_over:
-            sched.options = {**(sched.options or {}), "max_rank_inflight": max(rank_over)}
+                                {r: stages * minibatches for r, stages in read.rank_order.items()})
+    _declare_inflight(sched, plan, chosen, m)
     return sched
 
 

@@ -144,7 +144,7 @@ class _RankWalk:
         self.n_updates = num_updates(plan, self.kind, self.s, schedule.minibatches)
         vsync = bool((schedule.options or {}).get("vertical_sync"))
         self.version_bound, self.activation_bound = bounds(plan, self.kind, self.m, vsync)[self.s]
-        declared = (schedule.options or {}).get("max_inflight")  # a schedule from elsewhere (torch_interop.py)
+        declared = (schedule.options or {}).get("max_inflight")  # a schedule from elsewhere (torch_text.py)
         if isinstance(declared, int) and declared > self.activation_bound:
             self.activation_bound = declared
         self.acts = schedule.actions[rank]
@@ -446,7 +446,7 @@ def rank_inflight_bound(plan: Plan, kind: str | ScheduleKind, microbatches: int,
 def _check_rank_inflight(schedule: Schedule, kind: ScheduleKind, rank: int) -> None:
     """A rank holding several stages keeps at most ``rank_inflight_bound`` microbatch chunks in
     flight over all of them, or what a schedule from elsewhere declares
-    (``options["max_rank_inflight"]``, torch_interop.py)."""
+    (``options["max_rank_inflight"]``, torch_text.py)."""
     plan, m = schedule.plan, schedule.microbatches
     bound = rank_inflight_bound(plan, kind, m, rank)
     declared = (schedule.options or {}).get("max_rank_inflight")
@@ -497,77 +497,102 @@ def _check_matching(schedule: Schedule) -> None:
             raise _fail(schedule, f"rank {dst} waits for {what} that rank {src} never sends", [(dst, k)])
 
 
-def _check_deadlock(schedule: Schedule) -> None:
-    """Run every list with non-blocking sends, blocking receives and stage-wide all-reduces."""
-    plan = schedule.plan
-    acts = schedule.actions
-    pc = {r: 0 for r in acts}
-    sent: dict[tuple[int, int, str], int] = {}
-    got: dict[tuple[int, int, str], int] = {}
-    waiting: dict[tuple[int, int, str], int] = {}  # channel -> rank blocked on it
-    arrived: dict[tuple[int, int], set[int]] = {}
-    ready = deque(sorted(acts))
-    queued = set(ready)
-    while ready:
-        r = ready.popleft()
-        queued.discard(r)
-        lst = acts[r]
-        p = pc[r]
-        while p < len(lst):
-            a = lst[p]
-            kd = a.kind
-            if kd is Kind.SEND_ACT or kd is Kind.SEND_GRAD:
-                ch = (r, a.peer, "A" if kd is Kind.SEND_ACT else "G")
-                sent[ch] = sent.get(ch, 0) + 1
-                w = waiting.pop(ch, None)
-                if w is not None and w not in queued:
-                    ready.append(w)
-                    queued.add(w)
-            elif kd is Kind.RECV_ACT or kd is Kind.RECV_GRAD:
-                ch = (a.peer, r, "A" if kd is Kind.RECV_ACT else "G")
-                if got.get(ch, 0) >= sent.get(ch, 0):
-                    waiting[ch] = r
-                    break
-                got[ch] = got.get(ch, 0) + 1
-            elif kd is Kind.TIED_POST:
-                key, members = _collective(plan, a)
-                posted = arrived.setdefault(key, set())
-                posted.add(r)
-                if len(posted) == len(members):  # the all-reduce can complete: wake its waiters
-                    for o in members:
-                        if o != r and o not in queued:
-                            ready.append(o)
-                            queued.add(o)
-            elif kd is Kind.TIED_REDUCE:
-                key, members = _collective(plan, a)
-                if len(arrived.get(key, ())) < len(members):
-                    break
-            elif kd is Kind.ALLREDUCE:
-                key, members = _collective(plan, a)
-                group = arrived.setdefault(key, set())
-                group.add(r)
-                if len(group) < len(members):
-                    break
-                # everyone is here: release the others (they are parked at this collective)
+class _BlockingRun:
+    """A schedule's lists run with non-blocking sends, blocking receives and stage-wide
+    all-reduces, one rank at a time, until no rank can move."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.plan = schedule.plan
+        self.acts = schedule.actions
+        self.position = {r: 0 for r in self.acts}  # each rank's next action
+        self.sent: dict[tuple[int, int, str], int] = {}
+        self.got: dict[tuple[int, int, str], int] = {}
+        self.waiting: dict[tuple[int, int, str], int] = {}  # channel -> rank blocked on it
+        self.arrived: dict[tuple[int, int], set[int]] = {}  # collective -> the ranks that reached it
+        self.ready = deque(sorted(self.acts))
+        self.queued = set(self.ready)
+
+    def run(self) -> dict[int, int]:
+        """Run until no rank can move; the ranks that stopped before their list's end, with
+        the position of the action each waits at."""
+        while self.ready:
+            r = self.ready.popleft()
+            self.queued.discard(r)
+            actions = self.acts[r]
+            p = self.position[r]
+            while p < len(actions) and self._proceeds(r, actions[p]):
+                p += 1
+            self.position[r] = p
+        return {r: self.position[r] for r in self.acts if self.position[r] < len(self.acts[r])}
+
+    def _wake(self, rank: int) -> None:
+        if rank not in self.queued:
+            self.ready.append(rank)
+            self.queued.add(rank)
+
+    def _proceeds(self, r: int, a: Action) -> bool:
+        """Run rank ``r``'s action ``a``; False where the rank must wait at it."""
+        kd = a.kind
+        if kd is Kind.SEND_ACT or kd is Kind.SEND_GRAD:
+            channel = (r, a.peer, "A" if kd is Kind.SEND_ACT else "G")
+            self.sent[channel] = self.sent.get(channel, 0) + 1
+            receiver = self.waiting.pop(channel, None)
+            if receiver is not None:
+                self._wake(receiver)
+        elif kd is Kind.RECV_ACT or kd is Kind.RECV_GRAD:
+            channel = (a.peer, r, "A" if kd is Kind.RECV_ACT else "G")
+            if self.got.get(channel, 0) >= self.sent.get(channel, 0):
+                self.waiting[channel] = r
+                return False
+            self.got[channel] = self.got.get(channel, 0) + 1
+        elif kd is Kind.TIED_POST:
+            key, members = _collective(self.plan, a)
+            posted = self.arrived.setdefault(key, set())
+            posted.add(r)
+            if len(posted) == len(members):  # the all-reduce can complete: wake its waiters
                 for o in members:
                     if o != r:
-                        pc[o] += 1
-                        if o not in queued:
-                            ready.append(o)
-                            queued.add(o)
-            p += 1
-        pc[r] = p
-    stuck = {r: pc[r] for r in acts if pc[r] < len(acts[r])}
-    if not stuck:
-        return
-    # explain: who waits for whom
+                        self._wake(o)
+        elif kd is Kind.TIED_REDUCE:
+            key, members = _collective(self.plan, a)
+            return len(self.arrived.get(key, ())) >= len(members)
+        elif kd is Kind.ALLREDUCE:
+            return self._allreduce(r, a)
+        return True
+
+    def _allreduce(self, r: int, a: Action) -> bool:
+        """Rank ``r`` reaches an all-reduce: it waits there until every member has; the last to
+        arrive releases the others (parked at this collective)."""
+        key, members = _collective(self.plan, a)
+        group = self.arrived.setdefault(key, set())
+        group.add(r)
+        if len(group) < len(members):
+            return False
+        for o in members:
+            if o != r:
+                self.position[o] += 1
+                self._wake(o)
+        return True
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    """Run every list with non-blocking sends, blocking receives and stage-wide all-reduces."""
+    run = _BlockingRun(schedule)
+    stuck = run.run()
+    if stuck:
+        _report_deadlock(schedule, stuck, run.arrived)
+
+
+def _report_deadlock(schedule: Schedule, stuck: dict[int, int], arrived: dict[tuple[int, int], set[int]]) -> None:
+    """Raise the deadlock's error: who waits for whom, a cycle of waits where there is one."""
+    acts = schedule.actions
     waits_for: dict[int, list[int]] = {}
     for r, p in stuck.items():
         a = acts[r][p]
         if a.kind.is_recv:
             waits_for[r] = [a.peer]  # type: ignore[list-item]
         elif a.kind is Kind.ALLREDUCE or a.kind is Kind.TIED_REDUCE:
-            key, members = _collective(plan, a)
+            key, members = _collective(schedule.plan, a)
             waits_for[r] = [o for o in members if o not in arrived.get(key, set())]
         else:
             waits_for[r] = []

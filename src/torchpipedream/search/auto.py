@@ -16,7 +16,7 @@ gives it; a single graph is scaled by 1/m as ``Costs.from_plan`` does.
 
 Activation recomputation is searched where memory is bounded: with a memory budget (the
 ``memory_bytes`` option or the topology's) every candidate is also planned with
-``recompute=True``, which the memory model (memory_model.py) prices as keeping each stage's
+``recompute=True``, which the memory model (plans/memory.py) prices as keeping each stage's
 inputs and outputs only, at the cost of a second forward in every backward; then only the
 stages that do not fit without it keep it (:func:`recompute_where_needed`). Without a budget
 recomputation only costs time and is not tried (``recompute=True`` asks for it on every
@@ -35,7 +35,10 @@ from ..model.graph import LayerGraph
 from ..plans.kinds import AUTO, SCHEDULE_KINDS, schedule_kind
 from ..plans.plan import Plan, PlanError
 from ..plans.topology import Topology
+from ..schedule.build import build_schedule
+from ..sim.simulator import Costs, simulate
 from ..util.units import human_bytes
+from .planner import plan as plan_one_kind
 
 __all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "recompute_where_needed", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
 
@@ -78,8 +81,6 @@ def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedr
     """:func:`torchpipedream.search.planner.plan`, where ``schedule="auto"`` also chooses the kind and
     the microbatch count (:func:`choose_schedule`; ``options["microbatches"]`` is then not used).
     This is ``torchpipedream.plan``."""
-    from .planner import plan as plan_one_kind
-
     if schedule == AUTO:
         options.pop("microbatches", None)
         return choose_schedule(graph, topology, allow_stale=allow_stale, **options)
@@ -149,95 +150,24 @@ def choose_schedule(
     Raises:
         PlanError: no candidate can be planned (the message lists each one's reason).
     """
-    from .planner import plan as make_plan
-    from ..schedule.build import build_schedule
-    from ..sim.simulator import Costs, simulate
-
-    cache: dict[int, LayerGraph] = {}
-
-    def graph(m: int) -> LayerGraph:
-        if isinstance(graph_for, LayerGraph):
-            return graph_for
-        if m not in cache:
-            cache[m] = graph_for(m)
-        return cache[m]
-
+    graph = _graph_per_count(graph_for)
     names = list(kinds) if kinds is not None else candidate_kinds(allow_stale, split_profiled(graph(1)),
                                                                   virtual_stages)
-    for name in names:
-        if not schedule_kind(name).true_gradients:
-            raise PlanError(f"schedule auto: {name!r} computes no true gradient and is never chosen")
-    if "schedule" in plan_options or "microbatches" in plan_options:
-        raise PlanError("schedule auto chooses the schedule and the microbatches itself; do not pass them")
-    if not isinstance(minibatches, int) or minibatches < 1:
-        raise PlanError(f"minibatches must be a positive integer, got {minibatches!r}")
-    counts = sorted({int(m) for m in microbatches if int(m) >= 1})
-    if not counts:
-        raise PlanError(f"schedule auto: no microbatch count to try in {list(microbatches)!r}")
+    counts = _checked_request(names, plan_options, minibatches, microbatches)
     topo = Topology.from_any(topology)
     budget = plan_options.get("memory_bytes")
     budget = budget if budget is not None else topo.memory_bytes
     asked = bool(plan_options.pop("recompute", False))
+    search = _Search(graph, names, kinds is not None, counts, batch_size or graph(1).batch_size, minibatches,
+                     budget, asked, threads, host_costs, progress)
     recomputes = [True] if asked else ([False, True] if budget is not None else [False])
-    batch = batch_size or graph(1).batch_size
-
-    def search(topo: Topology, options: dict[str, Any], recomputes: list[bool],
-               report: bool) -> list[tuple[Candidate, Plan | None]]:
-        tried: list[tuple[Candidate, Plan | None]] = []
-        for name in names:
-            kind = schedule_kind(name)
-            if (kind.virtual_stages or kind.split_backward) and topo.num_workers < 2 and kinds is None:
-                continue  # one worker has no bubble to fill: they would only add hand-overs or a split
-            for m in counts if kind.microbatched else [1]:
-                if batch and m > batch:
-                    continue
-                for recompute in recomputes:
-                    cand = Candidate(name, m, recompute, threads=threads)
-                    plan: Plan | None = None
-                    try:
-                        plan = make_plan(graph(m), topo, schedule=name, microbatches=m, recompute=recompute,
-                                         **options)
-                        if recompute and not asked and budget is not None:
-                            plan = recompute_where_needed(plan, budget)
-                            again = [s for s, st in enumerate(plan.stages) if st.recompute]
-                            cand.recompute = bool(again)
-                            if again and len(again) < plan.num_stages:
-                                cand.recompute_stages = again
-                        extra = host_costs(plan, m) if host_costs is not None else {}
-                        sim = simulate(build_schedule(plan, name, minibatches=minibatches, microbatches=m),
-                                       Costs.from_plan(plan, microbatches=m, **extra))
-                        cand.config = plan.config
-                        cand.time_per_minibatch_s = sim.makespan_s / minibatches
-                        cand.peak_memory_bytes = int(max(sim.peak_memory_bytes)) if sim.peak_memory_bytes else None
-                    except PlanError as exc:
-                        cand.error = str(exc)
-                        plan = None
-                    tried.append((cand, plan))
-                    if progress is not None and report:
-                        progress(cand, plan)
-        return tried
-
-    order = {n: i for i, n in enumerate(names)}
-
-    def ranked(tried: list[tuple[Candidate, Plan | None]]) -> list[tuple[Candidate, Plan]]:
-        ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
-        ok.sort(key=lambda cp: (cp[0].time_per_minibatch_s, cp[0].peak_memory_bytes or 0, cp[0].recompute,
-                                cp[0].microbatches, order[cp[0].schedule]))
-        return ok
-
-    tried = search(topo, plan_options, recomputes, True)
-    ok = ranked(tried)
+    tried = search.candidates(topo, plan_options, recomputes, report=True)
+    ok = search.ranked(tried)
     if not ok:
         reasons = "; ".join(f"{c.label}: {c.error}" for c, _ in tried) or "no candidate (batch smaller than 1?)"
         raise PlanError(f"schedule auto: no schedule fits: {reasons}")
     best_cand, best = ok[0]
-    without_budget = None
-    if budget is not None:  # what the budget gave up: the fastest plan if memory were unbounded
-        unbounded = copy.copy(topo)
-        unbounded.memory_bytes = None
-        options = {k: v for k, v in plan_options.items() if k != "memory_bytes"}
-        free = ranked(search(unbounded, options, [asked], False))
-        without_budget = asdict(free[0][0]) if free else None
+    without_budget = search.fastest_without_budget(topo, plan_options) if budget is not None else None
     best.meta["auto"] = {
         "allow_stale": allow_stale, "minibatches": minibatches,
         "memory_budget_bytes": budget,
@@ -249,6 +179,114 @@ def choose_schedule(
     log.info("schedule auto: %s (%s) predicted %.3f ms per minibatch", best_cand.label, best.config,
              best_cand.time_per_minibatch_s * 1e3)
     return best
+
+
+def _graph_per_count(graph_for: Callable[[int], LayerGraph] | LayerGraph) -> Callable[[int], LayerGraph]:
+    """``graph_for`` as a function of the microbatch count, each count's profile asked for once
+    (one graph: the same for every count)."""
+    cache: dict[int, LayerGraph] = {}
+
+    def graph(m: int) -> LayerGraph:
+        if isinstance(graph_for, LayerGraph):
+            return graph_for
+        if m not in cache:
+            cache[m] = graph_for(m)
+        return cache[m]
+
+    return graph
+
+
+def _checked_request(names: list[str], plan_options: dict[str, Any], minibatches: int,
+                     microbatches: Sequence[int]) -> list[int]:
+    """Refuse what ``choose_schedule`` cannot try; the microbatch counts to try, sorted."""
+    for name in names:
+        if not schedule_kind(name).true_gradients:
+            raise PlanError(f"schedule auto: {name!r} computes no true gradient and is never chosen")
+    if "schedule" in plan_options or "microbatches" in plan_options:
+        raise PlanError("schedule auto chooses the schedule and the microbatches itself; do not pass them")
+    if not isinstance(minibatches, int) or minibatches < 1:
+        raise PlanError(f"minibatches must be a positive integer, got {minibatches!r}")
+    counts = sorted({int(m) for m in microbatches if int(m) >= 1})
+    if not counts:
+        raise PlanError(f"schedule auto: no microbatch count to try in {list(microbatches)!r}")
+    return counts
+
+
+@dataclass
+class _Search:
+    """The candidates of one :func:`choose_schedule` call: each kind × microbatch count (×
+    recomputation) planned, and its schedule simulated."""
+
+    graph: Callable[[int], LayerGraph]
+    names: list[str]
+    kinds_given: bool  # the caller named the kinds: none is skipped
+    counts: list[int]
+    batch: int | None
+    minibatches: int
+    budget: float | None
+    asked: bool  # recomputation asked for on every stage
+    threads: int
+    host_costs: Callable[[Plan, int], dict[str, Any]] | None
+    progress: Callable[[Candidate, Plan | None], None] | None
+
+    def candidates(self, topo: Topology, options: dict[str, Any], recomputes: list[bool],
+                   report: bool) -> list[tuple[Candidate, Plan | None]]:
+        """Every candidate on ``topo`` with its plan (None where it cannot be planned), in order;
+        ``report``: each is passed to ``progress`` as it is decided."""
+        tried: list[tuple[Candidate, Plan | None]] = []
+        for name in self.names:
+            kind = schedule_kind(name)
+            if (kind.virtual_stages or kind.split_backward) and topo.num_workers < 2 and not self.kinds_given:
+                continue  # one worker has no bubble to fill: they would only add hand-overs or a split
+            for m in self.counts if kind.microbatched else [1]:
+                if self.batch and m > self.batch:
+                    continue
+                for recompute in recomputes:
+                    cand, plan = self._candidate(name, m, recompute, topo, options)
+                    tried.append((cand, plan))
+                    if self.progress is not None and report:
+                        self.progress(cand, plan)
+        return tried
+
+    def _candidate(self, name: str, m: int, recompute: bool, topo: Topology,
+                   options: dict[str, Any]) -> tuple[Candidate, Plan | None]:
+        """One candidate planned and simulated, or the planner's reason it cannot be."""
+        cand = Candidate(name, m, recompute, threads=self.threads)
+        try:
+            plan = plan_one_kind(self.graph(m), topo, schedule=name, microbatches=m, recompute=recompute, **options)
+            if recompute and not self.asked and self.budget is not None:
+                plan = recompute_where_needed(plan, self.budget)
+                again = [s for s, st in enumerate(plan.stages) if st.recompute]
+                cand.recompute = bool(again)
+                if again and len(again) < plan.num_stages:
+                    cand.recompute_stages = again
+            extra = self.host_costs(plan, m) if self.host_costs is not None else {}
+            sim = simulate(build_schedule(plan, name, minibatches=self.minibatches, microbatches=m),
+                           Costs.from_plan(plan, microbatches=m, **extra))
+            cand.config = plan.config
+            cand.time_per_minibatch_s = sim.makespan_s / self.minibatches
+            cand.peak_memory_bytes = int(max(sim.peak_memory_bytes)) if sim.peak_memory_bytes else None
+        except PlanError as exc:
+            cand.error = str(exc)
+            return cand, None
+        return cand, plan
+
+    def ranked(self, tried: list[tuple[Candidate, Plan | None]]) -> list[tuple[Candidate, Plan]]:
+        """The candidates that were planned, fastest first (ties: less memory, no recomputation,
+        fewer microbatches, then the order of the kinds)."""
+        order = {n: i for i, n in enumerate(self.names)}
+        ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
+        ok.sort(key=lambda cp: (cp[0].time_per_minibatch_s, cp[0].peak_memory_bytes or 0, cp[0].recompute,
+                                cp[0].microbatches, order[cp[0].schedule]))
+        return ok
+
+    def fastest_without_budget(self, topo: Topology, plan_options: dict[str, Any]) -> dict[str, Any] | None:
+        """What the memory budget gave up: the fastest candidate if memory were unbounded."""
+        unbounded = copy.copy(topo)
+        unbounded.memory_bytes = None
+        options = {k: v for k, v in plan_options.items() if k != "memory_bytes"}
+        free = self.ranked(self.candidates(unbounded, options, [self.asked], False))
+        return asdict(free[0][0]) if free else None
 
 
 def recompute_where_needed(plan: Plan, budget: float) -> Plan:

@@ -27,7 +27,7 @@ Memory per worker of a stage, with d = ceil(workers from this stage to the end /
 in flight and ``f`` = ``optimizer_state_factor`` extra weight copies (gradient, momentum):
 ``w·(versions + f)`` + the activations each in-flight microbatch holds (what autograd saved in
 the stage, its inputs and outputs, message buffers) + the backward's working memory
-(memory_model.py), with versions and in-flight microbatches per schedule (pipedream: d
+(plans/memory.py), with versions and in-flight microbatches per schedule (pipedream: d
 versions, d minibatches; 2bw: 2 versions, d microbatches; flush: 1 version, min(d, μ)
 microbatches; gpipe: 1 version, all μ microbatches; naive: 1 version, d minibatches). A stage
 that does not fit is never chosen.
@@ -61,10 +61,13 @@ import numpy as np
 
 from ..model.graph import Block, LayerGraph, SharedParameter, measured_sum
 from ..plans.kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from ..plans.memory import (NO_SCRATCH, StageActivations, memory_terms, scratch_of_options, stage_activations,
-                           stage_memory_bytes, working_key)
+from ..plans.memory import (DEFAULT_OPTIMIZER_STATE_FACTOR, NO_SCRATCH, StageActivations, memory_terms,
+                            scratch_of_options, stage_activations, stage_memory_bytes, working_key)
 from ..plans.plan import Plan, PlanError, Stage, TiedParameter, looped_rank, v_shape_rank
 from ..plans.topology import Level, Topology, format_bytes
+from ..schedule.build import build_schedule
+from ..sim.costs import MS_PER_S, paper_allreduce, paper_transfer, ring_allreduce_share
+from ..sim.simulator import Costs, simulate
 
 __all__ = [
     "plan",
@@ -83,26 +86,21 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Extra copies of a stage's weights a worker holds besides its weight versions: the gradient
-#: buffer and one momentum buffer (SGD with momentum). Adam would be 3.
-DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
-
 _INF_M = 1 << 40  # "no replica count works"
 
 
 # ------------------------------------------------------------------ the cost model
+# The planner prices communication with the paper's bandwidth-only forms (sim.costs), in ms.
 def transfer_ms(nbytes: float, bandwidth_Bps: float) -> float:
-    """Milliseconds to move ``nbytes`` over a link of ``bandwidth_Bps`` (0 on the same worker)."""
-    if nbytes == 0 or math.isinf(bandwidth_Bps):
-        return 0.0
-    return nbytes / bandwidth_Bps * 1e3
+    """Milliseconds to move ``nbytes`` over a link of ``bandwidth_Bps`` (0 on the same worker):
+    ``sim.costs.paper_transfer``."""
+    return paper_transfer(nbytes, bandwidth_Bps, per_s=MS_PER_S)
 
 
 def allreduce_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float) -> float:
-    """Ring all-reduce of a stage's gradients among its replicas: 2(m-1)/m · |w| / B."""
-    if replicas <= 1:
-        return 0.0
-    return 2.0 * (replicas - 1) / replicas * transfer_ms(parameter_bytes, bandwidth_Bps)
+    """Ring all-reduce of a stage's gradients among its replicas, 2(m-1)/m · |w| / B, in
+    milliseconds: ``sim.costs.paper_allreduce``."""
+    return paper_allreduce(parameter_bytes, replicas, bandwidth_Bps, per_s=MS_PER_S)
 
 
 def replicas_share_microbatches(schedule: str | ScheduleKind) -> bool:
@@ -189,13 +187,13 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
              optimizer_scratch: tuple[float, float] = NO_SCRATCH) -> Evaluation:
     """Apply the cost model to stages given as (first block, last block, replicas), ranks in order.
 
-    Memory per worker is ``memory_model.stage_memory_bytes`` (with ``recompute``, what a
+    Memory per worker is ``plans.memory.stage_memory_bytes`` (with ``recompute``, what a
     recomputing stage holds).
 
     A shared parameter (``tied``) that the stages split costs every holding stage a copy (its
     weights, versions and optimizer state: the profile counts it once, in its first layer) and
     the exchange of its gradient: a ring all-reduce among the holders' ranks once per update,
-    charged to each holder as its replicas' all-reduce is (``schedules._add_tied`` overlaps it
+    charged to each holder as its replicas' all-reduce is (``schedule.build._add_tied`` overlaps it
     with compute where the kind allows; the charge is the upper bound)."""
     workers = sum(m for _, _, m in stages)
     if workers > topology.num_workers:
@@ -248,18 +246,18 @@ class _Problem:
         self.N = len(blocks)
         self.topology = topology
         self.W = topology.num_workers
-        self.Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
-        self.Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+        self.compute_prefix = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+        self.weight_prefix = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
         self.a = np.array([float(b.cut_bytes) for b in blocks])
         self.a_in = np.concatenate([[0.0], self.a[:-1]])  # input bytes of a stage starting at i
-        # the memory model's terms (memory_model.py): prefix sums and per-block maxima
-        self.Sp = np.concatenate([[0.0], np.cumsum([float(b.saved_bytes) for b in blocks])])
+        # the memory model's terms (plans/memory.py): prefix sums and per-block maxima
+        self.saved_prefix = np.concatenate([[0.0], np.cumsum([float(b.saved_bytes) for b in blocks])])
         self.unsaved = np.array([float(b.unsaved_cut_bytes) for b in blocks])
         self.working = np.array([working_key(b.working_bytes, b.released_bytes) for b in blocks], dtype=float)
         self.largest = np.array([float(b.largest_parameter_bytes) for b in blocks])
         self.recompute = recompute
-        self.scratch = scratch  # the optimizer step's temporaries (memory_model.once_bytes)
-        self.measured = all(b.saves_measured for b in blocks)  # else the older model (memory_model.py)
+        self.scratch = scratch  # the optimizer step's temporaries (plans.memory.once_bytes)
+        self.measured = all(b.saves_measured for b in blocks)  # else the older model (plans/memory.py)
         self.sizes = topology.sizes
         self.beff = topology.effective_bandwidths  # links: cuts
         self.bar = topology.allreduce_bandwidths  # all-reduces
@@ -273,7 +271,8 @@ class _Problem:
         self.shared_sizes = [d for d in range(2, microbatches + 1) if replica_count_allowed(schedule, d, microbatches)]
         self.num_stages = num_stages
         self._class_col = np.array(self.classes, dtype=np.int64)[:, None, None]
-        self._allreduce_factor = np.array([2e3 / self.bar[max(k, 1)] for k in self.classes])[:, None, None]
+        # the all-reduce's time scale 2|w|/B in ms per byte, per class (see mmin)
+        self._allreduce_factor = np.array([2 * MS_PER_S / self.bar[max(k, 1)] for k in self.classes])[:, None, None]
         # level crossed between ranks s-1 and s, for s = 1..W-1
         self.lev_adj = np.zeros(self.W + 1, dtype=np.int64)
         for s in range(1, self.W):
@@ -286,12 +285,12 @@ class _Problem:
 
         ``k`` may be an int or an integer array broadcastable against ``comp`` (one class per row).
         """
-        kk = np.asarray(k)
-        single = kk == 0
+        k_array = np.asarray(k)
+        single = k_array == 0
         if math.isinf(T):
             return np.broadcast_to(np.where(single, 1, 2), comp.shape).astype(np.int64)
-        B = np.asarray(self.bar, dtype=np.float64)[np.maximum(kk, 1)]
-        q = w * (2e3 / B)  # all-reduce time scale 2|w|/B in ms
+        B = np.asarray(self.bar, dtype=np.float64)[np.maximum(k_array, 1)]
+        q = w * (2 * MS_PER_S / B)  # all-reduce time scale 2|w|/B in ms (paper_allreduce = q·(m-1)/m)
         bq = comp + q
         disc = bq * bq - (4.0 * T) * q
         if T > 0:
@@ -310,17 +309,17 @@ class _Problem:
         if not self.measured:
             return StageActivations(inputs=self.a_in[i], measured=False)
         return StageActivations(
-            saved=self.Sp[j1] - self.Sp[i], inputs=self.a_in[i],
+            saved=self.saved_prefix[j1] - self.saved_prefix[i], inputs=self.a_in[i],
             outputs=0.0 if end else self.a[j1 - 1], unsaved_outputs=0.0 if end else self.unsaved[j1 - 1],
             # max over k in i..j1-1 of (factor · working_k − saved after k): a suffix maximum
-            working=np.maximum.accumulate((self.working[:j1] + self.Sp[1:j1 + 1])[::-1])[::-1][i]
-            - self.Sp[j1],
+            working=np.maximum.accumulate((self.working[:j1] + self.saved_prefix[1:j1 + 1])[::-1])[::-1][i]
+            - self.saved_prefix[j1],
             largest_parameter=np.maximum.accumulate(self.largest[:j1][::-1])[::-1][i])
 
     def max_depth(self, i: np.ndarray, j1: int, acts: StageActivations, replicas: int = 1) -> np.ndarray:
         """Largest in-flight count d whose memory fits, for stages i..j1-1 of ``replicas``
         replicas with activation terms ``acts`` (huge if any d fits)."""
-        w = self.Wp[j1] - self.Wp[i]
+        w = self.weight_prefix[j1] - self.weight_prefix[i]
         base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, replicas, self.scratch)
         M = self.memory
         big = float(_INF_M)
@@ -338,8 +337,8 @@ class _Problem:
         d = np.where((d >= 0) & (d < _INF_M - 1) & fits(d + 1), d + 1, d)
         return np.maximum(d, 0)
 
-    def feasible(self, T: float, Wu: int, exact_end: bool, record: bool) -> tuple[bool, Any]:
-        """Can blocks 0..N-1 be placed on ranks 0..Wu-1 with every stage and cut ≤ T?
+    def feasible(self, T: float, workers: int, exact_end: bool, record: bool) -> tuple[bool, Any]:
+        """Can blocks 0..N-1 be placed on ranks 0..workers-1 with every stage and cut ≤ T?
 
         A reachability DP over (block boundary, stage count, rank): ``reach[j1, c, s]`` says
         blocks 0..j1-1 fit on ranks 0..s-1 in c stages (c is tracked only with ``num_stages``).
@@ -351,70 +350,71 @@ class _Problem:
         """
         self.checks += 1
         N = self.N
-        K1 = len(self.classes)
-        C = 1 if self.num_stages is None else self.num_stages + 1
-        Wp1 = Wu + 1
-        reach = np.zeros((N + 1, C, Wp1), dtype=bool)
+        num_classes = len(self.classes)
+        counts = 1 if self.num_stages is None else self.num_stages + 1  # the stage-count axis c
+        rank_bounds = workers + 1
+        reach = np.zeros((N + 1, counts, rank_bounds), dtype=bool)
         reach[0, 0, 0] = True
-        par = np.full((N + 1, C, Wp1, 3), -1, dtype=np.int64) if record else None  # (i, r, c_prev)
-        ranks = np.arange(Wu, dtype=np.int64)
-        limit = ((ranks + 1) * Wp1 + Wp1 - 1)[None, :]  # key <= limit  <=>  e <= x + 1
-        last = np.full((K1, C, Wu), -1, dtype=np.int64)  # latest reachable start block (no budget)
-        for ki in range(K1):
+        parent = np.full((N + 1, counts, rank_bounds, 3), -1, dtype=np.int64) if record else None  # (i, r, c_prev)
+        ranks = np.arange(workers, dtype=np.int64)
+        limit = ((ranks + 1) * rank_bounds + rank_bounds - 1)[None, :]  # key <= limit  <=>  e <= x + 1
+        last = np.full((num_classes, counts, workers), -1, dtype=np.int64)  # latest reachable start (no budget)
+        for ki in range(num_classes):
             last[ki, 0, 0] = 0
         # inok[ki, i]: a class-k stage may start at block i (the cut before it fits in T)
         inok = np.stack([self._in_ok(k, np.arange(N), T) for k in self.classes])
-        out_thr = self._out_thresholds(T, Wu)
-        pms = np.empty((K1, C, Wu), dtype=np.int64)
+        out_thr = self._out_thresholds(T, workers)
+        prefix_min = np.empty((num_classes, counts, workers), dtype=np.int64)
         for j in range(N):
             j1 = j + 1
             if self.memory is None:
                 best, besti, shared_starts = self._needs_no_budget(j1, T, last, record)
             else:
-                best, besti, shared_starts = self._needs_with_budget(j1, T, Wu, reach, inok)
+                best, besti, shared_starts = self._needs_with_budget(j1, T, workers, reach, inok)
             e = ranks[None, None, :] + best  # earliest end (exclusive) of a stage starting at r
-            keys = np.minimum(e, 2 * _INF_M) * Wp1 + ranks[None, None, :]
-            self._component_prefix_min(keys, Wu, pms)
-            cond = pms <= limit  # (K1, C, Wu): a class-k stage can end just before rank s = x + 1
-            shared = {ki: self._shared_ends(k, Wu, C, functools.partial(shared_starts, ki), record)
+            keys = np.minimum(e, 2 * _INF_M) * rank_bounds + ranks[None, None, :]
+            self._component_prefix_min(keys, workers, prefix_min)
+            # (num_classes, counts, workers): a class-k stage can end just before rank s = x + 1
+            cond = prefix_min <= limit
+            shared = {ki: self._shared_ends(k, workers, counts, functools.partial(shared_starts, ki), record)
                       for ki, k in enumerate(self.classes) if k > 0 and self.shared}
             for ki, (ok_end, _, _) in shared.items():
                 cond[ki] = ok_end
             if j < N - 1:
                 cond &= (self.a[j] <= out_thr)[:, None, :]
-            hit_c = cond.any(axis=0)  # (C, Wu), indexed by the previous stage count
-            new_any = np.zeros((C, Wp1), dtype=bool)
-            if C > 1:
+            hit_c = cond.any(axis=0)  # (counts, workers), indexed by the previous stage count
+            new_any = np.zeros((counts, rank_bounds), dtype=bool)
+            if counts > 1:
                 new_any[1:, 1:] = hit_c[:-1]
             else:
                 new_any[:, 1:] = hit_c
-            if par is not None and hit_c.any():
-                self._record(par, j1, C, Wp1, cond, hit_c, pms, besti, shared)
+            if parent is not None and hit_c.any():
+                self._record(parent, j1, counts, rank_bounds, cond, hit_c, prefix_min, besti, shared)
             reach[j1] = new_any
             if j1 < N and self.memory is None and new_any.any():
-                hit = new_any[:, :Wu]
-                for ki in range(K1):
+                hit = new_any[:, :workers]
+                for ki in range(num_classes):
                     if inok[ki, j1]:
                         last[ki][hit] = j1
-        cfinal = C - 1 if self.num_stages is not None else 0
-        ends = reach[N, cfinal]
+        final_count = counts - 1 if self.num_stages is not None else 0
+        ends = reach[N, final_count]
         if exact_end:
-            s_end = Wu if ends[Wu] else -1
+            s_end = workers if ends[workers] else -1
         else:
             hits = np.nonzero(ends)[0]
             s_end = int(hits[0]) if len(hits) else -1
         if s_end < 0:
             return False, None
-        if par is None:
+        if parent is None:
             return True, None
-        return True, _trace_back(par, N, cfinal, s_end)
+        return True, _trace_back(parent, N, final_count, s_end)
 
-    def _out_thresholds(self, T: float, Wu: int) -> np.ndarray:
+    def _out_thresholds(self, T: float, workers: int) -> np.ndarray:
         """[ki, s-1]: the largest cut (bytes) a class-k stage ending before rank s may send in T."""
         beff = np.array(self.beff, dtype=np.float64)
-        out = np.stack([beff[np.maximum(k, self.lev_adj[1:Wu + 1])] * T / 2e3 if not math.isinf(T)
-                        else np.full(Wu, np.inf) for k in self.classes])
-        out[:, -1] = -1.0  # s == Wu: no rank left for the next stage
+        out = np.stack([beff[np.maximum(k, self.lev_adj[1:workers + 1])] * T / (2 * MS_PER_S) if not math.isinf(T)
+                        else np.full(workers, np.inf) for k in self.classes])
+        out[:, -1] = -1.0  # s == workers: no rank left for the next stage
         return out
 
     def _needs_no_budget(self, j1: int, T: float, last: np.ndarray, record: bool) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -423,8 +423,8 @@ class _Problem:
         count, start rank), the start blocks, and the shared-size test for ``_shared_ends``."""
         valid = last >= 0
         iv = np.where(valid, last, 0)
-        comp = self.Cp[j1] - self.Cp[iv]
-        w = self.Wp[j1] - self.Wp[iv]
+        comp = self.compute_prefix[j1] - self.compute_prefix[iv]
+        w = self.weight_prefix[j1] - self.weight_prefix[iv]
         if math.isinf(T):
             mreq = np.broadcast_to(np.where(self._class_col == 0, 1, 2), comp.shape)
         else:  # inline of self.mmin (the hot loop), same arithmetic
@@ -445,19 +445,19 @@ class _Problem:
 
         return best, besti, shared_starts
 
-    def _needs_with_budget(self, j1: int, T: float, Wu: int, reach: np.ndarray, inok: np.ndarray
+    def _needs_with_budget(self, j1: int, T: float, workers: int, reach: np.ndarray, inok: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray, Any]:
         """With a memory budget a later start is no longer always better (memory grows with the
         stage's depth), so every reachable start block is weighed: as :meth:`_needs_no_budget`."""
-        K1, C = len(self.classes), reach.shape[1]
-        best = np.full((K1, C, Wu), _INF_M, dtype=np.int64)
-        besti = np.full((K1, C, Wu), -1, dtype=np.int64)
+        num_classes, counts = len(self.classes), reach.shape[1]
+        best = np.full((num_classes, counts, workers), _INF_M, dtype=np.int64)
+        besti = np.full((num_classes, counts, workers), -1, dtype=np.int64)
         I = np.nonzero(reach[:j1].any(axis=(1, 2)))[0]
-        comp = self.Cp[j1] - self.Cp[I]
-        w = self.Wp[j1] - self.Wp[I]
-        togo = (Wu - np.arange(Wu))[None, :]  # workers from r to the end
+        comp = self.compute_prefix[j1] - self.compute_prefix[I]
+        w = self.weight_prefix[j1] - self.weight_prefix[I]
+        togo = (workers - np.arange(workers))[None, :]  # workers from r to the end
         if self.kind.split_backward:  # the input stage's count (ZB-H1), 2n − 1 (ZB-H2), or 2μ (zb-2bw)
-            first = self.num_stages or Wu
+            first = self.num_stages or workers
             togo = np.array([[self.kind.inflight_depth(int(d), first, self.mu) for d in togo[0]]], dtype=togo.dtype)
         acts = self.activations(I, j1)
 
@@ -471,23 +471,23 @@ class _Problem:
         # Its replica count is not known here; 2 stands for any: only pipedream and naive
         # replicate in this path, and their memory depends on the count only through d.
         mmem1, mmem = replicas_for_memory(1), replicas_for_memory(2)
-        reach_i = reach[I][:, :, :Wu]
+        reach_i = reach[I][:, :, :workers]
         for ki, k in enumerate(self.classes):
             if k > 0 and self.shared:
                 continue  # enumerated by size in _shared_ends
-            mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem1 if k == 0 else mmem)  # (nI, Wu)
+            mreq = np.maximum(self.mmin(k, comp, w, T)[:, None], mmem1 if k == 0 else mmem)  # (nI, workers)
             cand = np.where(reach_i & inok[ki, I][:, None, None], mreq[:, None, :], _INF_M)
-            arg = np.argmin(cand, axis=0)  # (C, Wu)
+            arg = np.argmin(cand, axis=0)  # (counts, workers)
             best[ki] = np.take_along_axis(cand, arg[None], axis=0)[0]
             besti[ki] = np.where(best[ki] < _INF_M, I[arg], -1)
 
         fitting: dict[int, np.ndarray] = {}
 
         def memory_fits(m: int) -> np.ndarray:
-            """(nI, Wu): a stage of ``m`` replicas (sharing each minibatch's microbatches) fits."""
+            """(nI, workers): a stage of ``m`` replicas (sharing each minibatch's microbatches) fits."""
             if m not in fitting:
                 base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m, self.scratch)
-                d = np.minimum(-(-togo // m), cap)  # (1, Wu)
+                d = np.minimum(-(-togo // m), cap)  # (1, workers)
                 fitting[m] = (np.broadcast_to(base, w.shape)[:, None] + np.broadcast_to(per, w.shape)[:, None] * d
                               <= self.memory)
             return fitting[m]
@@ -495,72 +495,73 @@ class _Problem:
         def shared_starts(ki: int, ms: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
             fits = inok[ki, I][None] & (self._shared_stage_ms(self.classes[ki], comp[None], w[None],
                                                               ms[:, None]) <= T)  # (M, nI)
-            mem_ok = np.stack([memory_fits(int(m)) for m in ms])  # (M, nI, Wu)
-            ok = reach_i[None] & fits[:, :, None, None] & mem_ok[:, :, None, :]  # (M, nI, C, Wu)
+            mem_ok = np.stack([memory_fits(int(m)) for m in ms])  # (M, nI, workers)
+            ok = reach_i[None] & fits[:, :, None, None] & mem_ok[:, :, None, :]  # (M, nI, counts, workers)
             return ok.any(axis=1), I[np.argmax(ok, axis=1)]
 
         return best, besti, shared_starts
 
-    def _component_prefix_min(self, keys: np.ndarray, Wu: int, out: np.ndarray) -> None:
+    def _component_prefix_min(self, keys: np.ndarray, workers: int, out: np.ndarray) -> None:
         """out[ki, c, x]: the smallest key over start ranks r ≤ x in x's level-k component (a
         stage of class k lies inside one component)."""
-        C = keys.shape[1]
+        counts = keys.shape[1]
         for ki, k in enumerate(self.classes):
             S = self.sizes[k]
-            pad = (-Wu) % S
+            pad = (-workers) % S
             if k > 0 and self.shared:
                 out[ki] = 0  # unused: _shared_ends decides these classes
             elif S == 1:
                 out[ki] = keys[ki]
             elif pad:
-                key = np.concatenate([keys[ki], np.full((C, pad), np.iinfo(np.int64).max)], axis=1)
-                out[ki] = np.minimum.accumulate(key.reshape(C, -1, S), axis=2).reshape(C, -1)[:, :Wu]
+                key = np.concatenate([keys[ki], np.full((counts, pad), np.iinfo(np.int64).max)], axis=1)
+                out[ki] = np.minimum.accumulate(key.reshape(counts, -1, S), axis=2).reshape(counts, -1)[:, :workers]
             else:
-                np.minimum.accumulate(keys[ki].reshape(C, -1, S), axis=2, out=out[ki].reshape(C, -1, S))
+                np.minimum.accumulate(keys[ki].reshape(counts, -1, S), axis=2, out=out[ki].reshape(counts, -1, S))
 
-    def _record(self, par: np.ndarray, j1: int, C: int, Wp1: int, cond: np.ndarray, hit_c: np.ndarray,
-                pms: np.ndarray, besti: np.ndarray, shared: dict[int, Any]) -> None:
+    def _record(self, parent: np.ndarray, j1: int, counts: int, rank_bounds: int, cond: np.ndarray, hit_c: np.ndarray,
+                prefix_min: np.ndarray, besti: np.ndarray, shared: dict[int, Any]) -> None:
         """Remember, for every (stage count, end rank) newly reached at block boundary j1, the
         start block, start rank and previous stage count of the first class that reaches it."""
         kfirst = np.argmax(cond, axis=0)[None]
-        r = np.take_along_axis(pms, kfirst, axis=0)[0] % Wp1  # (C, Wu)
-        i = besti[kfirst[0], np.arange(C)[:, None], r]
+        r = np.take_along_axis(prefix_min, kfirst, axis=0)[0] % rank_bounds  # (counts, workers)
+        i = besti[kfirst[0], np.arange(counts)[:, None], r]
         for ki, (_, r_k, i_k) in shared.items():
             r, i = np.where(kfirst[0] == ki, r_k, r), np.where(kfirst[0] == ki, i_k, i)
-        if C > 1:
-            par[j1, 1:, 1:, 0] = np.where(hit_c[:-1], i[:-1], -1)
-            par[j1, 1:, 1:, 1] = r[:-1]
-            par[j1, 1:, 1:, 2] = np.arange(C - 1)[:, None]
+        if counts > 1:
+            parent[j1, 1:, 1:, 0] = np.where(hit_c[:-1], i[:-1], -1)
+            parent[j1, 1:, 1:, 1] = r[:-1]
+            parent[j1, 1:, 1:, 2] = np.arange(counts - 1)[:, None]
         else:
-            par[j1, :, 1:, 0] = np.where(hit_c, i, -1)
-            par[j1, :, 1:, 1] = r
-            par[j1, :, 1:, 2] = 0
+            parent[j1, :, 1:, 0] = np.where(hit_c, i, -1)
+            parent[j1, :, 1:, 1] = r
+            parent[j1, :, 1:, 2] = 0
 
     def _shared_stage_ms(self, k: int, comp: np.ndarray, w: np.ndarray, m: np.ndarray) -> np.ndarray:
         """:func:`stage_time_ms` of class-k stages of ``m`` replicas under 2bw, flush or gpipe
         (``m`` broadcasts against ``comp`` and ``w``)."""
-        return comp * (-(-self.mu // m)) / self.mu + 2.0 * (m - 1) / m * (w / self.bar[max(k, 1)] * 1e3)
+        # paper_allreduce over arrays (the same arithmetic: share × (bytes / B in ms))
+        return comp * (-(-self.mu // m)) / self.mu + ring_allreduce_share(m) * (w / self.bar[max(k, 1)] * MS_PER_S)
 
-    def _shared_ends(self, k: int, Wu: int, C: int, starts: Any, record: bool
+    def _shared_ends(self, k: int, workers: int, counts: int, starts: Any, record: bool
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where a class-k stage whose size is one of ``shared_sizes`` can end (2bw, flush, gpipe).
 
         ``starts(ms)`` gives, per size in ``ms`` and per (stage count, start rank), whether a
         stage of that many replicas ending at the current block fits from some reachable start
         block, and which one (only when recording). Returns (can end at rank x, its start rank,
-        its start block), each (C, Wu).
+        its start block), each (counts, workers).
         """
         S = self.sizes[k]
-        ok_end = np.zeros((C, Wu), dtype=bool)
-        r_sel = np.zeros((C, Wu), dtype=np.int64)
-        i_sel = np.full((C, Wu), -1, dtype=np.int64)
-        ms = np.array([m for m in self.shared_sizes if m <= Wu], dtype=np.int64)
+        ok_end = np.zeros((counts, workers), dtype=bool)
+        r_sel = np.zeros((counts, workers), dtype=np.int64)
+        i_sel = np.full((counts, workers), -1, dtype=np.int64)
+        ms = np.array([m for m in self.shared_sizes if m <= workers], dtype=np.int64)
         if not len(ms):
             return ok_end, r_sel, i_sel
         oks, firsts = starts(ms)
         for t, m in enumerate(ms.tolist()):
             ok = oks[t]
-            n = Wu - m + 1  # start ranks r with r + m - 1 < Wu
+            n = workers - m + 1  # start ranks r with r + m - 1 < workers
             r = np.arange(n)
             inside = (r // S) == ((r + m - 1) // S)  # the stage lies in one level-k component
             new = ok[:, :n] & inside[None, :] & ~ok_end[:, m - 1:]
@@ -574,27 +575,27 @@ class _Problem:
         """Can a class-k stage start at block boundary i (the cut before it fits in T)?"""
         if k == 0 or math.isinf(T):
             return np.ones(len(I), dtype=bool)
-        return (I == 0) | (2.0 * self.a_in[I] / self.beff[k] * 1e3 <= T)
+        return (I == 0) | (2.0 * self.a_in[I] / self.beff[k] * MS_PER_S <= T)
 
 
-def _trace_back(par: np.ndarray, N: int, c: int, s: int) -> list[tuple[int, int, int]]:
+def _trace_back(parent: np.ndarray, N: int, c: int, s: int) -> list[tuple[int, int, int]]:
     """The stages (first block, last block, replicas) that reached rank ``s`` at the last block."""
     stages = []
     jj = N
     while jj > 0:
-        i, r, cp = (int(v) for v in par[jj, c, s])
+        i, r, cp = (int(v) for v in parent[jj, c, s])
         stages.append((i, jj - 1, s - r))
         jj, c, s = i, cp, r
     stages.reverse()
     return stages
 
 
-def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float,
+def _search(prob: _Problem, workers: int, exact_end: bool, rtol: float,
             cap: float = math.inf) -> tuple[float, list[tuple[int, int, int]]] | None:
     """Bisection on the bottleneck; returns (time, stages) of the best plan or None if none fits
     (or, with ``cap``, none has a bottleneck of at most ``cap``: a deeper flush pipeline that
     cannot beat the best plan of a shallower one is dismissed with one test)."""
-    ok, stages = prob.feasible(cap, Wu, exact_end, record=True)
+    ok, stages = prob.feasible(cap, workers, exact_end, record=True)
     if not ok:
         return None
 
@@ -604,7 +605,7 @@ def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float,
     rtol = max(rtol, 1e-12)  # well above the closed form's rounding (4e-15, see mmin)
     best = cost(stages)
     hi = best
-    lo = (prob.Cp[-1] / Wu) * (1 - 1e-9)
+    lo = (prob.compute_prefix[-1] / workers) * (1 - 1e-9)
     # Plan costs are discrete: once the bracket is narrow, ask "is anything strictly better than
     # the best plan found?" — a no is a certificate of optimality and ends the search early.
     certify = True
@@ -614,7 +615,7 @@ def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float,
         narrow = certify and hi - lo <= 1e-3 * hi
         certify = not narrow  # alternate certificate probes with bisection steps
         probe = best * (1 - rtol) if narrow else 0.5 * (lo + hi)
-        ok, st = prob.feasible(probe, Wu, exact_end, record=True)
+        ok, st = prob.feasible(probe, workers, exact_end, record=True)
         if ok:
             c = cost(st)
             if c < best:
@@ -631,13 +632,13 @@ def _search(prob: _Problem, Wu: int, exact_end: bool, rtol: float,
 def _hierarchical(blocks: Sequence[Block], topology: Topology, allow_fewer: bool) -> list[tuple[int, int, int]]:
     """PipeDream's A^k/T^k dynamic programme (our cost terms), bottom-up over the levels."""
     N = len(blocks)
-    Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
-    Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+    compute_prefix = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+    weight_prefix = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
     a = np.array([float(b.cut_bytes) for b in blocks])
     ii, jj = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
     valid = ii <= jj
-    comp = np.where(valid, Cp[np.minimum(jj + 1, N)] - Cp[ii], np.inf)
-    wts = np.where(valid, Wp[np.minimum(jj + 1, N)] - Wp[ii], 0.0)
+    comp = np.where(valid, compute_prefix[np.minimum(jj + 1, N)] - compute_prefix[ii], np.inf)
+    wts = np.where(valid, weight_prefix[np.minimum(jj + 1, N)] - weight_prefix[ii], 0.0)
     beff, bar = topology.effective_bandwidths, topology.allreduce_bandwidths
     below_full = None  # A^{k-1}(i→j, full component), (N, N)
     levels_choice = []
@@ -646,9 +647,9 @@ def _hierarchical(blocks: Sequence[Block], topology: Topology, allow_fewer: bool
         Tk = np.full((c + 1, N, N), np.inf)
         for m in range(1, c + 1):
             inner = comp if below_full is None else below_full
-            ar = 2.0 * (m - 1) / m * wts / bar[k] * 1e3
+            ar = ring_allreduce_share(m) * wts / bar[k] * MS_PER_S
             Tk[m] = np.where(valid, (inner + ar) / m, np.inf)
-        cut = 2.0 * a[:-1] / B * 1e3  # cut after block s, s = 0..N-2
+        cut = 2.0 * a[:-1] / B * MS_PER_S  # cut after block s, s = 0..N-2
         Ak = np.full((c + 1, N, N), np.inf)
         choice = np.full((c + 1, N, N, 2), -1, dtype=np.int64)  # (split s, m') or -1: no split
         for m in range(1, c + 1):
@@ -703,8 +704,8 @@ def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replica
     if starts[-1] > topology.num_workers:
         raise PlanError(f"config {'-'.join(map(str, replicas))} needs {starts[-1]} workers; topology has "
                         f"{topology.num_workers}")
-    Cp = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
-    Wp = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
+    compute_prefix = np.concatenate([[0.0], np.cumsum([b.compute_ms for b in blocks])])
+    weight_prefix = np.concatenate([[0.0], np.cumsum([float(b.parameter_bytes) for b in blocks])])
     # best[s][j]: min bottleneck of stages 0..s covering blocks 0..j
     best = np.full((K, N), np.inf)
     arg = np.full((K, N), -1, dtype=np.int64)
@@ -713,7 +714,8 @@ def best_split_for_replicas(blocks: Sequence[Block], topology: Topology, replica
         bw = topology.allreduce_bandwidth(range(r0, r0 + m))
         for j in range(s, N - (K - 1 - s)):
             for i in range(s, j + 1):
-                t = stage_time_ms(Cp[j + 1] - Cp[i], Wp[j + 1] - Wp[i], m, bw, schedule, microbatches)
+                t = stage_time_ms(compute_prefix[j + 1] - compute_prefix[i], weight_prefix[j + 1] - weight_prefix[i],
+                                  m, bw, schedule, microbatches)
                 if s > 0:
                     prev = best[s - 1][i - 1]
                     cutbw = topology.span_bandwidth(range(int(starts[s - 1]), r0 + m))
@@ -756,9 +758,9 @@ def plan(
         graph: the profiled layer graph (a DAG is planned over ``graph.linearize()``).
         topology: a :class:`Topology`, a compact spec such as ``"4x4:10GB/s,1.25GB/s"``, a
             preset name (``"A"``) or a JSON file path.
-        schedule: the schedule kind (a name in ``kinds.SCHEDULE_KINDS``): decides the memory
-            model, how replicas share a minibatch and whether fill and drain are paid.
-            (``torchpipedream.plan``, in auto_schedule.py, also takes "auto".)
+        schedule: the schedule kind (a name in ``plans.kinds.SCHEDULE_KINDS``): decides the
+            memory model, how replicas share a minibatch and whether fill and drain are paid
+            (``torchpipedream.plan``, in search/auto.py, also takes "auto").
         straight: one worker per stage (no replication).
         num_stages: exactly this many stages.
         allow_fewer_workers: the plan may leave workers idle when that is not slower.
@@ -766,14 +768,14 @@ def plan(
         microbatches: microbatches per minibatch (2bw, flush, gpipe memory model).
         optimizer_state_factor: extra weight-sized buffers per worker (gradient, momentum).
         optimizer_scratch: the optimizer step's temporaries, (a, b): a × the stage's largest
-            layer's parameters + b × its weights (``memory_model.once_bytes``): (0, 0) for SGD,
+            layer's parameters + b × its weights (``plans.memory.once_bytes``): (0, 0) for SGD,
             (2, 0) for torch's Adam/AdamW on a CPU (a per-parameter loop), (0, 1) for their
             ``foreach`` form (CUDA's default).
         method: "fast" (exact bisection, default) or "hierarchical" (the paper's DP).
         rtol: the bisection stops when the bracket is within this relative width.
-        recompute: activation recomputation on every stage (``Stage.recompute``): each
-            backward is charged its stage's forward again. The memory model is unchanged: it
-            counts the stashed stage inputs only, which is what a recomputing stage keeps.
+        recompute: activation recomputation on every stage (``Stage.recompute``): each backward
+            is charged its stage's forward again; the memory model counts what such a stage
+            keeps, its stashed inputs.
         chunks: for kinds with virtual stages (interleaved): stages per worker, v. The model
             is cut into workers × v stages of balanced time (a straight plan of that depth),
             stage k on worker k mod workers (``Plan.looped``).
@@ -783,28 +785,81 @@ def plan(
             memory — the message names the smallest budget that would fit).
     """
     t0 = time.perf_counter()
+    topo, kind = _topology_and_kind(graph, topology, schedule)
+    schedule = kind.name
+    straight = True if kind.split_backward else straight  # zero-bubble kinds run one worker per stage
+    if kind.virtual_stages:
+        return _plan_virtual(graph, topo, schedule, _stages_per_worker(kind, chunks, num_stages, topo),
+                             microbatches=microbatches, memory_bytes=memory_bytes, rtol=rtol, recompute=recompute,
+                             optimizer_state_factor=optimizer_state_factor, optimizer_scratch=optimizer_scratch)
+    optimizer_scratch = _checked_search_options(method, optimizer_state_factor, optimizer_scratch, recompute)
+    blocks = _planning_blocks(graph, recompute)
+    _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
+                         allow_fewer_workers)
+    memory = _memory_budget(memory_bytes, topo)
+    if method == "hierarchical" and (straight or num_stages is not None):
+        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
+                        "use method='fast'")
+    search = functools.partial(_search_chain, topo=topo, schedule=schedule, microbatches=microbatches, memory=memory,
+                               f=optimizer_state_factor, scratch=optimizer_scratch, recompute=recompute,
+                               method=method, num_stages=num_stages, allow_fewer=allow_fewer_workers, rtol=rtol)
+    blocks, stages, checks = _place(graph, blocks, search, straight, topo, schedule, microbatches,
+                                    optimizer_state_factor)
+    options = _options_record(method=method, straight=straight, num_stages=num_stages,
+                              allow_fewer_workers=allow_fewer_workers, memory_bytes=memory, microbatches=microbatches,
+                              optimizer_state_factor=optimizer_state_factor, recompute=recompute,
+                              optimizer_scratch=optimizer_scratch)
+    return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
+                       time.perf_counter() - t0, checks, options)
+
+
+def _place(graph: LayerGraph, blocks: list[Block], search: Any, straight: bool, topo: Topology, schedule: str,
+           microbatches: int, f: float) -> tuple[list[Block], list[tuple[int, int, int]], int]:
+    """The chain of blocks the plan cuts, its stages and the feasibility tests they took:
+    ``search``'s, or where the model shares parameters, ``_place_shared``'s choice."""
+    if graph.tied:
+        return _place_shared(graph, blocks, search, straight, topo, schedule, microbatches, f)
+    stages, checks = search(blocks, straight)
+    return blocks, stages, checks
+
+
+def _options_record(*, optimizer_scratch: tuple[float, float], **options: Any) -> dict[str, Any]:
+    """The options a plan records (``meta["planner"]``), its optimizer scratch only where it has one."""
+    if optimizer_scratch != NO_SCRATCH:
+        options["optimizer_scratch"] = list(optimizer_scratch)
+    return options
+
+
+def _topology_and_kind(graph: LayerGraph, topology: Topology | str, schedule: str) -> tuple[Topology, ScheduleKind]:
+    """The topology and the registered kind ``plan`` plans for (PlanError for a non-graph,
+    "auto" or an unknown kind)."""
     if not isinstance(graph, LayerGraph):
         raise PlanError(f"plan() needs a LayerGraph, got {type(graph).__name__}")
     if schedule == AUTO:
         raise PlanError("planner.plan plans one schedule kind; torchpipedream.plan(..., schedule='auto') "
-                        "(auto_schedule.plan) chooses the kind and the microbatches")
+                        "(search.auto.plan) chooses the kind and the microbatches")
     topo = Topology.from_any(topology)
     try:
-        kind = schedule_kind(schedule)
+        return topo, schedule_kind(schedule)
     except UnknownKindError as exc:
         raise PlanError(str(exc)) from None
-    schedule = kind.name
-    if kind.split_backward:
-        straight = True  # zero-bubble schedules run one worker per stage (schedules.build_schedule)
-    if kind.virtual_stages:
-        per_worker = 2 if kind.v_shape else chunks
-        if num_stages is not None and isinstance(per_worker, int) and num_stages != topo.num_workers * per_worker:
-            raise PlanError(f"num_stages={num_stages}: {schedule} plans {per_worker} stages on each of the "
-                            f"{topo.num_workers} workers ({topo.num_workers * per_worker} stages); leave num_stages "
-                            "unset or use a kind with one stage per worker")
-        return _plan_virtual(graph, topo, schedule, per_worker, microbatches=microbatches,
-                             memory_bytes=memory_bytes, optimizer_state_factor=optimizer_state_factor,
-                             optimizer_scratch=optimizer_scratch, rtol=rtol, recompute=recompute)
+
+
+def _stages_per_worker(kind: ScheduleKind, chunks: int, num_stages: int | None, topo: Topology) -> int:
+    """Stages per worker of a kind with virtual stages (zb-v: 2, interleaved: ``chunks``), checked
+    against a requested ``num_stages``."""
+    per_worker = 2 if kind.v_shape else chunks
+    if num_stages is not None and isinstance(per_worker, int) and num_stages != topo.num_workers * per_worker:
+        raise PlanError(f"num_stages={num_stages}: {kind.name} plans {per_worker} stages on each of the "
+                        f"{topo.num_workers} workers ({topo.num_workers * per_worker} stages); leave num_stages "
+                        "unset or use a kind with one stage per worker")
+    return per_worker
+
+
+def _checked_search_options(method: str, optimizer_state_factor: float, optimizer_scratch: Any,
+                            recompute: Any) -> tuple[float, float]:
+    """PlanError for a bad method, optimizer state factor, optimizer scratch or recompute flag;
+    the scratch as two floats."""
     if method not in ("fast", "hierarchical"):
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:
@@ -813,44 +868,33 @@ def plan(
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in optimizer_scratch)):
         raise PlanError("optimizer_scratch must be two numbers >= 0 (× the largest layer's parameters, × the "
                         f"stage's weights), got {optimizer_scratch!r}")
-    optimizer_scratch = (float(optimizer_scratch[0]), float(optimizer_scratch[1]))
     if not isinstance(recompute, bool):
         raise PlanError(f"recompute must be True or False, got {recompute!r}")
-    blocks = _planning_blocks(graph, recompute)
-    _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
-                         allow_fewer_workers)
+    return float(optimizer_scratch[0]), float(optimizer_scratch[1])
+
+
+def _memory_budget(memory_bytes: int | None, topo: Topology) -> float | None:
+    """The per-worker budget: ``memory_bytes``, else the topology's (None: unlimited)."""
     memory = memory_bytes if memory_bytes is not None else topo.memory_bytes
     if memory is not None and (not isinstance(memory, (int, float)) or memory <= 0):
         raise PlanError(f"memory budget must be a positive number of bytes, got {memory!r}")
-    if method == "hierarchical" and (straight or num_stages is not None):
-        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
-                        "use method='fast'")
+    return memory
 
-    def search(chain: list[Block], straight_only: bool) -> tuple[list[tuple[int, int, int]], int]:
-        # the paper's DP replicates freely: a straight re-search (shared parameters) is the exact one's
-        if method == "hierarchical" and not straight_only:
-            return _hierarchical(chain, topo, allow_fewer_workers), 0
 
-        def problem(depth: int | None) -> _Problem:
-            return _Problem(chain, topo, schedule, microbatches, memory, optimizer_state_factor, depth, straight_only,
-                            recompute, optimizer_scratch)
+def _search_chain(chain: list[Block], straight_only: bool, *, topo: Topology, schedule: str, microbatches: int,
+                  memory: float | None, f: float, scratch: tuple[float, float], recompute: bool, method: str,
+                  num_stages: int | None, allow_fewer: bool, rtol: float) -> tuple[list[tuple[int, int, int]], int]:
+    """The best stages for one chain of blocks and the feasibility tests it took: the paper's DP
+    (``method="hierarchical"``) or the exact search over the depths worth searching."""
+    # the paper's DP replicates freely: a straight re-search (shared parameters) is the exact one's
+    if method == "hierarchical" and not straight_only:
+        return _hierarchical(chain, topo, allow_fewer), 0
 
-        return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer_workers,
-                              memory is not None, rtol)
+    def problem(depth: int | None) -> _Problem:
+        return _Problem(chain, topo, schedule, microbatches, memory, f, depth, straight_only, recompute, scratch)
 
-    if graph.tied:
-        blocks, stages, checks = _place_shared(graph, blocks, search, straight, topo, schedule, microbatches,
-                                               optimizer_state_factor)
-    else:
-        stages, checks = search(blocks, straight)
-    elapsed = time.perf_counter() - t0
-    return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
-                       elapsed, checks, dict(method=method, straight=straight, num_stages=num_stages,
-                                             allow_fewer_workers=allow_fewer_workers, memory_bytes=memory,
-                                             microbatches=microbatches,
-                                             optimizer_state_factor=optimizer_state_factor, recompute=recompute,
-                                             **({"optimizer_scratch": list(optimizer_scratch)}
-                                                if optimizer_scratch != NO_SCRATCH else {})))
+    return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer,
+                          memory is not None, rtol)
 
 
 def _planning_blocks(graph: LayerGraph, recompute: bool) -> list[Block]:
@@ -876,9 +920,6 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     (μ + (p − 1)/6)/μ). Its memory: the flush model of that deeper pipeline, summed per worker
     (an approximation: the interleaved order holds up to 2(p − r − 1) + (v − 1)p + 1
     microbatches over a worker's chunks, zb-v up to 2p + 2)."""
-    from ..schedule.build import build_schedule
-    from ..sim.simulator import Costs, simulate
-
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise PlanError(f"chunks (stages per worker) must be a positive integer, got {chunks!r}")
     if graph.tied:
@@ -1059,7 +1100,7 @@ def _search_depths(problem: Any, blocks: Sequence[Block], W: int, num_stages: in
         prob = first if depth == num_stages else problem(depth)
         cap = math.inf if result is None else result[0] * (1 - 1e-12) / factor
         if allow_fewer and budgeted:
-            found = [_search(prob, Wu, True, rtol, cap) for Wu in range(1, W + 1)]
+            found = [_search(prob, workers, True, rtol, cap) for workers in range(1, W + 1)]
         else:
             found = [_search(prob, W, not allow_fewer, rtol, cap)]
         checks += prob.checks
@@ -1105,10 +1146,10 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
             lo = mid
     prob.memory = hi
     # the exact peak of a plan that fits in hi (every plan's peak is >= the infeasible lo)
-    Wus = range(1, W + 1) if allow_fewer else [W]
+    worker_counts = range(1, W + 1) if allow_fewer else [W]
     peaks = []
-    for Wu in Wus:
-        ok, st = prob.feasible(math.inf, Wu, True, True)
+    for workers in worker_counts:
+        ok, st = prob.feasible(math.inf, workers, True, True)
         if ok:
             ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f, recompute=prob.recompute,
                           optimizer_scratch=prob.scratch)
@@ -1125,7 +1166,7 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
 
 def _any_fit(prob: _Problem, W: int, allow_fewer: bool) -> bool:
     if allow_fewer:
-        return any(prob.feasible(math.inf, Wu, True, False)[0] for Wu in range(1, W + 1))
+        return any(prob.feasible(math.inf, workers, True, False)[0] for workers in range(1, W + 1))
     return prob.feasible(math.inf, W, True, False)[0]
 
 

@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..plans.plan import Plan
+from ..schedule.build import build_schedule
+from .simulator import Costs, simulate
 from .trace import Trace
 
 __all__ = ["draw_timeline", "draw_timelines", "schedules_figure", "VizError", "COLOURS"]
@@ -53,8 +56,6 @@ def _check_out(out: str | Path) -> Path:
 
 def _plot(ax, trace: Trace, title: str | None, t_scale: float, unit: str) -> None:
     """Draw one trace into ``ax``."""
-    from matplotlib.patches import Patch  # noqa: F401  (imported for the legend in the caller)
-
     ranks = trace.ranks
     row = {r: i for i, r in enumerate(ranks)}
     t0 = trace.start_s
@@ -112,7 +113,7 @@ def _stages_of_ranks(trace: Trace) -> dict[int, list[int]]:
 
 def _shade(colour: str, chunk: int) -> Any:
     """``colour`` for a rank's first stage, darker for each later one."""
-    from matplotlib.colors import to_rgb
+    from matplotlib.colors import to_rgb  # lazy: matplotlib only when a picture is drawn (sim/ loads without it)
 
     f = 0.62 ** chunk
     return tuple(c * f for c in to_rgb(colour))
@@ -146,11 +147,11 @@ def draw_timelines(traces: Sequence[tuple[str, Trace]], out: str | Path, width: 
         width: figure width in inches.
         time_unit: axis label for unit-cost pictures (e.g. "time (forward = 1)"); seconds by default.
     """
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only when a picture is drawn (sim/ loads without it)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
+    from matplotlib.patches import Patch  # lazy: as matplotlib above
 
     path = _check_out(out)
     traces = [(t, tr) for t, tr in traces]
@@ -210,10 +211,6 @@ def schedules_figure(out: str | Path, stages: int = 4) -> Path:
     zb-2bw); interleaved's
     and zb-v's boxes are half a unit (half a worker's layers each; zb-v: 2 batches of 8).
     """
-    from ..plans.plan import Plan
-    from ..schedule.build import build_schedule
-    from .simulator import Costs, simulate
-
     plan = Plan.straight([[f"layer{i}"] for i in range(stages)])
     # a split backward (zb-h1) runs B and W of one unit each
     costs = Costs(forward_s=[1.0] * stages, backward_s=[2.0] * stages, weight_grad_s=[1.0] * stages)

@@ -8,20 +8,23 @@
 * a send (SA, SG) does not block its rank beyond the host's per-message overhead ``o``
   (LogP's o: handing the message to the transport, default 0): the message occupies the
   directed link (sender, receiver) from max(now + o, link free) for
-  ``latency + bytes / bandwidth``; a busy link delays the next message on it;
+  ``latency + bytes / bandwidth`` (``sim.costs.transfer_s``); a busy link delays the next
+  message on it;
 * a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived, then
   takes ``o``;
 * AR starts when every replica of the stage has reached it and costs a ring all-reduce,
-  2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``), or
+  2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``;
+  ``sim.costs.ring_allreduce_s``), or
   the stage's measured all-reduce time when ``Costs.allreduce_s`` gives one, after which
   all replicas continue;
 * a B (or W) that adds its weight gradient into an existing one (every B of a replicated stage,
-  whose gradients live in persistent buffers; elsewhere every B of an update but its first)
+  whose gradients live in persistent buffers; elsewhere every B of an update but its first:
+  ``schedule.versions.accumulating_backwards``, the rule the runtime follows)
   also takes |w| / ``Costs.accumulate_Bps``: the profile times a backward that hands over
   fresh gradient tensors, and on a CPU the add is a pass over the stage's gradients;
 * U takes the stage's optimizer step, plus a copy of its weights (|w| / copy bandwidth) when
   the version it replaces is still used by a later F or B of the rank (copy on update:
-  weight stashing keeps the old version, as the runtime does).
+  weight stashing keeps the old version, as the runtime does; ``schedule.versions.stash_copies``).
 
 It knows nothing about schedule kinds; the schedule is data. Costs default to the plan's
 profile (:meth:`Costs.from_plan`); the link bandwidth comes from the plan's topology spec when
@@ -43,17 +46,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..schedule.actions import Action, Kind, Schedule, split_backwards
 from ..plans.kinds import SCHEDULE_KINDS
-from ..plans.memory import once_bytes, scratch_of_options
+from ..plans.memory import DEFAULT_OPTIMIZER_STATE_FACTOR, once_bytes, scratch_of_options
 from ..plans.plan import Plan
-from .trace import COMPUTE_KINDS, Event, Trace, _union_length
+from ..plans.topology import Topology
+from ..schedule.actions import Action, Kind, Schedule, split_backwards
 from ..schedule.validate import schedule_stats, validate_schedule
+from ..schedule.versions import accumulating_backwards, by_stage, stash_copies
+from .costs import ring_allreduce_s, ring_allreduce_share, transfer_s
+from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 
+# stash_copies, accumulating_backwards (schedule.versions) and DEFAULT_OPTIMIZER_STATE_FACTOR
+# (plans.memory) are re-exported: they were defined here before.
 __all__ = ["Costs", "SimResult", "simulate", "stash_copies", "accumulating_backwards", "DEFAULT_BANDWIDTH_BPS",
-           "WEIGHT_GRAD_SHARE",
-           "DEFAULT_COPY_BPS", "DEFAULT_ACCUMULATE_BPS",
-           "DEFAULT_OPTIMIZER_STATE_FACTOR"]
+           "WEIGHT_GRAD_SHARE", "DEFAULT_COPY_BPS", "DEFAULT_ACCUMULATE_BPS", "DEFAULT_OPTIMIZER_STATE_FACTOR"]
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +80,6 @@ DEFAULT_ACCUMULATE_BPS = 5e9
 #: GEMM does. An assumption, used only where the profile did not time the split
 #: (``Layer.weight_grad_ms``; the profiler times it by default).
 WEIGHT_GRAD_SHARE = 0.5
-#: Optimizer state (+ gradient buffer) per worker in multiples of the stage's weights; the
-#: planner's default (momentum buffer + gradient), so simulated and planned memory agree.
-DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
 
 
 class SimulationError(ValueError):
@@ -93,7 +96,7 @@ class Costs:
         parameter_bytes: weights of one replica of each stage (all-reduce size, memory).
         activation_bytes: bytes stashed per in-flight microbatch on each stage (for memory).
         working_bytes: bytes a worker of each stage needs once besides its weights and
-            in-flight microbatches (``memory_model.once_bytes``; for memory).
+            in-flight microbatches (``plans.memory.once_bytes``; for memory).
         step_s: seconds of one optimizer step (U): one number for every stage, or one per stage
             (``from_plan`` takes each stage's measured ``optimizer_ms``).
         bandwidth_Bps: link bandwidth when ``bandwidth_fn`` is None (bytes/s).
@@ -171,19 +174,14 @@ class Costs:
         if isinstance(options, dict) and isinstance(options.get("optimizer_state_factor"), (int, float)):
             kw["optimizer_state_factor"] = float(options["optimizer_state_factor"])
         if plan.topology:
-            try:
-                from ..plans.topology import Topology
-
-                topo = Topology.parse(plan.topology)
-                if topo.num_workers >= plan.num_workers:
-                    kw["bandwidth_fn"] = topo.bandwidth
-                    kw["latency_s"] = topo.latency_s
-                    kw["allreduce_efficiency"] = topo.allreduce_efficiency
-                else:
-                    log.warning("topology %r has fewer workers than the plan; using %g B/s links",
-                                plan.topology, DEFAULT_BANDWIDTH_BPS)
-            except ImportError:  # pragma: no cover - topology.py ships with the package
-                pass
+            topo = Topology.parse(plan.topology)
+            if topo.num_workers >= plan.num_workers:
+                kw["bandwidth_fn"] = topo.bandwidth
+                kw["latency_s"] = topo.latency_s
+                kw["allreduce_efficiency"] = topo.allreduce_efficiency
+            else:
+                log.warning("topology %r has fewer workers than the plan; using %g B/s links",
+                            plan.topology, DEFAULT_BANDWIDTH_BPS)
         kw.update(overrides)
         return cls(**kw)
 
@@ -280,10 +278,6 @@ def _text(a: Any) -> str:
     return t
 
 
-def _transfer_s(nbytes: float, bw: float, latency: float) -> float:
-    return latency + (nbytes / bw if bw != float("inf") else 0.0)
-
-
 def simulate(schedule: Schedule, costs: Costs | None = None, validate: bool = True) -> SimResult:
     """Run ``schedule`` against ``costs`` (default: :meth:`Costs.from_plan`) and report.
 
@@ -302,7 +296,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, validate: bool = Tr
         validate_schedule(schedule)
     costs = costs or Costs.from_plan(plan, schedule.microbatches)
     costs.check(plan)
-    events = _run(schedule, costs)
+    events = _EventLoop(schedule, costs).run()
     trace = Trace(events, meta={
         "source": "simulate",
         "schedule": schedule.kind,
@@ -314,60 +308,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None, validate: bool = Tr
         "options": dict(schedule.options or {}),
     })
     return _report(schedule, costs, trace)
-
-
-def stash_copies(actions: list[Action]) -> set[int]:
-    """Positions of the U actions in one rank's list that copy the weights.
-
-    The weights before the k-th U of a schedule are version k (versions count updates from
-    the schedule's start); the U must keep that version for later if an F or B after it
-    names it, so the runtime copies the weights before updating them in place.
-    """
-    copies: set[int] = set()
-    used_later: set[int] = set()
-    k = sum(1 for a in actions if a.kind is Kind.OPTIMIZER_STEP)
-    for p in range(len(actions) - 1, -1, -1):
-        a = actions[p]
-        if a.kind is Kind.OPTIMIZER_STEP:
-            k -= 1
-            if k in used_later:
-                copies.add(p)
-        elif a.version is not None and a.kind.is_compute:
-            used_later.add(a.version)
-    return copies
-
-
-def accumulating_backwards(actions: list[Action], replicated: bool) -> set[int]:
-    """Positions of the B actions (the W actions, where a backward is split) in one rank's list
-    that add their weight gradient into an existing one, as the runtime's WeightVersions makes
-    them: on a replicated stage every one (its gradients live in persistent all-reduce
-    buffers), elsewhere every one after the first since the last U (the first hands over fresh
-    gradient tensors, as the profile times it)."""
-    out: set[int] = set()
-    first = True
-    split = split_backwards(actions)
-    for p, a in enumerate(actions):
-        if a.kind is Kind.WEIGHT_GRAD or (a.kind is Kind.BACKWARD and (a.stage, a.id) not in split):
-            if replicated or not first:
-                out.add(p)
-            first = False
-        elif a.kind is Kind.OPTIMIZER_STEP:
-            first = True
-    return out
-
-
-def _by_stage(actions: list[Action], positions: Any) -> set[int]:
-    """``positions(sub, stage)`` (positions in ``sub``) for each stage's own actions of one
-    rank's list, as positions in the whole list (a rank holding several stages keeps
-    versions and gradients per stage)."""
-    stages = {a.stage for a in actions}
-    if len(stages) <= 1:
-        return positions(actions, next(iter(stages), 0))
-    out: set[int] = set()
-    for s in stages:
-        at = [p for p, a in enumerate(actions) if a.stage == s]
-        out |= {at[i] for i in positions([actions[p] for p in at], s)}
-    return out
 
 
 @dataclass
@@ -398,18 +338,18 @@ class _Charges:
             r = st.replicas
             if r < 2:
                 continue
-            moved[s] = int(2 * (r - 1) / r * params[s])
+            moved[s] = int(ring_allreduce_share(r) * params[s])
             measured = costs.allreduce_s[s] if costs.allreduce_s is not None else None
             if measured is not None:
                 allreduce[s] = float(measured)
                 continue
-            allreduce[s] = _ring_allreduce_s(costs, list(st.ranks), params[s])
+            allreduce[s] = _allreduce_among_s(costs, list(st.ranks), params[s])
         tied: dict[int, float] = {}
         tied_moved: dict[int, int] = {}
         for k, t in enumerate(plan.tied):
             members = [r for s in t.stages for r in plan.stages[s].ranks]
-            tied[k] = _ring_allreduce_s(costs, members, t.bytes)
-            tied_moved[k] = int(2 * (len(members) - 1) / len(members) * t.bytes)
+            tied[k] = _allreduce_among_s(costs, members, t.bytes)
+            tied_moved[k] = int(ring_allreduce_share(len(members)) * t.bytes)
         wg = costs.weight_grad_s if costs.weight_grad_s is not None else [WEIGHT_GRAD_SHARE * b for b in costs.backward_s]
         return cls(forward=[f * slow for f in costs.forward_s], backward=[b * slow for b in costs.backward_s],
                    weight_grad=[min(w, b) * slow for w, b in zip(wg, costs.backward_s)],
@@ -433,159 +373,199 @@ def _split_backward_ms(plan: Plan, split: bool) -> tuple[list[float], list[float
             [first.backward_ms] + [WEIGHT_GRAD_SHARE * st.backward_ms for st in rest])
 
 
-def _ring_allreduce_s(costs: Costs, ranks: list[int], nbytes: float) -> float:
-    """A ring all-reduce of ``nbytes`` among ``ranks`` at the slowest link between them, at the
-    topology's all-reduce efficiency: 2(m−1) latencies + 2(m−1)/m · bytes / bandwidth."""
-    m = len(ranks)
-    bw = min(costs.bandwidth(a, b) for a in ranks for b in ranks if a != b) * costs.allreduce_efficiency
-    return 2 * (m - 1) * costs.latency_s + (2 * (m - 1) / m * nbytes / bw if bw != float("inf") else 0.0)
+def _allreduce_among_s(costs: Costs, ranks: list[int], nbytes: float) -> float:
+    """A ring all-reduce of ``nbytes`` among ``ranks`` at the slowest link between them
+    (``costs.ring_allreduce_s`` with the costs' latency and all-reduce efficiency)."""
+    slowest = min(costs.bandwidth(a, b) for a in ranks for b in ranks if a != b)
+    return ring_allreduce_s(nbytes, len(ranks), slowest, costs.latency_s, costs.allreduce_efficiency)
 
 
-def _run(schedule: Schedule, costs: Costs) -> list[Event]:
-    """The event loop: advance any rank that can run until all lists are done.
+#: What a handler of :class:`_EventLoop` returns when its rank must wait (a message not yet
+#: in, an all-reduce whose replicas have not all arrived): the rank stops at that action.
+_BLOCKED = None
 
-    Sends never block (a link carries one message at a time, in order); a receive waits for
-    its message's arrival; an all-reduce waits for every replica of its stage, then ends for
-    all of them at once.
+
+class _EventLoop:
+    """The state of one simulation and a handler per action kind.
+
+    A handler takes (rank, the action's index in the rank's list, action, the rank's clock),
+    emits the action's event and returns the rank's clock after it, or ``_BLOCKED``: sends
+    never block (a link carries one message at a time, in order); a receive waits for its
+    message's arrival; an all-reduce waits for every replica of its stage, then ends for all
+    of them at once; a shared parameter's reduce (TR) waits for every holder's post (TP).
     """
-    plan = schedule.plan
-    charge = _Charges.of(plan, costs)
-    fwd, bwd, step_s, copy_s, add_s, outb = (charge.forward, charge.backward, charge.step, charge.copy, charge.add,
-                                             charge.output_bytes)
-    lat, ovh = costs.latency_s, costs.message_overhead_s
-    F, B, SA, RA, SG, RG, AR, TP, TR = (Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD,
-                                        Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.TIED_POST, Kind.TIED_REDUCE)
-    W, wgrad = Kind.WEIGHT_GRAD, charge.weight_grad
-    split_at = {r: split_backwards(lst) for r, lst in schedule.actions.items()}
-    tied_size = {k: sum(plan.stages[s].replicas for s in t.stages) for k, t in enumerate(plan.tied)}
-    tied_posts: dict[tuple[int, int], dict[int, float]] = {}  # (parameter, update) -> rank -> post time
-    tied_waiting: dict[tuple[int, int], set[int]] = {}  # ranks blocked at a TR until every post is in
-    acts = schedule.actions
-    copy_at = {r: _by_stage(lst, lambda sub, s: stash_copies(sub)) for r, lst in acts.items()}
-    adds_at = {r: _by_stage(lst, lambda sub, s: accumulating_backwards(sub, plan.stages[s].replicas > 1))
-               for r, lst in acts.items()}
-    clock = {r: 0.0 for r in acts}
-    pc = {r: 0 for r in acts}
-    link_free: dict[tuple[int, int], float] = {}
-    arrivals: dict[tuple[int, int], deque[float]] = {}
-    link_cost: dict[tuple[int, int, int], float] = {}
-    waiting: dict[tuple[int, int], int] = {}
-    ar_state: dict[tuple[int, int], list[Any]] = {}
-    events: list[Event] = []
-    emit = events.append
-    Ev, text, KV = Event, _text, _KV  # local names: this loop runs once per action
-    ready = deque(sorted(acts))
-    queued = set(ready)
 
-    def wake(rank: int) -> None:
-        if rank not in queued:
-            ready.append(rank)
-            queued.add(rank)
+    def __init__(self, schedule: Schedule, costs: Costs) -> None:
+        plan = schedule.plan
+        self.plan, self.costs = plan, costs
+        self.charge = _Charges.of(plan, costs)
+        self.actions = schedule.actions
+        self.split_at = {r: split_backwards(lst) for r, lst in self.actions.items()}
+        self.copy_at = {r: by_stage(lst, lambda sub, s: stash_copies(sub)) for r, lst in self.actions.items()}
+        self.adds_at = {r: by_stage(lst, lambda sub, s: accumulating_backwards(sub, plan.stages[s].replicas > 1))
+                        for r, lst in self.actions.items()}
+        self.clock = {r: 0.0 for r in self.actions}
+        self.position = {r: 0 for r in self.actions}
+        self.link_free: dict[tuple[int, int], float] = {}  # (sender, receiver) -> when the link is free
+        self.arrivals: dict[tuple[int, int], deque[float]] = {}  # (sender, receiver) -> arrival times, FIFO
+        self.link_cost: dict[tuple[int, int, int], float] = {}  # (sender, receiver, stage) -> seconds
+        self.receiver_waiting: dict[tuple[int, int], int] = {}  # (sender, receiver) -> the blocked receiver
+        self.allreduce_arrivals: dict[tuple[int, int], list[tuple[int, float, Action]]] = {}  # (stage, update)
+        self.tied_size = {k: sum(plan.stages[s].replicas for s in tie.stages) for k, tie in enumerate(plan.tied)}
+        self.tied_posts: dict[tuple[int, int], dict[int, float]] = {}  # (parameter, update) -> rank -> post time
+        self.tied_waiting: dict[tuple[int, int], set[int]] = {}  # ranks blocked at a TR until every post is in
+        self.events: list[Event] = []
+        self.ready = deque(sorted(self.actions))
+        self.queued = set(self.ready)
+        self.handlers: dict[Kind, Callable[[int, int, Action, float], float | None]] = {
+            Kind.FORWARD: self.compute, Kind.BACKWARD: self.compute, Kind.WEIGHT_GRAD: self.compute,
+            Kind.SEND_ACT: self.send, Kind.SEND_GRAD: self.send, Kind.RECV_ACT: self.receive,
+            Kind.RECV_GRAD: self.receive, Kind.ALLREDUCE: self.allreduce, Kind.TIED_POST: self.tied_post,
+            Kind.TIED_REDUCE: self.tied_reduce, Kind.OPTIMIZER_STEP: self.optimizer_step,
+        }
+        assert set(self.handlers) == set(Kind), "every action kind needs a handler"
 
-    while ready:
-        r = ready.popleft()
-        queued.discard(r)
-        lst = acts[r]
-        t = clock[r]
-        p = pc[r]
-        n_acts = len(lst)
-        while p < n_acts:
-            a = lst[p]
-            k, s, q = a.kind, a.stage, a.replica
-            if k is F or k is B or k is W:
-                if k is F:
-                    d = fwd[s]
-                elif k is W:
-                    d = wgrad[s] + (add_s[s] if p in adds_at[r] else 0.0)
-                elif (s, a.id) in split_at[r]:
-                    d = bwd[s] - wgrad[s]
-                else:
-                    d = bwd[s] + (add_s[s] if p in adds_at[r] else 0.0)
-                emit(Ev(r, s, KV[k], a.id, t, t + d, 0, text(a), q, a.version))
-                t += d
-            elif k is SA or k is SG:
-                dst = a.peer
-                ch = (r, dst)
-                key = (r, dst, s)
-                c = link_cost.get(key)
-                nbytes = outb[s] if k is SA else outb[s - 1]
-                if c is None:  # a transfer between two stages of one rank is a hand-over in memory
-                    c = 0.0 if dst == r else _transfer_s(nbytes, costs.bandwidth(r, dst), lat)  # type: ignore[arg-type]
-                    link_cost[key] = c
-                if dst != r:
-                    t += ovh
-                start = link_free.get(ch, 0.0)
-                if start < t:
-                    start = t
-                end = start + c
-                link_free[ch] = end
-                arrivals.setdefault(ch, deque()).append(end)
-                emit(Ev(r, s, KV[k], a.id, start - ovh, end, int(nbytes), text(a), q, None))
-                w = waiting.pop(ch, None)
-                if w is not None:
-                    wake(w)
-            elif k is RA or k is RG:
-                ch = (a.peer, r)  # type: ignore[assignment]
-                qd = arrivals.get(ch)
-                if not qd:
-                    waiting[ch] = r
+    def run(self) -> list[Event]:
+        """Advance any rank that can run until every list is done (or raise: a deadlock)."""
+        handlers, ready = self.handlers, self.ready
+        while ready:
+            rank = ready.popleft()
+            self.queued.discard(rank)
+            actions = self.actions[rank]
+            now, index = self.clock[rank], self.position[rank]
+            while index < len(actions):
+                a = actions[index]
+                after = handlers[a.kind](rank, index, a, now)
+                if after is _BLOCKED:
                     break
-                arr = qd.popleft()
-                start = t
-                if arr > t:
-                    t = arr
-                if a.peer != r:
-                    t += ovh
-                emit(Ev(r, s, KV[k], a.id, start, t, 0, text(a), q, None))
-            elif k is AR:
-                group = ar_state.setdefault((s, a.id), [set(), 0.0, []])  # arrived, latest arrival, who
-                if r not in group[0]:
-                    group[0].add(r)
-                    group[1] = max(group[1], t)
-                    group[2].append((r, t, a))
-                if len(group[0]) < plan.stages[s].replicas:
-                    break
-                end = group[1] + charge.allreduce.get(s, 0.0)
-                for o, arrived_at, act in group[2]:
-                    emit(Ev(o, s, "AR", act.id, arrived_at, end, charge.allreduce_bytes.get(s, 0), text(act),
-                            act.replica, None))
-                    if o != r:  # the others were parked at this AR: it is done for them too
-                        clock[o] = end
-                        pc[o] += 1
-                        wake(o)
-                t = end
-            elif k is TP:  # a non-blocking all-reduce of a shared parameter's gradient: posted
-                key = (a.tie, a.id)
-                posts = tied_posts.setdefault(key, {})
-                posts[r] = t
-                emit(Ev(r, s, "TP", a.id, t, t, 0, text(a), q, None))
-                if len(posts) == tied_size[a.tie]:
-                    for o in tied_waiting.pop(key, ()):
-                        wake(o)
-            elif k is TR:  # wait for every holder's post, then the all-reduce's time, then step
-                key = (a.tie, a.id)
-                posts = tied_posts.get(key, {})
-                if len(posts) < tied_size[a.tie]:
-                    tied_waiting.setdefault(key, set()).add(r)
-                    break
-                start = t
-                t = max(t, max(posts.values()) + charge.tied[a.tie])
-                emit(Ev(r, s, "TR", a.id, start, t, charge.tied_bytes[a.tie], text(a), q, a.version))
-            else:  # U
-                d = step_s[s] + (copy_s[s] if p in copy_at[r] else 0.0)
-                emit(Ev(r, s, "U", a.id, t, t + d, 0, text(a), q, a.version))
-                t += d
-            p += 1
-        pc[r] = p
-        clock[r] = t
-    stuck = [r for r in acts if pc[r] < len(acts[r])]
-    if stuck:
-        raise SimulationError(
-            "the schedule got stuck (deadlock): "
-            + "; ".join(f"rank {r} at {acts[r][pc[r]]}" for r in stuck[:8])
-            + " — run validate_schedule for the grid"
-        )
-    return events
+                now = after
+                index += 1
+            self.position[rank] = index
+            self.clock[rank] = now
+        self._check_finished()
+        return self.events
+
+    def wake(self, rank: int) -> None:
+        if rank not in self.queued:
+            self.ready.append(rank)
+            self.queued.add(rank)
+
+    def emit(self, rank: int, a: Action, start: float, end: float, nbytes: int = 0,
+             version: int | None = None) -> None:
+        self.events.append(Event(rank, a.stage, _KV[a.kind], a.id, start, end, nbytes, _text(a), a.replica, version))
+
+    def compute(self, rank: int, index: int, a: Action, now: float) -> float:
+        """F, B or W: the stage's compute time (a split B: the backward less its W), plus the
+        gradient's accumulation where this B or W adds into an existing gradient."""
+        charge, s = self.charge, a.stage
+        if a.kind is Kind.FORWARD:
+            d = charge.forward[s]
+        elif a.kind is Kind.WEIGHT_GRAD:
+            d = charge.weight_grad[s] + (charge.add[s] if index in self.adds_at[rank] else 0.0)
+        elif (s, a.id) in self.split_at[rank]:
+            d = charge.backward[s] - charge.weight_grad[s]
+        else:
+            d = charge.backward[s] + (charge.add[s] if index in self.adds_at[rank] else 0.0)
+        self.emit(rank, a, now, now + d, version=a.version)
+        return now + d
+
+    def send(self, rank: int, index: int, a: Action, now: float) -> float:
+        """SA or SG: the message occupies the link from max(now + overhead, link free)."""
+        s, receiver, overhead = a.stage, a.peer, self.costs.message_overhead_s
+        channel = (rank, receiver)
+        nbytes = self.charge.output_bytes[s] if a.kind is Kind.SEND_ACT else self.charge.output_bytes[s - 1]
+        cost = self.link_cost.get((rank, receiver, s))
+        if cost is None:
+            if receiver == rank:  # a transfer between two stages of one rank is a hand-over in memory
+                cost = 0.0
+            else:
+                cost = transfer_s(nbytes, self.costs.bandwidth(rank, receiver), self.costs.latency_s)  # type: ignore[arg-type]
+            self.link_cost[(rank, receiver, s)] = cost
+        if receiver != rank:
+            now += overhead
+        start = self.link_free.get(channel, 0.0)
+        if start < now:
+            start = now
+        end = start + cost
+        self.link_free[channel] = end
+        self.arrivals.setdefault(channel, deque()).append(end)  # type: ignore[arg-type]
+        self.emit(rank, a, start - overhead, end, int(nbytes))
+        blocked = self.receiver_waiting.pop(channel, None)  # type: ignore[arg-type]
+        if blocked is not None:
+            self.wake(blocked)
+        return now
+
+    def receive(self, rank: int, index: int, a: Action, now: float) -> float | None:
+        """RA or RG: wait for the message's arrival, then the host's overhead."""
+        channel = (a.peer, rank)
+        arrived = self.arrivals.get(channel)  # type: ignore[arg-type]
+        if not arrived:
+            self.receiver_waiting[channel] = rank  # type: ignore[index]
+            return _BLOCKED
+        arrival = arrived.popleft()
+        start = now
+        if arrival > now:
+            now = arrival
+        if a.peer != rank:
+            now += self.costs.message_overhead_s
+        self.emit(rank, a, start, now)
+        return now
+
+    def allreduce(self, rank: int, index: int, a: Action, now: float) -> float | None:
+        """AR: once every replica of the stage has arrived, the all-reduce runs from the latest
+        arrival and ends for all of them at once."""
+        s = a.stage
+        arrived = self.allreduce_arrivals.setdefault((s, a.id), [])
+        if all(other != rank for other, _, _ in arrived):
+            arrived.append((rank, now, a))
+        if len(arrived) < self.plan.stages[s].replicas:
+            return _BLOCKED
+        end = max(0.0, *(at for _, at, _ in arrived)) + self.charge.allreduce.get(s, 0.0)
+        for other, arrived_at, act in arrived:
+            self.emit(other, act, arrived_at, end, self.charge.allreduce_bytes.get(s, 0))
+            if other != rank:  # the others were parked at this AR: it is done for them too
+                self.clock[other] = end
+                self.position[other] += 1
+                self.wake(other)
+        return end
+
+    def tied_post(self, rank: int, index: int, a: Action, now: float) -> float:
+        """TP: a non-blocking all-reduce of a shared parameter's gradient, posted."""
+        key = (a.tie, a.id)
+        posts = self.tied_posts.setdefault(key, {})  # type: ignore[arg-type]
+        posts[rank] = now
+        self.emit(rank, a, now, now)
+        if len(posts) == self.tied_size[a.tie]:  # type: ignore[index]
+            for other in self.tied_waiting.pop(key, ()):  # type: ignore[arg-type]
+                self.wake(other)
+        return now
+
+    def tied_reduce(self, rank: int, index: int, a: Action, now: float) -> float | None:
+        """TR: wait for every holder's post, then the all-reduce's time, then step."""
+        key = (a.tie, a.id)
+        posts = self.tied_posts.get(key, {})  # type: ignore[arg-type]
+        if len(posts) < self.tied_size[a.tie]:  # type: ignore[index]
+            self.tied_waiting.setdefault(key, set()).add(rank)  # type: ignore[arg-type]
+            return _BLOCKED
+        end = max(now, max(posts.values()) + self.charge.tied[a.tie])  # type: ignore[index]
+        self.emit(rank, a, now, end, self.charge.tied_bytes[a.tie], a.version)  # type: ignore[index]
+        return end
+
+    def optimizer_step(self, rank: int, index: int, a: Action, now: float) -> float:
+        """U: the stage's step, plus a copy of its weights where the replaced version is still used."""
+        s = a.stage
+        d = self.charge.step[s] + (self.charge.copy[s] if index in self.copy_at[rank] else 0.0)
+        self.emit(rank, a, now, now + d, version=a.version)
+        return now + d
+
+    def _check_finished(self) -> None:
+        stuck = [r for r in self.actions if self.position[r] < len(self.actions[r])]
+        if stuck:
+            raise SimulationError(
+                "the schedule got stuck (deadlock): "
+                + "; ".join(f"rank {r} at {self.actions[r][self.position[r]]}" for r in stuck[:8])
+                + " — run validate_schedule for the grid"
+            )
 
 
 def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:

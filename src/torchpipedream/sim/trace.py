@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..util.jsonio import read_json
+
 __all__ = ["Event", "Trace", "TraceFormatError", "CATEGORIES", "COMPUTE_KINDS", "category_of"]
 
 TRACE_FORMAT_VERSION = 1
@@ -229,8 +231,6 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        from ..util.jsonio import read_json
-
         return cls.from_dict(read_json(path, TraceFormatError), source=str(path))
 
     # ------------------------------------------------------------------ Chrome

@@ -8,18 +8,19 @@ import os
 from dataclasses import dataclass
 
 from ..plans.kinds import AUTO, KIND_NAMES, schedule_kind
-from ..plans.plan import Plan
+from ..plans.plan import Plan, PlanError
+from ..plans.topology import Topology, TopologyError, parse_bytes
 
 __all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "optimizer_scratch_of", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 #: Copies of the weights each optimizer keeps besides the weights (the gradient included): the
-#: memory model's ``optimizer_state_factor`` (memory_model.py).
+#: memory model's ``optimizer_state_factor`` (plans/memory.py).
 OPTIMIZER_STATE = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
 
 
 def optimizer_scratch_of(optimizer: str, cuda: bool) -> tuple[float, float]:
-    """The memory model's ``optimizer_scratch`` of ``--optimizer`` (memory_model.once_bytes):
+    """The memory model's ``optimizer_scratch`` of ``--optimizer`` (plans.memory.once_bytes):
     SGD steps in place; torch's Adam runs a per-parameter loop on a CPU (two temporaries of the
     largest parameter's size) and its ``foreach`` form on CUDA (one of the stage's weights)."""
     if optimizer != "adam":
@@ -183,15 +184,13 @@ def check_options(cfg: TrainConfig) -> None:
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise TrainError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.memory is not None:
-        from ..plans.topology import TopologyError, parse_bytes
-
         try:
             parse_bytes(cfg.memory)  # refuses sizes <= 0 too
         except (TopologyError, ValueError) as exc:
             raise TrainError(f"--memory {cfg.memory!r}: {exc}") from None
     if cfg.resume and cfg.overwrite:
         raise TrainError("--resume continues the run in --out and --overwrite replaces it: give one of them")
-    from ..models import MODELS
+    from ..models import MODELS  # lazy: models imports torch, and train.config stays torch-free (the CLI's start)
 
     if cfg.model not in MODELS and ":" not in cfg.model:
         raise TrainError(
@@ -203,15 +202,11 @@ def check_options(cfg: TrainConfig) -> None:
             f"--batch-size {cfg.batch_size} cannot be split into --microbatches {cfg.microbatches}"
         )
     if cfg.topology:
-        from ..plans.topology import Topology, TopologyError
-
         try:
             Topology.from_any(cfg.topology)
         except (TopologyError, ValueError, OSError) as exc:
             raise TrainError(f"--topology {cfg.topology}: {exc}") from None
     if cfg.plan_file:
-        from ..plans.plan import Plan, PlanError
-
         try:
             Plan.load(cfg.plan_file)
         except PlanError as exc:

@@ -8,6 +8,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..models import cross_entropy, digits_data, get_model, text_data
+from ..model.state_files import StateFileError, load_state_file
 from .config import TrainConfig, TrainError
 
 __all__ = ["load_data", "build_model", "seeded_model", "loss_for", "optimizer_factory", "minibatches"]
@@ -20,8 +22,6 @@ def _is_text_model(name: str) -> bool:
 def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Digits images for the vision models (and a user's model), stdlib text for the LM:
     (train inputs, train targets, test inputs, test targets)."""
-    from ..models import digits_data, text_data
-
     if _is_text_model(cfg.model):
         return text_data(context=64, max_bytes=120_000)
     return digits_data(seed=0)
@@ -32,8 +32,6 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     from the weights of ``--init``."""
     model = seeded_model(cfg.model, cfg.seed)
     if cfg.init:
-        from ..util.state_files import StateFileError, load_state_file
-
         try:
             state = load_state_file(cfg.init)
             missing, unexpected = model.load_state_dict(state, strict=False)
@@ -47,8 +45,6 @@ def build_model(cfg: TrainConfig) -> nn.Module:
 
 def loss_for(cfg: TrainConfig) -> Callable[..., torch.Tensor]:
     """The loss of every built-in model: cross entropy over the last dimension."""
-    from ..models import cross_entropy
-
     return cross_entropy
 
 
@@ -65,8 +61,6 @@ def optimizer_factory(cfg: TrainConfig) -> Callable[[Any], torch.optim.Optimizer
 
 def seeded_model(name: str, seed: int) -> nn.Module:
     """Model ``name`` initialised from ``seed``: a picklable factory with ``functools.partial``."""
-    from ..models import get_model
-
     torch.manual_seed(seed)
     return get_model(name)
 

@@ -20,6 +20,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from ..runtime import launch
+from ..runtime.agreement import Agreement
+from ..runtime.failures import new_store_prefix
+from ..runtime.launcher import init_from_env
+from ..search.auto import threads_per_worker
 from .config import TrainConfig, TrainError, check_options
 from .out_dir import prepare_out_dir
 from .outputs import outputs_from_checkpoint, write_outputs
@@ -47,9 +55,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg)
-    from ..search.auto import threads_per_worker
-    from ..runtime import launch
-
     check_options(cfg)
     prepare_out_dir(cfg)
     prep = prepare(cfg, measure_host=True)
@@ -142,15 +147,7 @@ def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    from ..runtime.agreement import Agreement
-    from ..runtime.failures import new_store_prefix
-
     if not dist.is_initialized():
-        from ..runtime.launcher import init_from_env
-
         init_from_env("nccl" if torch.cuda.is_available() else "gloo", cfg.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.workers = world

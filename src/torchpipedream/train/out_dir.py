@@ -18,6 +18,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from ..runtime.checkpoint import checkpoints_newest_first, remove_temporary_files
 from .config import TrainConfig, TrainError
 from .resume import is_epoch_end
 
@@ -66,8 +67,6 @@ def _check_writable(out: Path) -> None:
 
 def prepare_out_dir(cfg: TrainConfig) -> None:
     """Check ``--out`` before anything starts, and clear it of leftovers (see the module docstring)."""
-    from ..runtime.checkpoint import remove_temporary_files
-
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {out}: a file of that name exists; give a directory")
@@ -91,8 +90,6 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints in ``root`` and the newest taken at an
     epoch's end (``keep`` 0 deletes nothing); directories without a complete manifest are left
     alone (a save in progress). Returns the deleted directories."""
-    from ..runtime.checkpoint import checkpoints_newest_first
-
     if keep <= 0:
         return []
     found = checkpoints_newest_first(root)

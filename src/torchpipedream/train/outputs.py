@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from ..runtime import checkpoint
+from ..runtime.checkpoint import read_extra, read_stage_states
+from ..sim.draw import draw_timeline
 from ..sim.trace import Trace
 from ..util.units import human_bytes
 from ..search.auto import auto_summary_lines, threads_per_worker
@@ -43,10 +46,8 @@ def strict_json(value: Any) -> Any:
 
 
 def _write(path: Path, data: bytes) -> None:
-    from ..runtime.checkpoint import write_atomic
-
     try:
-        write_atomic(path, data)
+        checkpoint.write_atomic(path, data)  # looked up when called (tests fill the disk through it)
     except OSError as exc:
         raise TrainError(f"cannot write the run's outputs: {exc.strerror or exc}; free space and run the same "
                          "command with --resume to write them again from the last checkpoint") from None
@@ -54,8 +55,6 @@ def _write(path: Path, data: bytes) -> None:
 
 def outputs_from_checkpoint(directory: str | Path) -> dict[str, Any]:
     """The training result (history, trace, full state) a run's final checkpoint holds."""
-    from ..runtime.checkpoint import read_extra, read_stage_states
-
     extra = read_extra(directory)
     if not extra.get("trace"):
         raise TrainError(f"--resume: the checkpoint {directory} ends the run but holds no trace to write the "
@@ -66,8 +65,6 @@ def outputs_from_checkpoint(directory: str | Path) -> dict[str, Any]:
 
 def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str, Any]:
     """Write the run's files into ``out`` and return the report (also in ``report.json``)."""
-    from ..sim.draw import draw_timeline
-
     out.mkdir(parents=True, exist_ok=True)
     cfg, plan = prep.config, prep.plan
     paths = {

@@ -8,10 +8,20 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
+from ..model import profiler
 from ..model.graph import LayerGraph
-from ..plans.plan import Plan, PlanError
-from ..util.units import human_bytes
 from ..plans.kinds import AUTO
+from ..plans.plan import Plan, PlanError
+from ..plans.topology import Topology, parse_bytes
+from ..runtime.measure import measure_local_costs
+from ..runtime.pipeline import PRECISIONS
+from ..schedule.build import build_schedule
+from ..search.auto import choose_layout, choose_schedule, local_layouts, threads_per_worker
+from ..search.planner import plan as make_plan
+from ..sim.simulator import Costs, simulate
+from ..util.units import human_bytes
 from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
                      optimizer_scratch_of, schedule_of)
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
@@ -98,8 +108,6 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
         if cfg.schedule != AUTO:  # auto: the file's schedule and microbatches
             plan.schedule = cfg.schedule
         return plan.with_recompute(True) if cfg.recompute else plan
-    from ..search.planner import plan as make_plan
-
     try:
         return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
                          num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
@@ -113,22 +121,16 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
 
 def _scratch(cfg: TrainConfig) -> tuple[float, float]:
     """The optimizer step's temporaries for the memory model, on the device the workers train on."""
-    import torch
-
     return optimizer_scratch_of(cfg.optimizer, torch.cuda.is_available())
 
 
 def _topology(cfg: TrainConfig, workers: int, check: bool = True) -> Any:
     """``--topology``, else this computer's ``workers``; checked against ``--workers`` (unless
     ``check``: a local layout of fewer workers than ``--workers``)."""
-    from ..plans.topology import Topology
-
     topo = Topology.from_any(cfg.topology) if cfg.topology else Topology.local(workers)
     if check and topo.num_workers != workers:
         raise TrainError(f"--topology has {topo.num_workers} workers but --workers is {workers}")
     if cfg.memory is not None:
-        from ..plans.topology import parse_bytes
-
         topo.memory_bytes = parse_bytes(cfg.memory)
     return topo
 
@@ -142,8 +144,6 @@ class _HostCosts:
         self._measured: dict[Any, dict[str, Any]] = {}
 
     def __call__(self, plan: Plan, m: int) -> dict[str, Any]:
-        from ..runtime.measure import measure_local_costs
-
         if plan.num_workers < 2:
             return {}
         key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
@@ -153,13 +153,11 @@ class _HostCosts:
 
 
 def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostCosts | None) -> Plan:
-    """``--schedule auto``: the fastest predicted kind and microbatch count (auto_schedule.py),
+    """``--schedule auto``: the fastest predicted kind and microbatch count (search/auto.py),
     each candidate planned from a profile at its own microbatch size, and on this machine's
     workers priced with its measured host costs (as the run's own prediction is). A local run
     (this machine's cores, no --topology) also tries fewer workers with more torch threads each
-    (``auto_schedule.local_layouts``), each from a profile at that thread count."""
-    from ..search.auto import choose_layout, choose_schedule, local_layouts
-
+    (``auto.local_layouts``), each from a profile at that thread count."""
     options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
                    straight=cfg.straight, recompute=cfg.recompute,
                    optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], optimizer_scratch=_scratch(cfg),
@@ -184,13 +182,6 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     (``runtime.measure.measure_local_costs``, a few seconds of spawned processes) instead of the
     link model's bytes / bandwidth, which on CPU workers predicts gloo's collectives 3-10× too fast.
     """
-    import torch
-
-    from ..search.auto import threads_per_worker
-    from ..model.profiler import profile
-    from ..runtime.pipeline import PRECISIONS
-    from ..schedule.build import build_schedule
-    from ..sim.simulator import Costs, simulate
     check_options(cfg)
     point: ResumePoint | None = resume_point(cfg) if cfg.resume else None
     workers = cfg.resolved_workers()
@@ -207,7 +198,7 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
         if (microbatches, threads) not in profiles:
             half = PRECISIONS[cfg.precision]
             with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
-                profiles[(microbatches, threads)] = profile(
+                profiles[(microbatches, threads)] = profiler.profile(  # looked up when called (tests replace it)
                     model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size], name=cfg.model,
                     optimizer=optimizer_factory(cfg), microbatches=microbatches, num_threads=threads)
         return profiles[(microbatches, threads)]

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ..plans.plan import Plan, PlanError
+from ..runtime.checkpoint import (CheckpointError, checkpoints_newest_first, latest_checkpoint, read_extra,
+                                  verify_checkpoint)
 from .config import TrainConfig, TrainError, flag
 
 __all__ = ["checkpoint_dir", "is_epoch_end", "ResumePoint", "resume_point", "resume_after_restart",
@@ -71,8 +73,6 @@ def _differences(cfg: TrainConfig, saved: dict[str, Any], among: frozenset[str] 
 def resume_point(cfg: TrainConfig) -> ResumePoint:
     """The newest verified checkpoint in OUT/checkpoints written by a run with the same options
     (checkpoints of other options are skipped, with a warning saying which option differs)."""
-    from ..runtime.checkpoint import CheckpointError, checkpoints_newest_first, read_extra, verify_checkpoint
-
     root = Path(cfg.out) / "checkpoints"
     rejected: list[str] = []
     given = Plan.load(cfg.plan_file) if cfg.plan_file else None
@@ -112,8 +112,6 @@ def resume_after_restart(cfg: TrainConfig) -> None:
     """Under ``torchrun --max-restarts``: a restarted attempt (TORCHELASTIC_RESTART_COUNT > 0)
     continues from the newest verified checkpoint in OUT/checkpoints, as ``--resume`` would,
     when there is one (a job that failed before its first checkpoint starts over)."""
-    from ..runtime.checkpoint import latest_checkpoint
-
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restart > 0 and not cfg.resume and latest_checkpoint(Path(cfg.out) / "checkpoints") is not None:
         log.warning("restart %d: resuming from the newest checkpoint in %s", restart, Path(cfg.out) / "checkpoints")

@@ -10,6 +10,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm import tqdm
+
+from ..runtime import Pipeline
 from .config import TrainConfig, schedule_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .out_dir import checkpoints_root, prune_checkpoints
@@ -25,18 +29,12 @@ def _progress_bar(rank: int, prep: Prepared, per_epoch: int) -> Any:
     cfg = prep.config
     if rank != 0 or not cfg.progress:
         return None
-    from tqdm import tqdm
-
     return tqdm(total=cfg.epochs * per_epoch, unit="minibatch", dynamic_ncols=True,
                 desc=f"train {cfg.model} [{prep.plan.summary}, {prep.plan.schedule}]")
 
 
 def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     """Train as rank ``rank`` of the plan; rank 0 returns history, trace and full state."""
-    import torch
-
-    from ..runtime import Pipeline
-
     cfg = prep.config
     model = build_model(cfg)
     x, y, xt, yt = load_data(cfg)

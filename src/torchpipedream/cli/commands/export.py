@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
+
+from . import CommandError
 
 
 def register(subparsers: Any) -> None:
@@ -21,12 +24,10 @@ def register(subparsers: Any) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    # lazy: these import torch; the command line starts torch-free and `export` loads it when it runs
     from ...runtime.checkpoint import MANIFEST, latest_checkpoint, read_stage_states
-    from ...util.state_files import save_state_file
     from ...train.out_dir import checkpoints_root
-    from . import CommandError
+    from ...model.state_files import save_state_file
 
     source = Path(args.checkpoint)
     if not (source / MANIFEST).is_file():

@@ -6,7 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ...model.profiles import load_profile
 from ...plans.kinds import AUTO, KIND_NAMES, SCHEDULE_KINDS
+from ...plans.memory import DEFAULT_OPTIMIZER_STATE_FACTOR
+from ...plans.plan import PlanError
+from ...plans.topology import Topology, parse_bytes
 from . import CommandError
 
 #: ``--schedule all``: every kind with true gradients planned and ranked by the simulator.
@@ -55,10 +59,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...search.auto import plan
-    from ...search.planner import DEFAULT_OPTIMIZER_STATE_FACTOR
-    from ...model.profiles import load_profile
-    from ...plans.topology import Topology, parse_bytes
+    # lazy: every command module loads at start-up; the planner loads when `plan` runs (--help and show start sooner)
+    from ...search.auto import auto_candidates_table, choose_schedule, plan
 
     graph = load_profile(args.graph)
     topo = Topology.from_any(args.topology)
@@ -72,9 +74,6 @@ def run(args: argparse.Namespace) -> int:
                    memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute,
                    chunks=args.chunks)
     if args.schedule == ALL:
-        from ...search.auto import choose_schedule
-        from ...plans.plan import PlanError
-
         if args.microbatches != 1:
             raise CommandError("--schedule all tries 1, 2, 4 and 8 microbatches itself; drop --microbatches")
         kinds = [k.name for k in SCHEDULE_KINDS.values() if k.true_gradients]
@@ -89,8 +88,6 @@ def run(args: argparse.Namespace) -> int:
           f"({topo.num_workers} workers)")
     print(p.table())
     if args.schedule in (AUTO, ALL):
-        from ...search.auto import auto_candidates_table
-
         print(auto_candidates_table(p))
     if args.out:
         out = Path(args.out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,7 @@ def _parse_shape(text: str) -> list[int]:
 
 def _user_sample(spec: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(input, target, loss_fn) for a module:function model."""
-    import importlib
-
-    import torch
+    import torch  # lazy: the command line starts torch-free; `profile` loads torch when it runs
 
     module = importlib.import_module(spec.partition(":")[0])
     if args.input_shape:
@@ -79,6 +78,7 @@ def _make_parent(path: Path, flag: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: both import torch; the command line starts torch-free and `profile` loads it when it runs
     from ...models import MODELS, get_model, loss_fn, sample_input
     from ...model.profiler import profile
 

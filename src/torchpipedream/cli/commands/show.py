@@ -80,6 +80,7 @@ def format_table(graph: LayerGraph, limit: int = DEFAULT_LIMIT, sort: str = "ord
 
 def plot_graph(graph: LayerGraph, path: Path) -> None:
     """Three stacked bar charts over the layers: compute (fwd+bwd), activation MB, parameter MB."""
+    # lazy: matplotlib only with --plot (the command line starts without it)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

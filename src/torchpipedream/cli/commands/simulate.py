@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 from ...plans.kinds import KIND_NAMES, schedule_kind
+from ...plans.plan import Plan
+from ...schedule.actions import Schedule
 from . import CommandError
 
 
@@ -56,10 +59,6 @@ def _named(path: str, kind: str, several: bool) -> Path:
 
 def _load_schedule(path: str) -> Any:
     """The Schedule in ``path`` if it is a schedule file, else None (it is then read as a plan)."""
-    import json
-
-    from ...schedule.actions import Schedule
-
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -80,21 +79,8 @@ def _fmt_rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
-def run(args: argparse.Namespace) -> int:
-    from ...plans.plan import Plan
-    from ...schedule.build import ScheduleBuildError, build_schedule
-    from ...sim.simulator import simulate
-    from ...sim.draw import draw_timelines
-
-    given = _load_schedule(args.plan)
-    plan = given.plan if given is not None else Plan.load(args.plan)
-    if given is not None:
-        if args.schedule or args.vertical_sync or args.microbatches:
-            raise CommandError(f"{args.plan} is a schedule file: --schedule, --microbatches and --vertical-sync "
-                               "apply to plans only")
-        from ...schedule.validate import validate_schedule
-
-        validate_schedule(given)  # a hand-edited file fails here with the marked grid
+def _check_options(args: argparse.Namespace, plan: Plan) -> None:
+    """Refuse counts below one, a plan without costs, and output files that cannot be written."""
     if args.minibatches < 1:
         raise CommandError(f"--minibatches must be a positive integer, got {args.minibatches}")
     if args.microbatches is not None and args.microbatches < 1:
@@ -110,6 +96,24 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"--{flag.replace('_', '-')} {value}: directory {Path(value).parent} does not exist")
     if args.timeline and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise CommandError(f"--timeline {args.timeline}: use a .png, .svg or .pdf file name")
+
+
+def run(args: argparse.Namespace) -> int:
+    # lazy: every command module loads at start-up; the simulator loads when `simulate` runs (--help and show
+    # start sooner)
+    from ...schedule.build import ScheduleBuildError, build_schedule
+    from ...schedule.validate import validate_schedule
+    from ...sim.draw import draw_timelines
+    from ...sim.simulator import simulate
+
+    given = _load_schedule(args.plan)
+    plan = given.plan if given is not None else Plan.load(args.plan)
+    if given is not None:
+        if args.schedule or args.vertical_sync or args.microbatches:
+            raise CommandError(f"{args.plan} is a schedule file: --schedule, --microbatches and --vertical-sync "
+                               "apply to plans only")
+        validate_schedule(given)  # a hand-edited file fails here with the marked grid
+    _check_options(args, plan)
     kinds = [given.kind] if given is not None else _kinds(args.schedule, plan.schedule)
     several = len(kinds) > 1
     unit = "samples/s" if plan.batch_size else "minibatches/s"

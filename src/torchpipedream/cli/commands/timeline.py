@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ...sim.trace import Trace
 from . import CommandError
 
 
@@ -27,7 +28,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...sim.trace import Trace
+    # lazy: every command module loads at start-up; drawing (with the simulator it imports) loads when `timeline` runs
     from ...sim.draw import draw_timeline, draw_timelines
 
     if not args.out and not args.chrome:

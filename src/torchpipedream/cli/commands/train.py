@@ -7,6 +7,7 @@ import logging
 import sys
 
 from ...plans.kinds import AUTO, KIND_NAMES
+from ...train import OPTIMIZERS, TrainConfig, TrainError
 
 _EPILOG = """\
 With no options: the default CNN on the bundled digits images, one worker per core, PipeDream's
@@ -31,9 +32,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from ...train import OPTIMIZERS, TrainConfig
-
     d = TrainConfig()
+    _add_model_and_plan_options(p, d)
+    _add_run_options(p, d)
+    p.set_defaults(handler=_handle)
+
+
+def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """What to train, on how many workers, and how the plan is chosen."""
     p.add_argument("--model", default=d.model,
                    help="mlp, cnn, resnet, transformer (a character LM on Python's own sources), gpt2 (a small "
                         "Hugging Face GPT-2 on the same text; needs transformers), or a "
@@ -60,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and its backward, and run the forward again in the backward (less memory, more compute)")
     p.add_argument("--memory", default=None, metavar="BYTES",
                    help="per-worker memory budget, such as 512MB: every stage's predicted peak must fit "
-                        "(memory_model.py); with --schedule auto, activation recomputation is tried too and "
+                        "(plans/memory.py); with --schedule auto, activation recomputation is tried too and "
                         "the report says what the budget gave up")
     p.add_argument("--measure-memory", action="store_true",
                    help="record each worker's peak tensor memory (every allocation, through PyTorch's "
@@ -71,6 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "dynamic loss scaling (synchronous schedules: flush, gpipe, auto) (default: %(default)s)")
     p.add_argument("--plan", dest="plan_file", default=None, help="use this plan.json instead of planning")
     p.add_argument("--topology", default=None, help="topology spec for the planner (default: local, one level)")
+
+
+def _add_run_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Where the run writes, its deadlines, checkpoints and resumption."""
     p.add_argument("--out", default=d.out, help="output directory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (default: %(default)s)")
     p.add_argument("--timeout", dest="timeout_s", type=float, default=d.timeout_s,
@@ -100,11 +110,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start from these weights: a state_dict file (.pt or .safetensors), such as "
                         "`torchpipedream export` writes (a checkpoint of --resume takes precedence)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(handler=_handle)
 
 
 def _resume_hint(out: str) -> str:
-    from ...runtime.checkpoint import latest_checkpoint
+    from ...runtime.checkpoint import latest_checkpoint  # lazy: imports torch (the command line starts torch-free)
 
     found = latest_checkpoint(f"{out}/checkpoints")
     if found is None:
@@ -113,17 +122,14 @@ def _resume_hint(out: str) -> str:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from ...train import TrainConfig
+    # lazy: these import torch; the command line starts torch-free and `train` loads it when it runs
+    from ...runtime.launcher import LaunchError
     from ...train.job import run
     from ...train.outputs import format_report
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
-    from ...runtime.launcher import LaunchError
-
-    from ...train import TrainError
-
     try:
         report = run(cfg)
     except TrainError as exc:

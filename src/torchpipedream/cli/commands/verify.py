@@ -4,9 +4,15 @@ compare every parameter and buffer (``torchpipedream.runtime.verification``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import logging
 from typing import Any
 
 from ...plans.kinds import KIND_NAMES
+from ...plans.plan import Plan
+from ...plans.topology import Topology
+from ...train import TrainConfig
 from . import CommandError
 
 
@@ -42,14 +48,11 @@ def register(subparsers: Any) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    import dataclasses
-    import functools
-    import logging
-
-    from ...plans.plan import Plan
-    from ...train import TrainConfig
-    from ...train.inputs import load_data, loss_for, minibatches, optimizer_factory, seeded_model
+    # lazy: these import torch (or the planner); the command line starts torch-free and `verify` loads it when it runs
+    from ...model.profiler import profile
     from ...runtime.verification import verify_plans
+    from ...search.planner import plan
+    from ...train.inputs import load_data, loss_for, minibatches, optimizer_factory, seeded_model
 
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
     kinds = [k.strip() for k in args.schedule.split(",") if k.strip()]
@@ -68,10 +71,6 @@ def _handle(args: argparse.Namespace) -> int:
     if args.plan_file:
         base = Plan.load(args.plan_file)
     else:
-        from ...search.planner import plan
-        from ...model.profiler import profile
-        from ...plans.topology import Topology
-
         graph = profile(model(), x[: args.batch_size], loss_fn=loss_for(cfg), target=y[: args.batch_size],
                         warmup=1, iters=3)
         base = plan(graph, Topology.local(args.workers), schedule=kinds[0], microbatches=args.microbatches,

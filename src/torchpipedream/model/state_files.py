@@ -20,7 +20,7 @@ class StateFileError(ValueError):
 
 def _safetensors(path: Path):  # type: ignore[no-untyped-def]
     try:
-        import safetensors.torch as st
+        import safetensors.torch as st  # lazy: an optional dependency, needed for .safetensors files only
     except ImportError:
         raise StateFileError(f"{path}: .safetensors files need the safetensors package (pip install safetensors), "
                              "or use a .pt file") from None
