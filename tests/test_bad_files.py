@@ -61,7 +61,11 @@ def _breakages(kind: str, text: str) -> dict[str, str]:
     else:
         wrong["levels"][0]["count"] = "two"
     return {"truncated": text[: len(text) // 2], "not JSON": "\x00\x01 binary", "empty": "",
-            "wrong type": json.dumps(wrong), "a list": "[1, 2, 3]"}
+            "wrong type": json.dumps(wrong), "a list": "[1, 2, 3]",
+            # issue 39: a RecursionError traceback, and plan/show quoted the whole 200 KB line
+            "nested 100,000 deep": "[" * 100_000 + "]" * 100_000,
+            "objects nested 100,000 deep": '{"a": ' * 100_000 + "1" + "}" * 100_000,
+            "a 200 KB line": "x" * 200_000}
 
 
 @pytest.mark.parametrize("kind", ["graph", "plan", "trace", "topology"])
@@ -76,7 +80,8 @@ def test_each_command_refuses_a_bad_file_in_one_line(kind, tmp_path, capsys):
         code = main(command)
         err = capsys.readouterr().err.strip()
         assert code == 2, (kind, what, err)
-        assert len(err.splitlines()) == 1 and str(files[kind].name) in err, (kind, what, err)
+        assert len(err.splitlines()) == 1 and str(files[kind].name) in err, (kind, what, err[:2000])
+        assert len(err) < 400, (kind, what, f"the error quotes too much: {err[:2000]}")
 
 
 def test_train_refuses_a_bad_plan_file_in_one_line(tmp_path, capsys):
@@ -154,3 +159,31 @@ def test_export_and_verify_refuse_bad_inputs_in_one_line(tmp_path, capsys):
     assert main(["verify", "--model", "mlp", "--plan", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "plan.json" in err, err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--atol", "-1"], "--atol must be a number >= 0, got -1.0"),  # ran, and reported "MISMATCH, max |diff| 0"
+    (["--rtol", "-0.5"], "--rtol must be a number >= 0, got -0.5"),
+    (["--rtol", "nan"], "--rtol must be a number >= 0, got nan"),
+    # kinds mixed: the plan made for the first cannot run zb-v (a ScheduleBuildError traceback before)
+    (["--schedule", "zb-h1,zb-v", "--minibatches", "1"], "cannot verify zb-v on the plan straight"),
+])
+def test_verify_refuses_what_it_cannot_check_in_one_line(argv, fragment, capsys):
+    assert main(["verify", "--model", "mlp", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and fragment in err, err
+
+
+def test_verify_plans_refuses_a_negative_tolerance_before_any_process_starts():
+    import functools
+
+    import torch
+
+    from torchpipedream.runtime.verification import VerifyError, verify_plans
+
+    plan = Plan.straight([["0"], ["1"]], schedule="flush")
+    model = functools.partial(torch.nn.Linear, 2, 2)
+    with pytest.raises(VerifyError, match="atol must be a number >= 0"):
+        verify_plans(model, [torch.zeros(2, 2)], [plan], torch.optim.SGD, atol=-1.0)
+    with pytest.raises(VerifyError, match="cannot verify zb-v on the plan"):
+        verify_plans(model, [torch.zeros(2, 2)], [Plan.straight([["0"], ["1"]], schedule="zb-v")], torch.optim.SGD)

@@ -402,3 +402,35 @@ def test_compute_slowdown_scales_compute_and_updates_not_transfers() -> None:
     assert slow.makespan_s == pytest.approx(k * base.makespan_s)
     with pytest.raises(SimulationError, match="compute_slowdown"):
         simulate(sched, equal(n, compute_slowdown=0.5))
+
+
+@pytest.mark.parametrize("field, value", [("batch_size", -5), ("batch_size", 0), ("batch_size", 10**20),
+                                          ("microbatches", 10**20), ("microbatches", 0)])
+def test_simulate_refuses_a_plan_with_an_absurd_count(field: str, value, tmp_path, capsys) -> None:
+    # issue 39: batch_size -5 printed -1,429 samples/s and 10**20 printed 2.7e22
+    import json
+
+    from torchpipedream.cli import main
+
+    plan = straight(2, batch_size=8)
+    for st in plan.stages:
+        st.forward_ms, st.backward_ms = F, B
+    data = plan.to_dict()
+    data[field] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    assert main(["simulate", str(path)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "plan.json" in err and field in err and "from 1 to 2**31" in err, err
+
+
+@pytest.mark.parametrize("value", [float("inf"), -1.0, float("nan")])
+def test_a_plan_refuses_a_stage_cost_that_is_not_finite(value) -> None:
+    from torchpipedream.plans.plan import PlanError
+
+    plan = straight(2, batch_size=8)
+    plan.stages[1].forward_ms = value
+    with pytest.raises(PlanError, match="stage 1: forward_ms must be a finite number >= 0"):
+        plan.validate()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..util.jsonio import excerpt
 from .graph import GraphError, Layer, LayerGraph
 
 __all__ = ["parse_graph_txt", "load_graph_txt"]
@@ -33,14 +34,14 @@ def _parse_value(text: str, where: str) -> float:
     parts = [text]
     if text.startswith("["):
         if not text.endswith("]"):
-            raise GraphError(f"{where}: unterminated list {text!r}")
+            raise GraphError(f"{where}: unterminated list {excerpt(text)}")
         parts = [p.strip() for p in text[1:-1].split(";") if p.strip()]
         if not parts:
             raise GraphError(f"{where}: empty list")
     total = 0.0
     for p in parts:
         if not _NUMBER.match(p):
-            raise GraphError(f"{where}: not a number: {p!r}")
+            raise GraphError(f"{where}: not a number: {excerpt(p)}")
         total += float(p)
     return total
 
@@ -61,14 +62,14 @@ def parse_graph_txt(text: str, source: str = "graph.txt") -> LayerGraph:
         if raw.startswith("\t") or raw.startswith(" "):
             ends = [p.strip() for p in raw.strip().split(" -- ")]
             if len(ends) != 2 or not all(ends):
-                raise GraphError(f"{where}: an edge line must read '<tab>nodeA -- nodeB', got {raw.strip()!r}")
+                raise GraphError(f"{where}: an edge line must read '<tab>nodeA -- nodeB', got {excerpt(raw.strip())}")
             edges.append((ends[0], ends[1]))
             edge_lines.setdefault((ends[0], ends[1]), lineno)
             continue
         parts = raw.split(" -- ")
         if len(parts) < 3:
             raise GraphError(
-                f"{where}: a node line must read 'nodeN -- description -- forward_compute_time=...', got {raw!r}"
+                f"{where}: a node line must read 'nodeN -- description -- forward_compute_time=...', got {excerpt(raw)}"
             )
         node_id = parts[0].strip()
         stage_id = None

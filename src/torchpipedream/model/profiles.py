@@ -54,6 +54,6 @@ def load_profile(spec: str | Path) -> LayerGraph:
                          f"{', '.join(reference_profile_names())})") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise GraphError(f"{path}: cannot be read: {exc}") from None
-    if text.lstrip().startswith("{"):
+    if text.lstrip().startswith(("{", "[")):  # JSON (a graph.txt starts with a node line)
         return LayerGraph.load(path)
     return parse_graph_txt(text, source=str(path))

@@ -28,6 +28,9 @@ __all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION",
 PLAN_FORMAT_VERSION = 1
 #: Fields that older plan files carry and this version derives or no longer keeps: read and dropped.
 _LEGACY_STAGE_FIELDS = frozenset({"output_tensors"})
+#: The largest batch size and microbatch count a plan may name: more samples than any run has
+#: (a file's 10**20 printed 2.7e22 samples/s; issue 39).
+MAX_COUNT = 2**31
 
 
 def looped_rank(stage: int, workers: int) -> int:
@@ -149,8 +152,16 @@ def _check_stage_values(s: int, stage: Stage) -> None:
         v = getattr(stage, attr)
         if v is None and attr.endswith("_grad_ms"):
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
-            raise PlanError(f"stage {s}: {attr} must be a number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise PlanError(f"stage {s}: {attr} must be a finite number >= 0, got {v!r}")
+
+
+def _check_count(name: str, value: Any, optional: bool = False) -> None:
+    """The plan's ``name`` (batch_size, microbatches) is a whole number from 1 to MAX_COUNT (or None if ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise PlanError(f"{name} must be a whole number from 1 to 2**31, got {value!r}")
 
 
 def _check_same_layers(layer_names: list[str], seen_layers: dict[str, int]) -> None:
@@ -275,8 +286,8 @@ class Plan:
             schedule_kind(self.schedule)
         except UnknownKindError as exc:
             raise PlanError(str(exc)) from None
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise PlanError(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        _check_count("batch_size", self.batch_size, optional=True)
+        _check_count("microbatches", self.microbatches)
         seen_layers: dict[str, int] = {}
         seen_ranks: set[int] = set()
         for s, stage in enumerate(self.stages):

@@ -46,6 +46,8 @@ from torch.utils import _pytree as pytree
 
 from ..plans.kinds import ScheduleKind, VersionRule, schedule_kind
 from ..plans.plan import Plan
+from ..schedule.build import build_schedule
+from ..schedule.orders import ScheduleBuildError
 from ..model.capture import as_call, model_loss, parameter_aliases
 from .launcher import launch
 from .pipeline import Pipeline
@@ -318,6 +320,27 @@ def _check_job(job: _Job) -> None:
                           "with dropout 0 for the check")
 
 
+def _check_arguments(plans: list[Plan], batches: list[Any], atol: float, rtol: float) -> None:
+    """Refuse, before any process starts, what verify cannot check: no plans or minibatches, plans
+    for different worker counts, a negative tolerance, a schedule its plan cannot run."""
+    if not plans:
+        raise VerifyError("no plan to verify")
+    if len({p.num_workers for p in plans}) != 1:
+        raise VerifyError(f"the plans use different numbers of workers {[p.num_workers for p in plans]}; verify them "
+                          "in separate calls")
+    if not batches:
+        raise VerifyError("verify needs at least one minibatch")
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if not value >= 0:  # also NaN
+            raise VerifyError(f"{name} must be a number >= 0, got {value}")
+    for plan in plans:
+        try:
+            build_schedule(plan, plan.schedule, minibatches=len(batches))
+        except ScheduleBuildError as exc:
+            raise VerifyError(f"cannot verify {plan.schedule} on the plan {plan.summary}: {exc}; verify it on a plan "
+                              f"made for it (torchpipedream verify --schedule {plan.schedule}, alone)") from None
+
+
 def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: Sequence[Plan],
                  optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None = None,
                  loss_reduction: str = "mean", atol: float = 1e-5, rtol: float = 1e-4,
@@ -327,13 +350,7 @@ def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: 
     :func:`verify`."""
     plans = list(plans)
     batches = list(batches)
-    if not plans:
-        raise VerifyError("no plan to verify")
-    if len({p.num_workers for p in plans}) != 1:
-        raise VerifyError(f"the plans use different numbers of workers {[p.num_workers for p in plans]}; verify them "
-                          "in separate calls")
-    if not batches:
-        raise VerifyError("verify needs at least one minibatch")
+    _check_arguments(plans, batches, atol, rtol)
     job = _Job(model, batches, plans, optimizer, loss_fn, loss_reduction, timeout_s, [len(batches)])
     rules = [schedule_kind(plan.schedule) for plan in plans]
     for plan, kind in zip(plans, rules):

@@ -6,7 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_json", "write_json"]
+__all__ = ["read_json", "write_json", "excerpt"]
+
+#: Characters of a file's text that an error message quotes at most.
+EXCERPT_CHARS = 60
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """``text`` quoted for an error message, cut to its first ``limit`` characters (a line of a
+    malformed file can be megabytes long): ``'[[[['… (200000 characters)``."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
 
 
 def read_json(path: str | Path, error: type[Exception]) -> Any:
@@ -22,6 +33,8 @@ def read_json(path: str | Path, error: type[Exception]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{path}: line {exc.lineno}, column {exc.colno}: invalid JSON: {exc.msg}") from None
+    except RecursionError:
+        raise error(f"{path}: invalid JSON: arrays or objects nested too deeply to read") from None
 
 
 def write_json(path: str | Path, data: Any) -> None:

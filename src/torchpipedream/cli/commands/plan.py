@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from ...model.profiles import load_profile
@@ -11,6 +10,7 @@ from ...plans.kinds import AUTO, KIND_NAMES, SCHEDULE_KINDS
 from ...plans.memory import DEFAULT_OPTIMIZER_STATE_FACTOR
 from ...plans.plan import PlanError
 from ...plans.topology import Topology, parse_bytes
+from ...util.output_files import check_output, writing
 from . import CommandError
 
 #: ``--schedule all``: every kind with true gradients planned and ranked by the simulator.
@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     # lazy: every command module loads at start-up; the planner loads when `plan` runs (--help and show start sooner)
     from ...search.auto import auto_candidates_table, choose_schedule, plan
 
+    if args.out:
+        check_output(args.out, "--out")
     graph = load_profile(args.graph)
     topo = Topology.from_any(args.topology)
     memory = parse_bytes(args.memory) if args.memory else None
@@ -90,13 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if args.schedule in (AUTO, ALL):
         print(auto_candidates_table(p))
     if args.out:
-        out = Path(args.out)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CommandError(f"--out {out}: cannot create directory {out.parent} ({exc.strerror})") from None
-        if out.is_dir():
-            raise CommandError(f"--out {out}: is a directory; give a file name")
-        p.save(out)
+        with writing(args.out, "--out") as out:
+            p.save(out)
         print(f"wrote {out}")
     return 0

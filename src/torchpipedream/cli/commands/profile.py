@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from pathlib import Path
 from typing import Any
 
+from ...util.output_files import check_output, writing
 from . import CommandError
 
 
@@ -67,16 +67,6 @@ def _user_sample(spec: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return sample, target, loss
 
 
-def _make_parent(path: Path, flag: str) -> None:
-    """Create ``path``'s directory (like ``mkdir -p``), or raise a CommandError saying why not."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CommandError(f"{flag} {path}: cannot create directory {path.parent} ({exc.strerror})") from None
-    if path.is_dir():
-        raise CommandError(f"{flag} {path}: is a directory; give a file name")
-
-
 def run(args: argparse.Namespace) -> int:
     # lazy: both import torch; the command line starts torch-free and `profile` loads it when it runs
     from ...models import MODELS, get_model, loss_fn, sample_input
@@ -90,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--microbatches must be between 1 and --batch-size ({args.batch_size}), got {args.microbatches}")
     if args.threads < 1:
         raise CommandError(f"--threads must be >= 1, got {args.threads}")
-    out = Path(args.out)
-    _make_parent(out, "--out")
+    out = check_output(args.out, "--out")
 
     model = get_model(args.model)
     if args.model in MODELS:
@@ -105,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         model, x, loss_fn=loss, target=target, device=args.device, warmup=args.warmup,
         iters=args.iters, name=args.model, num_threads=args.threads, microbatches=args.microbatches,
     )
-    graph.save(out)
+    with writing(out, "--out"):
+        graph.save(out)
     t = graph.totals()
     heaviest = sorted(graph.layers, key=lambda l: l.compute_ms, reverse=True)[:3]
     print(

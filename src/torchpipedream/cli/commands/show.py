@@ -10,7 +10,7 @@ from . import CommandError
 from ...model.graph import LayerGraph
 from ...model.profiles import load_profile
 from ...util.units import human_bytes
-from .profile import _make_parent
+from ...util.output_files import check_output, writing
 
 DEFAULT_LIMIT = 60
 
@@ -111,6 +111,11 @@ def plot_graph(graph: LayerGraph, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    plot = Path(args.plot) if args.plot else None
+    if plot is not None:
+        if plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise CommandError(f"--plot {plot}: use a .png, .svg or .pdf file name")
+        check_output(plot, "--plot")
     graph = load_profile(args.graph)
     meta = graph.meta
     facts = [f"{len(graph)} layers", f"{len(graph.edges)} edges"]
@@ -118,11 +123,8 @@ def run(args: argparse.Namespace) -> int:
     facts += [f"{k} {meta[k]}" for k in ("model", "split", "device") if meta.get(k)]
     print(f"{args.graph}: " + ", ".join(facts))
     print(format_table(graph, args.limit, args.sort))
-    if args.plot:
-        path = Path(args.plot)
-        if path.suffix.lower() not in (".png", ".svg", ".pdf"):
-            raise CommandError(f"--plot {path}: use a .png, .svg or .pdf file name")
-        _make_parent(path, "--plot")
-        plot_graph(graph, path)
-        print(f"wrote {path}")
+    if plot is not None:
+        with writing(plot, "--plot"):
+            plot_graph(graph, plot)
+        print(f"wrote {plot}")
     return 0

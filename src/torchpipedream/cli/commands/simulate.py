@@ -10,6 +10,7 @@ from typing import Any
 from ...plans.kinds import KIND_NAMES, schedule_kind
 from ...plans.plan import Plan
 from ...schedule.actions import Schedule
+from ...util.output_files import check_output, writing
 from . import CommandError
 
 
@@ -61,7 +62,7 @@ def _load_schedule(path: str) -> Any:
     """The Schedule in ``path`` if it is a schedule file, else None (it is then read as a plan)."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # Plan.load reports missing files and bad JSON
     if isinstance(data, dict) and data.get("format") == "torchpipedream.Schedule":
         return Schedule.from_dict(data, source=path)
@@ -92,8 +93,8 @@ def _check_options(args: argparse.Namespace, plan: Plan) -> None:
         )
     for flag in ("trace", "chrome", "timeline", "save_schedule"):
         value = getattr(args, flag)
-        if value and not Path(value).parent.exists():
-            raise CommandError(f"--{flag.replace('_', '-')} {value}: directory {Path(value).parent} does not exist")
+        if value:
+            check_output(value, f"--{flag.replace('_', '-')}")
     if args.timeline and Path(args.timeline).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise CommandError(f"--timeline {args.timeline}: use a .png, .svg or .pdf file name")
 
@@ -140,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{kind:<10} skipped: {exc}")
             continue
         if args.save_schedule:
-            sched.save(_named(args.save_schedule, kind, several))
+            with writing(_named(args.save_schedule, kind, several), "--save-schedule") as path:
+                sched.save(path)
         res = simulate(sched)
         rate = res.samples_per_s if plan.batch_size else res.minibatches_per_s
         steady = res.steady_samples_per_s if plan.batch_size else res.steady_minibatches_per_s
@@ -149,11 +151,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<10} {sched.microbatches:>3} {_fmt_rate(rate):>14} {_fmt_rate(steady):>21} "
               f"{res.bubble_fraction:>7.1%} {res.steady_bubble_fraction:>7.1%}  {mem}")
         if args.trace:
-            res.trace.save(_named(args.trace, kind, several))
+            with writing(_named(args.trace, kind, several), "--trace") as path:
+                res.trace.save(path)
         if args.chrome:
-            res.trace.to_chrome(_named(args.chrome, kind, several))
+            with writing(_named(args.chrome, kind, several), "--chrome") as path:
+                res.trace.to_chrome(path)
         panels.append((f"{name}: {_fmt_rate(rate)} {unit}, bubble {res.bubble_fraction:.0%}", res.trace))
     if args.timeline and panels:
-        draw_timelines(panels, args.timeline)
+        with writing(args.timeline, "--timeline"):
+            draw_timelines(panels, args.timeline)
         print(f"timeline: {args.timeline}")
     return 0

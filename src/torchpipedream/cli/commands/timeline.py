@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ...sim.trace import Trace
+from ...util.output_files import check_output, writing
 from . import CommandError
 
 
@@ -27,6 +28,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=run)
 
 
+def _panel(path: str, trace: Trace) -> tuple[str, Trace]:
+    """A stacked panel's title (the file's name, its schedule and source) and its trace."""
+    what = " · ".join(str(x) for x in (trace.meta.get("schedule"), trace.meta.get("source")) if x)
+    return f"{Path(path).name}" + (f" ({what})" if what else ""), trace
+
+
 def run(args: argparse.Namespace) -> int:
     # lazy: every command module loads at start-up; drawing (with the simulator it imports) loads when `timeline` runs
     from ...sim.draw import draw_timeline, draw_timelines
@@ -35,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("nothing to do: give --out PICTURE.png|svg and/or --chrome OUT.json")
     for flag in ("out", "chrome"):
         value = getattr(args, flag)
-        if value and not Path(value).parent.exists():
-            raise CommandError(f"--{flag} {value}: directory {Path(value).parent} does not exist")
+        if value:
+            check_output(value, f"--{flag}")
     traces = []
     for path in args.trace:
         trace = Trace.load(path)
@@ -47,16 +54,14 @@ def run(args: argparse.Namespace) -> int:
               f"{s['makespan_s'] * 1e3:.3f} ms, bubble {s['bubble_fraction']:.1%}")
         traces.append((path, trace))
     if args.out:
-        if len(traces) == 1:
-            draw_timeline(traces[0][1], args.out, title=args.title)
-        else:
-            panels = []
-            for path, tr in traces:
-                what = " · ".join(str(x) for x in (tr.meta.get("schedule"), tr.meta.get("source")) if x)
-                panels.append((f"{Path(path).name}" + (f" ({what})" if what else ""), tr))
-            draw_timelines(panels, args.out)
+        with writing(args.out, "--out"):
+            if len(traces) == 1:
+                draw_timeline(traces[0][1], args.out, title=args.title)
+            else:
+                draw_timelines([_panel(path, tr) for path, tr in traces], args.out)
         print(f"timeline: {args.out}")
     if args.chrome:
-        traces[0][1].to_chrome(args.chrome)
+        with writing(args.chrome, "--chrome"):
+            traces[0][1].to_chrome(args.chrome)
         print(f"chrome trace: {args.chrome} (open in https://ui.perfetto.dev)")
     return 0

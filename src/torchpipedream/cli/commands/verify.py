@@ -63,6 +63,9 @@ def _handle(args: argparse.Namespace) -> int:
                         ("--batch-size", args.batch_size), ("--microbatches", args.microbatches)):
         if value < 1:
             raise CommandError(f"{flag} must be at least 1, got {value}")
+    for flag, tolerance in (("--atol", args.atol), ("--rtol", args.rtol)):
+        if not tolerance >= 0:  # also NaN: a negative bound reported "MISMATCH, max |diff| 0"
+            raise CommandError(f"{flag} must be a number >= 0, got {tolerance}")
     cfg = TrainConfig(model=args.model, schedule=kinds[0], workers=args.workers, batch_size=args.batch_size,
                       microbatches=args.microbatches, optimizer=args.optimizer, lr=args.lr, seed=args.seed)
     model = functools.partial(seeded_model, args.model, args.seed)
