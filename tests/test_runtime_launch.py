@@ -5,13 +5,15 @@ that fail instead of hanging."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from torchpipedream.runtime import LaunchError, launch
+from torchpipedream.runtime import LaunchError, launch, liveness
 from torchpipedream.runtime.comm import P2P, CommTimeout
 
 
@@ -115,6 +117,56 @@ def test_launch_timeout_kills_workers():
     with pytest.raises(LaunchError, match="did not finish within 3 s"):
         launch(sleepy_worker, 2, timeout_s=3)
     assert time.monotonic() - start < 15
+
+
+def _sleep_then(seconds: float, rank: str | None, value: int) -> int:
+    """Unpickled in a worker: sleeps first on ``rank`` (every rank if None), as a slow import would."""
+    if rank is None or os.environ.get("RANK") == rank:
+        time.sleep(seconds)
+    return value
+
+
+class SlowToStart:
+    """An argument that makes the worker(s) of one rank slow to start: its unpickling sleeps,
+    as a worker importing torch and the user's modules on a loaded machine does."""
+
+    def __init__(self, seconds: float, rank: str | None = None) -> None:
+        self.seconds, self.rank = seconds, rank
+
+    def __reduce__(self):
+        return _sleep_then, (self.seconds, self.rank, 7)
+
+
+def slow_starter_worker(rank: int, value: int) -> tuple[int, int]:
+    dist.barrier()  # the process group works once everyone has started
+    liveness.mark()
+    return rank, value
+
+
+def test_a_slow_start_is_not_cut_short_by_the_communication_or_stall_deadlines():
+    # Rank 1 takes 8 s to start, more than twice the process group's timeout and the stall
+    # limit: its peer waits for it without a deadline of theirs (issue 39: `train --timeout 5`
+    # killed healthy workers that were still importing torch).
+    results = launch(slow_starter_worker, 2, SlowToStart(8.0, rank="1"), comm_timeout_s=3.0, stall_timeout_s=3.0,
+                     startup_timeout_s=120, timeout_s=120, return_all=True)
+    assert results == [(0, 7), (1, 7)]
+
+
+def test_a_worker_that_never_starts_is_caught_by_the_startup_deadline():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(slow_starter_worker, 2, SlowToStart(300.0, rank="1"), startup_timeout_s=3, timeout_s=120)
+    text = str(info.value)
+    # rank 1 never starts; rank 0 may also be named on a loaded machine (3 s to import torch)
+    assert re.search(r"worker rank\(s\) (0, )?1 did not start within 3 s \(the start-up deadline: "
+                     r"--startup-timeout", text), text
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True])
+def test_launch_refuses_a_startup_timeout_it_cannot_use(value):
+    with pytest.raises(ValueError, match="startup_timeout_s must be a positive number of seconds"):
+        launch(slow_starter_worker, 2, 1, startup_timeout_s=value)
 
 
 def _thp_mode() -> str:

@@ -62,6 +62,8 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint-every", "0"], "--checkpoint-every must be a positive number of minibatches"),
     (["--failure-timeout", "0"], "--failure-timeout must be a positive number of seconds"),
+    (["--startup-timeout", "0"], "--startup-timeout must be a positive number of seconds"),
+    (["--startup-timeout", "inf"], "--startup-timeout must be a positive number of seconds"),
 ])
 def test_bad_reliability_options_are_refused_before_any_worker_starts(argv, message, tmp_path: Path, capsys) -> None:
     from torchpipedream.cli import main

@@ -75,6 +75,24 @@ def test_train_runs_longer_than_its_stall_limit_and_finishes(tmp_path: Path, cap
     assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 3  # --keep-checkpoints 3
 
 
+def test_train_gives_start_up_its_own_deadline(tmp_path: Path, monkeypatch, capsys) -> None:
+    """--startup-timeout reaches the launcher, apart from --timeout (issue 39: `train --timeout 5`
+    killed workers still importing torch, because --timeout was also the start-up deadline)."""
+    import torchpipedream.train.job as job
+
+    seen = {}
+
+    def fake_launch(fn, nprocs, *args, **kwargs):
+        seen.update(kwargs)
+        raise LaunchError("stopped by the test")
+
+    monkeypatch.setattr(job, "launch", fake_launch)
+    rc = main(["train", *QUICK, "--epochs", "1", "--max-minibatches", "1", "--timeout", "2",
+               "--startup-timeout", "42", "--out", str(tmp_path / "run")])
+    assert rc == 1 and "stopped by the test" in capsys.readouterr().err
+    assert seen["startup_timeout_s"] == 42 and seen["comm_timeout_s"] == 2
+
+
 # ------------------------------------------------------------------------------- deadlines
 @pytest.mark.timeout(180)
 def test_a_worker_stopped_during_a_checkpoint_save_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
@@ -147,6 +165,96 @@ def test_overwrite_replaces_the_earlier_run(two_runs, tmp_path: Path, capsys) ->
     assert main(["train", *common, "--epochs", "1", "--lr", "0.05", "--overwrite", "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["config"]["lr"] == 0.05 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_reads_the_plan_of_the_earlier_run_before_deleting_it(two_runs, tmp_path: Path, capsys) -> None:
+    # Issue 39: `train --plan runs/train/plan.json --overwrite` (the README's way to reproduce a
+    # run, with the default --out) deleted the earlier run and then failed "--plan: ... no such file".
+    root, common = two_runs
+    out = tmp_path / "b"
+    shutil.copytree(root / "b", out)
+    own = [a for a in common if a not in ("--plan", str(root / "plan.json"))]
+    plan_before = Plan.load(out / "plan.json")
+    assert main(["train", *own, "--epochs", "1", "--lr", "0.05", "--plan", str(out / "plan.json"), "--overwrite",
+                 "--out", str(out)]) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["lr"] == 0.05 and report["config"]["plan_file"] == str(out / "plan.json")
+    assert Plan.load(out / "plan.json").same_layout(plan_before)
+
+
+def test_overwrite_reads_init_from_the_earlier_run_before_deleting_anything(two_runs, tmp_path: Path,
+                                                                            capsys) -> None:
+    # Issue 39: `train --init runs/train/checkpoint.pt --overwrite` deleted the earlier run and
+    # then failed. That file is not a state dict (`export` writes one): refused, nothing deleted.
+    root, common = two_runs
+    out = tmp_path / "b"
+    shutil.copytree(root / "b", out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    assert main(["train", *common, "--epochs", "1", "--init", str(out / "checkpoint.pt"), "--overwrite",
+                 "--out", str(out)]) == 2
+    assert f"--init {out / 'checkpoint.pt'}" in capsys.readouterr().err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    # a state dict among the earlier run's outputs is read, then the run replaces them
+    torch.save(torch.load(out / "checkpoint.pt", weights_only=False)["state_dict"], out / "checkpoint.pt")
+    assert main(["train", *common, "--epochs", "1", "--init", str(out / "checkpoint.pt"), "--overwrite",
+                 "--out", str(out)]) == 0, capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["config"]["init"] == str(out / "checkpoint.pt")
+
+
+def test_overwrite_refuses_an_input_inside_the_checkpoints_it_deletes(two_runs, tmp_path: Path, capsys) -> None:
+    root, common = two_runs
+    out = tmp_path / "b"
+    shutil.copytree(root / "b", out)
+    inside = out / "checkpoints" / "weights.pt"
+    shutil.copy(out / "checkpoint.pt", inside)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    assert main(["train", *common, "--epochs", "1", "--init", str(inside), "--overwrite", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--init {inside} is inside {out / 'checkpoints'}, which --overwrite deletes" in err, err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing deleted
+
+
+def test_a_run_locks_its_out_and_a_second_run_is_refused_naming_the_first(tmp_path: Path, capsys) -> None:
+    # Issue 39: two `train` runs on one --out both exited 0, the second overwriting the first.
+    from torchpipedream.train.out_dir import LOCK_FILE, lock_out_dir
+
+    out = tmp_path / "run"
+    argv = ["train", *QUICK, "--epochs", "1", "--max-minibatches", "1", "--out", str(out)]
+    held = lock_out_dir(out)  # a run in progress (this process stands for it)
+    try:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is in use by another run (process {os.getpid()})" in err, err
+        assert err.count("\n") == 1 and not (out / "report.json").exists()
+    finally:
+        held.release()
+    assert not out.exists()  # the lock alone made the directory: removed with it
+    assert main(argv) == 0, capsys.readouterr().err  # released: the next run goes ahead
+    assert (out / "report.json").exists() and (out / LOCK_FILE).exists()
+
+
+LOCK_HOLDER = """
+import sys, time
+from torchpipedream.train.out_dir import lock_out_dir
+lock = lock_out_dir(sys.argv[1])
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_lock_on_out_is_released_when_its_process_dies(tmp_path: Path, capsys) -> None:
+    from torchpipedream.train.out_dir import lock_out_dir
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(Exception, match=rf"in use by another run \(process {holder.pid}\)"):
+            lock_out_dir(out)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    lock_out_dir(out).release()  # SIGKILL released it: no stale lock to clear by hand
 
 
 def test_resume_takes_the_newest_checkpoint_of_the_same_options_and_says_which(two_runs, tmp_path: Path,
@@ -223,6 +331,8 @@ def test_resume_refuses_an_option_outside_the_plan_and_names_it(two_runs, tmp_pa
     (["--precision", "fp16", "--schedule", "auto", "--allow-stale"], "not --schedule auto --allow-stale"),
     (["--memory", "lots"], "--memory 'lots'"),
     (["--memory", "0MB"], "--memory '0MB': memory size must be > 0"),
+    (["--seed", str(2**70)], f"--seed must be an integer between -2**53 and 2**53 (exclusive), got {2**70}"),
+    (["--seed", str(-2**53)], "--seed must be an integer between -2**53 and 2**53"),
 ])
 def test_bad_numbers_are_refused_before_anything_starts(argv, message, tmp_path: Path, capsys, monkeypatch) -> None:
     import torchpipedream.model.profiler as profiler

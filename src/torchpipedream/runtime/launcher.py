@@ -16,6 +16,12 @@ every action and collective step; with ``stall_timeout_s`` the launcher stops th
 worker has made progress for that long, and never otherwise (``timeout_s``, a limit on the
 whole run, is off unless given).
 
+**Start-up has its own deadline.** A worker has started when its process is up and has
+loaded ``fn`` and ``args`` (importing torch and the user's modules: tens of seconds on a loaded
+machine). ``startup_timeout_s`` (default 300 s) bounds that, and nothing else does: the workers
+meet in the launcher's store before they form the process group, so a peer that is still
+importing is not mistaken for an unresponsive one by ``comm_timeout_s`` or ``stall_timeout_s``.
+
 Results come back pickled through files in a private temporary directory that only this
 launch's own workers write, so tensors and plain objects both work. A worker's exception is re-raised in the parent as
 :class:`LaunchError` naming its rank, with its traceback. When a worker fails, the others get
@@ -98,46 +104,57 @@ def _loopback_store(world: int, timeout_s: float) -> Any:
     return store, port
 
 
-def init_from_env(backend: str, timeout_s: float) -> None:
+def init_from_env(backend: str, timeout_s: float, startup_timeout_s: float = 300.0) -> None:
     """``dist.init_process_group`` from the environment (torchrun's or :func:`launch`'s).
 
     Under torchrun the workers share the agent's key-value store (TORCHELASTIC_USE_AGENT_STORE),
     which outlives a restart: measured with torch 2.13 and ``--max-restarts``, restarted
     workers sometimes read the previous attempt's gloo addresses from it and fail with
     "connectFullMesh failed ... Connection refused". So each attempt gets its own key prefix
-    (TORCHELASTIC_RESTART_COUNT). Otherwise this is the plain ``env://`` initialisation.
+    (TORCHELASTIC_RESTART_COUNT), and the workers first meet there with ``startup_timeout_s``
+    (a peer still importing torch on a loaded machine is not a hung one), then form the group
+    with ``timeout_s``. Otherwise this is the plain ``env://`` initialisation.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                              timeout=timeout)
+                              timeout=datetime.timedelta(seconds=startup_timeout_s))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         prefixed = dist.PrefixStore(f"torchpipedream/attempt_{attempt}/", store)
+        _meet(prefixed, rank, world)
+        prefixed.set_timeout(timeout)
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
 
 
-def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, timeout_s: float, outdir: str,
-            threads: int, huge_pages: bool, keep_freed: bool, marks: Any) -> None:
+def _meet(store: Any, rank: int, world: int) -> None:
+    """Note in ``store`` that this worker has started, and wait (the store's timeout) until
+    every worker has."""
+    store.set(f"started/{rank}", "1")
+    store.wait([f"started/{r}" for r in range(world)])
+
+
+def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, timeouts: tuple[float, float],
+            outdir: str, threads: int, huge_pages: bool, keep_freed: bool, marks: Any) -> None:
+    """One launched process: tuned, started (``fn`` and ``args`` loaded), met with its peers,
+    in the process group; then ``fn(rank, *args)``. ``timeouts``: (comm_timeout_s, startup_timeout_s)."""
     tune_own_process(huge_pages=huge_pages, keep_freed=keep_freed)  # before the first tensor
     # Pipeline(measure_memory=True) runs PyTorch's profiler, whose Kineto library otherwise prints
     # two lines to stderr per run; this process is ours (a user's own setting is kept).
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    liveness.attach(marks, rank)
-    fn, args = pickle.loads(payload)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
     loopback = loopback_interface()
     if loopback is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo listens on loopback only
+    fn, args = pickle.loads(payload)  # imports the user's modules: part of starting
+    liveness.attach(marks, rank)  # started
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=timeout)
+    _join_group(rank, nprocs, port, backend, *timeouts)
     try:
         try:
             result = fn(rank, *args)
@@ -163,6 +180,20 @@ def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, tim
             pass
 
 
+def _join_group(rank: int, nprocs: int, port: int, backend: str, comm_timeout_s: float,
+                startup_timeout_s: float) -> None:
+    """Wait (up to the start-up deadline) until every worker has started, then form the process
+    group with ``comm_timeout_s``: a peer still importing torch is not an unresponsive one. The
+    launcher stops the run first when a worker does not start in time (and names it)."""
+    store = dist.TCPStore("127.0.0.1", port, nprocs, is_master=False,
+                          timeout=datetime.timedelta(seconds=startup_timeout_s + 10.0))
+    _meet(store, rank, nprocs)
+    timeout = datetime.timedelta(seconds=comm_timeout_s)
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=timeout)
+    liveness.mark()
+
+
 def _phase(outdir: str, rank: int, what: str) -> None:
     """Note how far a worker got on its way out, for the message if it dies there (an abort in
     gloo's teardown is seen rarely and not yet explained: this says where it happened)."""
@@ -170,10 +201,10 @@ def _phase(outdir: str, rank: int, what: str) -> None:
 
 
 def _wait_for_workers(processes: list[Any], deadline: float | None, grace_s: float, marks: Any,
-                      stall_s: float | None, start_s: float) -> tuple[dict[int, int], str | None]:
+                      stall_s: float | None, startup_s: float) -> tuple[dict[int, int], str | None]:
     """Wait until every worker exited, until ``grace_s`` after the first failure, or until the
     run is stuck: past ``deadline`` (a wall-clock limit), a worker not started (its first
-    progress mark) within ``start_s``, or, once all started, no worker marking progress for
+    progress mark) within ``startup_s``, or, once all started, no worker marking progress for
     ``stall_s``. Returns ({rank: exit code} of the failed workers, why it stopped early)."""
     first_failure = None
     began = time.monotonic()
@@ -190,7 +221,7 @@ def _wait_for_workers(processes: list[Any], deadline: float | None, grace_s: flo
             return failed, "deadline"
         running = [r for r, c in enumerate(codes) if c is None]
         if first_failure is None and any(marks[r] == 0.0 for r in running):
-            if time.monotonic() - began > start_s:
+            if time.monotonic() - began > startup_s:
                 return failed, "start"
         elif stall_s is not None and first_failure is None and running:
             if min(liveness.last_marks(marks)[r] for r in running) > stall_s:
@@ -238,6 +269,7 @@ def launch(
     timeout_s: float | None = None,
     stall_timeout_s: float | None = None,
     comm_timeout_s: float = 300.0,
+    startup_timeout_s: float = 300.0,
     return_all: bool = False,
     threads: int = 1,
     failure_grace_s: float = 3.0,
@@ -255,8 +287,12 @@ def launch(
         stall_timeout_s: stop the run when no worker has marked progress (``liveness.py``:
             the runtime marks every action and collective step) for this long (default:
             never). A run that keeps working is never cut short.
-        comm_timeout_s: the process group's timeout: the deadline of gloo's own waits, and of
-            connecting to the launcher's store.
+        comm_timeout_s: the process group's timeout: the deadline of gloo's own waits once
+            every worker has started.
+        startup_timeout_s: how long a worker may take to start (its process up, torch and
+            ``fn``'s modules imported, ``fn`` and ``args`` loaded); the workers are killed
+            after it, naming the ranks that had not started. Independent of the other
+            deadlines: a slow start on a loaded machine is not a hang.
         return_all: return every rank's result as a list.
         threads: intra-op threads per worker.
         failure_grace_s: after a worker fails, how long the others may take to stop on their
@@ -269,9 +305,11 @@ def launch(
 
     Raises:
         LaunchError: a worker raised (the message names its rank and has its traceback), the
-            run exceeded ``timeout_s``, or it stalled for ``stall_timeout_s``.
+            run exceeded ``timeout_s``, it stalled for ``stall_timeout_s``, or a worker did not
+            start within ``startup_timeout_s``.
     """
-    _check_launch_arguments(nprocs, timeout_s, stall_timeout_s, comm_timeout_s)
+    _check_launch_arguments(nprocs, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s,
+                            comm_timeout_s=comm_timeout_s, startup_timeout_s=startup_timeout_s)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
     payload = _pickled(fn, args)
@@ -281,11 +319,11 @@ def launch(
         with tempfile.TemporaryDirectory(prefix="tpd_launch_") as outdir:
             ctx = mp.start_processes(
                 _worker,
-                args=(payload, nprocs, port, backend, comm_timeout_s, outdir, threads,
+                args=(payload, nprocs, port, backend, (comm_timeout_s, startup_timeout_s), outdir, threads,
                       huge_pages, keep_freed_memory, marks),
                 nprocs=nprocs, join=False, start_method="spawn",
             )
-            _watch_workers(ctx.processes, marks, Path(outdir), timeout_s, stall_timeout_s, comm_timeout_s,
+            _watch_workers(ctx.processes, marks, Path(outdir), timeout_s, stall_timeout_s, startup_timeout_s,
                            failure_grace_s)
             results = _read_results(Path(outdir), nprocs)
     finally:
@@ -293,14 +331,13 @@ def launch(
     return results if return_all else results[0]
 
 
-def _check_launch_arguments(nprocs: Any, timeout_s: float | None, stall_timeout_s: float | None,
-                            comm_timeout_s: float) -> None:
+def _check_launch_arguments(nprocs: Any, **timeouts: float | None) -> None:
     """ValueError for a number of processes or a timeout that :func:`launch` cannot use."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
-    for name, value in (("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s),
-                        ("comm_timeout_s", comm_timeout_s)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
+    for name, value in timeouts.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not (value > 0 and math.isfinite(value))):
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
@@ -314,18 +351,19 @@ def _pickled(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
 
 
 def _watch_workers(processes: list[Any], marks: Any, outdir: Path, timeout_s: float | None,
-                   stall_timeout_s: float | None, comm_timeout_s: float, failure_grace_s: float) -> None:
+                   stall_timeout_s: float | None, startup_timeout_s: float, failure_grace_s: float) -> None:
     """Wait for the workers to finish; LaunchError when one failed, one did not start, the run
     passed its deadline or stalled. Workers still alive afterwards are killed either way."""
     nprocs = len(processes)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         failed, early = _wait_for_workers(processes, deadline, failure_grace_s, marks, stall_timeout_s,
-                                          comm_timeout_s)
+                                          startup_timeout_s)
         if early == "start":
             late = [r for r in range(nprocs) if marks[r] == 0.0]
             raise LaunchError(f"worker rank(s) {', '.join(map(str, late))} did not start within "
-                              f"{comm_timeout_s:g} s; all {nprocs} workers were killed")
+                              f"{startup_timeout_s:g} s (the start-up deadline: --startup-timeout of `train`, "
+                              f"startup_timeout_s of launch()); all {nprocs} workers were killed")
         if early == "deadline":
             raise LaunchError(f"the run did not finish within {timeout_s:g} s; all {nprocs} workers were killed")
         if early == "stall":

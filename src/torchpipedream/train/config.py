@@ -35,6 +35,7 @@ WORKER_MEMORY_BYTES = 400 * 2**20
 
 #: The command-line option of each TrainConfig field whose name differs from the option's.
 _FLAGS = {"plan_file": "--plan", "timeout_s": "--timeout", "failure_timeout_s": "--failure-timeout",
+          "startup_timeout_s": "--startup-timeout",
           "progress": "--no-progress"}
 
 
@@ -77,6 +78,7 @@ class TrainConfig:
     out: str = "runs/train"
     seed: int = 0
     timeout_s: float = 120.0
+    startup_timeout_s: float = 300.0  # how long a worker may take to start (import torch, the model's modules)
     vertical_sync: bool = False
     progress: bool = True
     max_minibatches: int | None = None  # per epoch, for quick runs and tests
@@ -122,6 +124,17 @@ def _positive_seconds(cfg: TrainConfig, name: str) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise TrainError(f"{flag(name)} must be a positive number of seconds, got {value!r}")
+
+
+#: Seeds of magnitude below this: torch's seeds are 64-bit, and an epoch's minibatch order is
+#: seeded by ``seed * 1000 + epoch``.
+SEED_LIMIT = 2**53
+
+
+def _check_seed(seed: object) -> None:
+    """TrainError for a ``--seed`` that torch cannot take."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or abs(seed) >= SEED_LIMIT:
+        raise TrainError(f"--seed must be an integer between -2**53 and 2**53 (exclusive), got {seed!r}")
 
 
 def available_memory_bytes() -> int | None:
@@ -181,6 +194,8 @@ def check_options(cfg: TrainConfig) -> None:
     _positive_int(cfg, "workers", minimum=0)
     _positive_seconds(cfg, "timeout_s")
     _positive_seconds(cfg, "failure_timeout_s")
+    _positive_seconds(cfg, "startup_timeout_s")
+    _check_seed(cfg.seed)
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
         raise TrainError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.memory is not None:

@@ -1,10 +1,12 @@
 """A whole training run, on this computer's cores (``launch``) or as one process of torchrun.
 
-Before any worker starts, the options and ``--out`` are checked (``config.check_options``,
-``out_dir.prepare_out_dir``); a run whose newest compatible checkpoint already ends it only
-writes its outputs again. Locally, the launcher stops the run only when no worker has made
-progress for ``--timeout`` plus the failure path's deadlines: a healthy run is never cut
-short, however long it takes.
+Before any worker starts, the options are checked (``config.check_options``), ``--out`` is
+locked for the run's lifetime and checked (``out_dir``), the inputs are read, and only then is
+an earlier run that ``--overwrite`` replaces deleted; a run whose newest compatible checkpoint
+already ends it only writes its outputs again. Locally, the launcher stops the run only when no worker has made
+progress for ``--timeout`` plus the failure path's deadlines, or when a worker has not started
+(imported torch and the model's modules) within ``--startup-timeout``: a healthy run is never
+cut short, however long it takes or however slowly a loaded machine starts it.
 
 Under torchrun, rank 0 prepares and sends the plan to the others as JSON through the store
 (``runtime/agreement.py``). A mistake of the user's (an option, a file) is reported once, by
@@ -29,7 +31,7 @@ from ..runtime.failures import new_store_prefix
 from ..runtime.launcher import init_from_env
 from ..search.auto import threads_per_worker
 from .config import TrainConfig, TrainError, check_options
-from .out_dir import prepare_out_dir
+from .out_dir import OutDirLock, check_out_dir, clear_out_dir, lock_out_dir
 from .outputs import outputs_from_checkpoint, write_outputs
 from .preparation import Prepared, prepare
 from .resume import resume_after_restart
@@ -38,6 +40,9 @@ from .worker import train_rank
 __all__ = ["run", "stall_timeout_s"]
 
 log = logging.getLogger(__name__)
+
+#: Rank 0's lock on --out under torchrun: held until its process ends (a restart is a new process).
+_held_lock: OutDirLock | None = None
 
 
 def stall_timeout_s(cfg: TrainConfig) -> float:
@@ -56,16 +61,27 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_under_torchrun(cfg)
     check_options(cfg)
-    prepare_out_dir(cfg)
-    prep = prepare(cfg, measure_host=True)
-    if prep.complete:
-        return _rewrite_outputs(prep)
-    if prep.resume_from is not None:
-        log.warning("resuming from %s", prep.resume_from)
-    log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
-    result = launch(train_rank, prep.plan.num_workers, prep, stall_timeout_s=stall_timeout_s(cfg),
-                    comm_timeout_s=cfg.timeout_s, threads=threads_per_worker(prep.plan))
-    return write_outputs(prep, result, Path(cfg.out))
+    with lock_out_dir(cfg.out):  # one run at a time in --out, for the whole run
+        prep = _prepare_in_out_dir(cfg, measure_host=True)
+        if prep.complete:
+            return _rewrite_outputs(prep)
+        if prep.resume_from is not None:
+            log.warning("resuming from %s", prep.resume_from)
+        log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
+        result = launch(train_rank, prep.plan.num_workers, prep, stall_timeout_s=stall_timeout_s(cfg),
+                        comm_timeout_s=cfg.timeout_s, startup_timeout_s=cfg.startup_timeout_s,
+                        threads=threads_per_worker(prep.plan))
+        return write_outputs(prep, result, Path(cfg.out))
+
+
+def _prepare_in_out_dir(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
+    """Check ``--out`` (locked by the caller), prepare the run, reading its inputs (``--plan``,
+    ``--init``), and only then clear the earlier run that ``--overwrite`` replaces: a refused
+    or failed preparation deletes nothing, and an input inside ``--out`` is read first."""
+    check_out_dir(cfg)
+    prep = prepare(cfg, measure_host=measure_host)
+    clear_out_dir(cfg)
+    return prep
 
 
 def _rewrite_outputs(prep: Prepared) -> dict[str, Any]:
@@ -122,6 +138,21 @@ def reported_by_this_job(marker: Path, agent_started: float | None) -> bool:
     return agent_started is None or written >= agent_started - 1.0
 
 
+def _lock_until_exit(out: str) -> None:
+    """Rank 0 under torchrun: lock ``--out`` until this process ends (the run's lifetime)."""
+    global _held_lock
+    _release_lock()
+    _held_lock = lock_out_dir(out)
+
+
+def _release_lock() -> None:
+    """Release rank 0's lock on ``--out`` (a run refused before it started)."""
+    global _held_lock
+    if _held_lock is not None:
+        _held_lock.release()
+        _held_lock = None
+
+
 def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
     """What rank 0 sends the others: the prepared run, or the error that stops it."""
     marker = _marker()
@@ -132,9 +163,10 @@ def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
     try:
         resume_after_restart(cfg)
         check_options(cfg)
-        prepare_out_dir(cfg)
-        return {"prepared": prepare(cfg).to_dict()}
+        _lock_until_exit(cfg.out)
+        return {"prepared": _prepare_in_out_dir(cfg).to_dict()}
     except (ValueError, FileNotFoundError) as exc:  # TrainError, PlanError, ...: the user's to fix
+        _release_lock()
         if marker is not None:
             try:
                 marker.write_text(str(exc))
@@ -148,7 +180,7 @@ def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
 
 def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
     if not dist.is_initialized():
-        init_from_env("nccl" if torch.cuda.is_available() else "gloo", cfg.timeout_s)
+        init_from_env("nccl" if torch.cuda.is_available() else "gloo", cfg.timeout_s, cfg.startup_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.workers = world
     store, prefix = new_store_prefix()

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 PLAN_OPTIONS = frozenset({"workers", "schedule", "microbatches", "stages", "straight", "topology", "vertical_sync",
                           "plan_file", "recompute", "memory"})
 #: Options that may change between a run and its resumption (everything else must match).
-RESUMABLE_CHANGES = frozenset({"epochs", "progress", "timeout_s", "resume", "out", "failure_timeout_s",
-                               "keep_checkpoints", "overwrite", "init", "measure_memory"}) | PLAN_OPTIONS  # a checkpoint wins over --init
+RESUMABLE_CHANGES = frozenset({"epochs", "progress", "timeout_s", "startup_timeout_s", "resume", "out",
+                               "failure_timeout_s", "keep_checkpoints", "overwrite", "init", "measure_memory"}) | PLAN_OPTIONS  # a checkpoint wins over --init
 
 
 def plan_side_text(change: dict[str, Any], side: str) -> str:
@@ -101,7 +101,8 @@ def resume_point(cfg: TrainConfig) -> ResumePoint:
         raise TrainError(f"--resume: no checkpoint in {root} fits this run; "
                          + "; ".join(rejected[:3]) + ("; ..." if len(rejected) > 3 else "")
                          + ". Resume with the options of the run that wrote them (the plan's options, --epochs, "
-                         "--timeout, --failure-timeout, --keep-checkpoints and --no-progress may change)")
+                         "--timeout, --startup-timeout, --failure-timeout, --keep-checkpoints and --no-progress "
+                         "may change)")
     raise TrainError(
         f"--resume: no complete checkpoint in {root} (incomplete or corrupted ones are skipped); "
         "run without --resume to start from scratch"

@@ -87,6 +87,11 @@ def _add_run_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
                    help="the deadline of every wait for a peer and of every collective step; a run stops when "
                         "no worker makes progress for this long (plus the failure path's), never while it "
                         "works; must exceed the longest single step (default: %(default)s)")
+    p.add_argument("--startup-timeout", dest="startup_timeout_s", type=float, default=d.startup_timeout_s,
+                   metavar="SECONDS",
+                   help="how long a worker process may take to start (import torch and the model's modules, "
+                        "load its arguments) before the run is stopped naming it; separate from --timeout, "
+                        "so that a loaded machine's slow start is not taken for a hang (default: %(default)s)")
     p.add_argument("--max-minibatches", type=int, default=None, metavar="N",
                    help="train at most N minibatches per epoch (quick runs; N >= 1)")
     p.add_argument("--resume", action="store_true",
