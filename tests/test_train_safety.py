@@ -563,3 +563,28 @@ def test_checkpoints_written_before_an_option_existed_resume_with_its_default(tw
                      "--keep-checkpoints", "0", "--resume", "--out", str(out)]) == 0
     assert "skipping checkpoint" not in caplog.text and "another plan" not in caplog.text
     assert f"resuming from {out / 'checkpoints' / 'epoch_2'}" in caplog.text
+
+
+def test_memory_is_checked_against_a_given_plan(two_runs, tmp_path: Path, capsys) -> None:
+    # Issue 39: `--memory` was ignored with `--plan` (a 5 MB budget accepted for a plan predicted
+    # at 10.8 MB). Now every stage's prediction is held against it, and a plan without one refused.
+    import torchpipedream as tpd
+    from torchpipedream.train import TrainConfig
+    from torchpipedream.train.inputs import build_model, load_data, loss_for
+    from torchpipedream.train.preparation import _check_fits_memory
+
+    root, common = two_runs
+    cfg = TrainConfig(model="mlp")
+    x, y, _, _ = load_data(cfg)
+    graph = tpd.profile(build_model(cfg), x[:32], loss_fn=loss_for(cfg), target=y[:32])
+    planned = tpd.plan(graph, tpd.Topology.local(2), straight=True, schedule="pipedream")
+    planned.save(tmp_path / "planned.json")
+    need = max(planned.stage_memory_bytes(s) for s in range(len(planned.stages)))
+    args = [a if a != str(root / "plan.json") else str(tmp_path / "planned.json") for a in common]
+    assert main(["train", *args, "--epochs", "1", "--memory", "1kB", "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "--memory 1kB" in err and "is predicted to need" in err and "Traceback" not in err
+    assert not (tmp_path / "m" / "report.json").exists()
+    _check_fits_memory(TrainConfig(model="mlp", memory=f"{int(need * 4)}B"), planned, "--plan planned.json")
+    assert main(["train", *common, "--epochs", "1", "--memory", "10GB", "--out", str(tmp_path / "n")]) == 2
+    assert "has no memory prediction" in capsys.readouterr().err  # Plan.straight has no activation terms

@@ -107,7 +107,9 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
                              "per worker); train them through the Pipeline API")
         if cfg.schedule != AUTO:  # auto: the file's schedule and microbatches
             plan.schedule = cfg.schedule
-        return plan.with_recompute(True) if cfg.recompute else plan
+        plan = plan.with_recompute(True) if cfg.recompute else plan
+        _check_fits_memory(cfg, plan, f"--plan {cfg.plan_file}")
+        return plan
     try:
         return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
                          num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
@@ -117,6 +119,23 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
         if cfg.memory is None:
             raise
         raise TrainError(f"--memory {cfg.memory}: {exc}") from None
+
+
+def _check_fits_memory(cfg: TrainConfig, plan: Plan, source: str) -> None:
+    """TrainError when ``--memory`` is given and a stage of a plan the planner did not make for it
+    (``source``) is predicted to need more, or has no prediction to check."""
+    if cfg.memory is None:
+        return
+    budget = parse_bytes(cfg.memory)
+    kind, microbatches = schedule_of(cfg, plan)
+    for s in range(len(plan.stages)):
+        need = plan.stage_memory_bytes(s, kind, microbatches)
+        if need is None:
+            raise TrainError(f"--memory {cfg.memory}: {source} has no memory prediction for stage {s} (a plan "
+                             "without the memory model's activation terms): re-plan it, or leave out --memory")
+        if need > budget:
+            raise TrainError(f"--memory {cfg.memory}: {source}: stage {s} is predicted to need "
+                             f"{human_bytes(need)} per worker, more than the budget")
 
 
 def _scratch(cfg: TrainConfig) -> tuple[float, float]:
