@@ -251,3 +251,12 @@ def test_non_json_extra_and_mid_schedule_save_are_refused(tmp_path):
         w.boundary_state()
     with pytest.raises(CheckpointError, match="mid-schedule"):
         pipe.save_checkpoint(tmp_path / "mid")
+
+
+def test_a_manifest_nested_too_deeply_is_a_checkpoint_error(tmp_path: Path) -> None:
+    # Issue 39: a JSON file nested 100,000 deep was a RecursionError traceback.
+    from torchpipedream.runtime.checkpoint import MANIFEST, read_manifest
+
+    (tmp_path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        read_manifest(tmp_path)

@@ -245,6 +245,8 @@ def read_manifest(directory: str | Path) -> Manifest:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint manifest {path} cannot be read: {exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"checkpoint manifest {path} cannot be read: nested too deeply") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a torchpipedream checkpoint manifest")
     if data.get("format_version") != FORMAT_VERSION:
@@ -305,7 +307,7 @@ def read_extra(directory: str | Path, manifest: Manifest | None = None) -> dict[
         raise CheckpointError(f"checkpoint {directory}: the manifest lists no {EXTRA}")
     try:
         extra = json.loads(_read_verified(directory, entry).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"checkpoint file {directory / EXTRA} is not JSON: {exc}") from None
     if not isinstance(extra, dict) or extra.get("save_id") != manifest.save_id:
         raise CheckpointError(f"checkpoint file {directory / EXTRA} belongs to another save")
