@@ -22,7 +22,7 @@ from torchpipedream.schedule.placement import tied_support_problem
 from torchpipedream.search.planner import plan as make_plan
 from torchpipedream.plans.plan import Plan, PlanError, Stage, TiedParameter
 from torchpipedream.runtime import Pipeline, launch
-from torchpipedream.runtime.engine import Engine
+from torchpipedream.runtime.engine import Engine, EngineConfig
 from torchpipedream.runtime.loss_scaling import LossScaling
 from torchpipedream.runtime.pipeline import PipelineError
 from torchpipedream.runtime.weights import WeightVersions
@@ -397,8 +397,8 @@ def test_replicas_average_batchnorm_statistics():
 
 def _engine(module: nn.Module, seed: int) -> Engine:
     weights = WeightVersions(module, lambda p: torch.optim.SGD(p, lr=0.1))
-    engine = Engine(0, 0, 0, module, True, True, weights, loss_fn=lambda out: out.sum())
-    engine.draws_random, engine.rng_seed = True, seed
+    engine = Engine(0, 0, 0, module, True, True, weights, loss_fn=lambda out: out.sum(),
+                    config=EngineConfig(draws_random=True, rng_seed=seed))
     return engine
 
 

@@ -183,23 +183,25 @@ class Engine:
         self.weights = weights
         self.loss_fn = loss_fn
         self.ar_group = ar_group
-        self.timeout_s = config.timeout_s
-        self.loss_reduction = config.loss_reduction
         self.device = torch.device(config.device)
         self.tied = dict(tied or {})
         self.buffers = buffers
         names = set(weights.names).union(*(set(c.weights.names) for c in self.tied.values()))
         self._slots = _parameter_slots(module, names)
         self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
-        # The settings the actions read, copied from the config (plain attributes, as before it).
-        self.draws_random = config.draws_random
-        self.recompute = config.recompute
-        self.compute_dtype = config.compute_dtype
         self.scaler = scaler
-        self.rng_seed = config.rng_seed
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
+    # The settings the actions read: views of the config, which is fixed at construction.
+    timeout_s = property(lambda self: self.config.timeout_s)
+    loss_reduction = property(lambda self: self.config.loss_reduction)
+    draws_random = property(lambda self: self.config.draws_random)
+    recompute = property(lambda self: self.config.recompute)
+    compute_dtype = property(lambda self: self.config.compute_dtype)
+    rng_seed = property(lambda self: self.config.rng_seed)
+
     # ------------------------------------------------------------------ run (run_actions drives these)
+
     def begin(self, actions: list[Action], train: bool) -> None:
         """Start a schedule: ``actions`` are this stage's (its part of the rank's list)."""
         self._ctx: dict[int, _Context] = {}
