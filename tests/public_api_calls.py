@@ -91,6 +91,10 @@ def main() -> None:
     half = call("Pipeline", model, one, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss(),
                 precision="fp16", loss_scaling=call("LossScaling", init_scale=2.0 ** 10))
     assert isinstance(half.train_step((x, y)), float) and half.loss_scale in (2.0 ** 9, 2.0 ** 10)
+    warm = call("Pipeline", model, one, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=nn.CrossEntropyLoss(),
+                lr_scheduler=call("LRSchedule", "linear", warmup=2, total=4))
+    warm.train_step((x, y))
+    assert warm.weights.optimizer.param_groups[0]["lr"] == 0.1  # after one update: lr(1) = 2 / 2 of 0.1
     assert call("launch", operator.add, 1, 5) == 5
     call("keep_freed_memory")
 

@@ -46,6 +46,7 @@ _EXPORTS = {
     "draw_timeline": "sim.draw",
     "Pipeline": "runtime",
     "LossScaling": "runtime",
+    "LRSchedule": "runtime",
     "PipelineFailure": "runtime",
     "launch": "runtime",
     "share_plan": "runtime",

@@ -453,7 +453,7 @@ def profile(
     iters: int = 10,
     name: str | None = None,
     num_threads: int | None = 1,
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    optimizer: Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None = None,
     microbatches: int = 1,
     split_backward: bool = True,
 ) -> LayerGraph:
@@ -570,7 +570,7 @@ def _flat_sample(program: _Program, args: tuple, kwargs: dict) -> tuple:
 def _measure_model(program: _Program, traced: nn.Module, flat: tuple, loss_fn: Callable[..., Tensor] | None,
                    target: Any, dev: torch.device, warmup: int, iters: int, batch_size: int | None,
                    split_backward: bool,
-                   optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None) -> LayerGraph:
+                   optimizer: Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None) -> LayerGraph:
     """Time every layer (and the loss, and with ``optimizer`` each layer's update) and record
     what autograd saves, with the model's gradients and buffers put back afterwards."""
     with _model_state_kept(traced):
@@ -578,7 +578,8 @@ def _measure_model(program: _Program, traced: nn.Module, flat: tuple, loss_fn: C
             graph = _measure(program, flat, loss_fn, target, _Timer(dev), warmup, iters, batch_size, split_backward)
             _measure_saved(program, flat, loss_fn, target, graph)
         if optimizer is not None:
-            _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters)
+            names = {id(p): n for n, p in traced.named_parameters()}
+            _time_optimizer(program, graph, optimizer, _Timer(dev), warmup, iters, names)
     return graph
 
 
@@ -863,7 +864,7 @@ def disturb_caches() -> None:
 
 
 def _time_optimizer(program: _Program, graph: LayerGraph, optimizer: Callable[..., torch.optim.Optimizer],
-                    timer: _Timer, warmup: int, iters: int) -> None:
+                    timer: _Timer, warmup: int, iters: int, names: dict[int, str]) -> None:
     """Time the update of each layer's own parameters, on copies, as the runtime makes it: a
     new gradient each time (autograd hands over fresh tensors), scaled in place by 1/samples
     (the runtime accumulates sums), then the optimizer's step, after other compute
@@ -873,13 +874,14 @@ def _time_optimizer(program: _Program, graph: LayerGraph, optimizer: Callable[..
     once, not once per layer; summing per-layer steps over a 4-layer stage predicted 1.0 ms
     where the runtime took 0.6. So one step over all the model's parameters is timed too and
     the per-layer times are scaled to add up to it: each layer's ``optimizer_ms`` is its share
-    of the whole model's update.
+    of the whole model's update. The factory gets ``(name, parameter)`` pairs, as the
+    pipeline gives it (``names``: the model's name of each parameter).
     """
     seen: set[int] = set()
-    per_layer: dict[str, list[nn.Parameter]] = {}
+    per_layer: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for step in program.steps:
-        mine = [p for p in step.params if id(p) not in seen]
-        seen.update(id(p) for p in mine)
+        mine = [(names.get(id(p), f"{step.name}.{i}"), p) for i, p in enumerate(step.params) if id(p) not in seen]
+        seen.update(id(p) for _, p in mine)
         if mine and step.name in graph:
             per_layer[step.name] = mine
     if not per_layer:
@@ -892,12 +894,13 @@ def _time_optimizer(program: _Program, graph: LayerGraph, optimizer: Callable[..
         graph[name].optimizer_ms = t * whole / total if total > 0 else whole / len(times)
 
 
-def _time_update(what: str, params: list[nn.Parameter], optimizer: Callable[..., torch.optim.Optimizer],
+def _time_update(what: str, params: list[tuple[str, nn.Parameter]], optimizer: Callable[..., torch.optim.Optimizer],
                  timer: _Timer, warmup: int, iters: int) -> float:
     """Median milliseconds of one runtime-style update of ``params`` (on copies)."""
-    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    named = [(n, nn.Parameter(p.detach().clone())) for n, p in params]
+    copies = [c for _, c in named]
     try:
-        opt = optimizer(copies)
+        opt = optimizer(named)
     except Exception as exc:
         raise ProfilerError(f"profile: the optimizer factory failed on {what}: {exc}") from None
     times = []

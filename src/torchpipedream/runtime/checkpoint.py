@@ -716,6 +716,7 @@ def _restore(state: CheckpointState, loaded: _Loaded, directory: Path) -> None:
             weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
             if weights.optimizer is not None:
                 load_state_by_name(weights.optimizer, loaded.optimizer, _name_of_parameters(state, weights))
+                weights.resume_schedule()  # the learning rate of the restored update count
         scaler_state = loaded.manifest.raw.get("loss_scaler")
         if state.scaler is not None and isinstance(scaler_state, dict):
             state.scaler.load_state_dict(scaler_state)

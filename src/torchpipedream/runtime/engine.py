@@ -45,6 +45,7 @@ from ..schedule.actions import Action, Kind, message_key, split_backwards
 from ..sim.trace import Event
 from . import liveness
 from .buffers import ReplicaBuffers
+from .clipping import GradientClipper
 from .comm import P2P
 from .loss_scaling import LossScaler
 from ..model.split_backward import WeightGradients, backward_inputs
@@ -157,6 +158,7 @@ class Engine:
         buffers: a replicated stage's buffers, combined with its replicas' at every ``AR``.
         scaler: float16's loss scale (``loss_scaling.py``; None without one).
         config: the engine's settings (:class:`EngineConfig`).
+        clipper: the rank's clipping by the global gradient norm (``clipping.py``; None without).
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class Engine:
         buffers: ReplicaBuffers | None = None,
         scaler: LossScaler | None = None,
         config: EngineConfig | None = None,
+        clipper: GradientClipper | None = None,
     ) -> None:
         config = config or EngineConfig()
         self.config = config
@@ -190,6 +193,7 @@ class Engine:
         self._slots = _parameter_slots(module, names)
         self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
         self.scaler = scaler
+        self.clipper = clipper
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
     # The settings the actions read: views of the config, which is fixed at construction.
@@ -274,19 +278,25 @@ class Engine:
                                ("unsent gradients", self._in_grads), ("weight gradients", self._weight_work)) if v]
 
     def _update(self, update: int) -> tuple[float, bool]:
-        """(unscale, apply) for this rank's steps of ``update``: (1, True) without a loss
-        scaler; with one, decided once per update (at the first of its TR and U actions, when
-        every gradient of the update is here) and agreed with every rank."""
-        if self.scaler is None:
+        """(gradient factor, apply) for this rank's steps of ``update``, decided once per update
+        (at the first of its TR and U actions, when every gradient of the update is here): with
+        a loss scaler, 1 / the scale, and whether to apply (agreed with every rank); with a
+        clipper, times the global norm's clipping factor (clipping.py); else (1, True)."""
+        if self.scaler is None and self.clipper is None:
             return 1.0, True
         if update not in self._updates:
-            overflow = self.weights.gradient_overflowed() or any(
-                copy.weights.posted_gradient_overflowed(self.timeout_s) for copy in self.tied.values())
-            apply, used = self.scaler.decide(overflow)
-            if not apply:
-                log.info("rank %d: update %d skipped: the float16 gradients overflowed at loss scale %g",
-                         self.rank, update, used)
-            self._updates[update] = (1.0 / used, apply)
+            unscale, apply = 1.0, True
+            if self.scaler is not None:
+                overflow = self.weights.gradient_overflowed() or any(
+                    copy.weights.posted_gradient_overflowed(self.timeout_s) for copy in self.tied.values())
+                apply, used = self.scaler.decide(overflow)
+                if not apply:
+                    log.info("rank %d: update %d skipped: the float16 gradients overflowed at loss scale %g",
+                             self.rank, update, used)
+                unscale = 1.0 / used
+            if self.clipper is not None:
+                unscale *= self.clipper.factor(update, unscale, apply)
+            self._updates[update] = (unscale, apply)
         return self._updates[update]
 
     # ------------------------------------------------------------------ compute

@@ -18,6 +18,11 @@ import torch
 __all__ = ["state_by_name", "load_state_by_name", "OptimizerStateError"]
 
 
+#: Entries of a saved group that are not hyperparameters: its members (positions, and names when
+#: the optimizer was given named parameters), which belong to the group of the plan that saved.
+_NOT_HYPER = ("params", "param_names")
+
+
 class OptimizerStateError(ValueError):
     """Saved optimizer state does not fit this optimizer; the message names the parameter."""
 
@@ -28,7 +33,7 @@ def state_by_name(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> 
     saved = optimizer.state_dict()
     out: dict[str, dict[str, Any]] = {}
     for group, live in zip(saved["param_groups"], optimizer.param_groups):
-        hyper = {k: v for k, v in group.items() if k != "params"}
+        hyper = {k: v for k, v in group.items() if k not in _NOT_HYPER}
         for index, param in zip(group["params"], live["params"]):
             out[name_of[id(param)]] = {"class": type(optimizer).__name__, "hyper": hyper,
                                        "state": dict(saved["state"].get(index, {}))}
@@ -54,5 +59,5 @@ def load_state_by_name(optimizer: torch.optim.Optimizer, saved: dict[str, dict[s
                 state["state"][index] = entry["state"]
             first = first or entry
         if first is not None:
-            group.update({k: v for k, v in first["hyper"].items() if k != "params"})
+            group.update({k: v for k, v in first["hyper"].items() if k not in _NOT_HYPER})
     optimizer.load_state_dict(state)

@@ -56,16 +56,18 @@ from ..plans.plan import Plan, PlanError, TiedParameter
 from ..schedule.actions import Action, Kind, Schedule, message_key
 from ..schedule.build import build_schedule
 from ..schedule.placement import tied_support_problem
-from ..schedule.validate import ScheduleError, validate_schedule
+from ..schedule.validate import ScheduleError, uneven_updates, update_barrier_problem, validate_schedule
 from ..sim.trace import Event, Trace
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
+from .clipping import GradientClipper, NormPart, check_max_norm
 from .comm import P2P
 from .engine import Engine, EngineConfig, MicrobatchResult, TiedCopy, as_tuple, run_actions
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
 from .launcher import init_from_env
 from .loss_scaling import LossScaler, LossScaling
+from .lr_schedule import LRScheduleError, SchedulerArgument, as_scheduler_factory
 from .memory_probe import allocation_peak, held_bytes
 from .stage_split import model_state_names, split_stages
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means, wait_for
@@ -126,6 +128,9 @@ def _check_arguments(optimizer: Any, loss_reduction: str, precision: str) -> Non
     """Refuse a loss reduction, an optimizer or a precision the pipeline cannot use."""
     if loss_reduction not in ("mean", "sum"):
         raise PipelineError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        raise PipelineError(f"optimizer must be a factory such as `lambda params: {optimizer.__name__}(params, lr=...)`"
+                            f" (the class {optimizer.__name__} itself has no learning rate)")
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
         raise PipelineError(
             "optimizer must be a factory such as `lambda params: torch.optim.SGD(params, lr=0.1)` "
@@ -133,6 +138,24 @@ def _check_arguments(optimizer: Any, loss_reduction: str, precision: str) -> Non
         )
     if precision not in PRECISIONS:
         raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def _check_recipe(lr_scheduler: Any, clip_grad_norm: Any, loss_normalizer: Any, loss_reduction: str) -> Any:
+    """Refuse a learning-rate schedule, a clipping norm or a loss normalizer the pipeline
+    cannot use; returns the scheduler factory (None: a constant learning rate)."""
+    try:
+        check_max_norm(clip_grad_norm)
+        factory = as_scheduler_factory(lr_scheduler)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    if loss_normalizer is not None:
+        if not callable(loss_normalizer):
+            raise PipelineError(f"loss_normalizer must be a function of a microbatch that returns a count, "
+                                f"got {type(loss_normalizer).__name__}")
+        if loss_reduction != "sum":
+            raise PipelineError("loss_normalizer divides summed losses by a count over the whole minibatch: it needs "
+                                f"loss_reduction='sum' (a loss_fn that sums over the microbatch), not {loss_reduction!r}")
+    return factory
 
 
 def _with_recompute(plan: Plan, recompute: bool | Sequence[int] | None) -> Plan:
@@ -194,6 +217,25 @@ class Pipeline:
         loss_scaling: the loss scale's policy with ``precision="fp16"`` (default
             :class:`~torchpipedream.runtime.loss_scaling.LossScaling`: torch's GradScaler
             defaults).
+        lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` (each
+            stage builds one on its optimizer) or an
+            :class:`~torchpipedream.runtime.lr_schedule.LRSchedule`; every stage steps it after
+            each update, so update t runs with lr(t) on every stage under every kind
+            (``runtime/lr_schedule.py``); checkpoints resume it under any plan.
+        clip_grad_norm: clip every update's gradient by the norm over all the model's
+            gradients, as ``torch.nn.utils.clip_grad_norm_`` in one process (each replicated
+            or shared gradient counted once; ``runtime/clipping.py``). ``grad_norms`` holds every
+            update's norm. Kinds whose ranks hold several stages (interleaved, zb-v) are refused.
+        loss_normalizer: with ``loss_reduction="sum"``: a function of a microbatch (the same
+            ``(inputs, targets)`` form as a minibatch) returning a count, such as its tokens that
+            are not padding; each update divides the summed gradient by the count over all of
+            its microbatches, so the loss is averaged over the minibatch's tokens, not as a mean
+            of microbatch means. Counts must add up over microbatches.
+        accumulate: minibatches per update (default 1): the gradients of ``accumulate``
+            minibatches are summed into one update (their mean over all their samples), as one
+            schedule whose updates each cover ``accumulate`` × ``microbatches`` microbatches.
+            For the kinds that split minibatches (all but pipedream and naive, whose rule is
+            one update per minibatch). A last group of fewer minibatches makes one update of its own.
 
     Example, in one process (the same code runs on every rank under ``torchrun`` or
     :func:`~torchpipedream.launch` with a plan of more workers, e.g.
@@ -235,8 +277,16 @@ class Pipeline:
         precision: str = "fp32",
         measure_memory: bool = False,
         loss_scaling: LossScaling | None = None,
+        lr_scheduler: SchedulerArgument = None,
+        clip_grad_norm: float | None = None,
+        loss_normalizer: Callable[[Any], Any] | None = None,
+        accumulate: int = 1,
     ) -> None:
         _check_arguments(optimizer, loss_reduction, precision)
+        self._scheduler_factory = _check_recipe(lr_scheduler, clip_grad_norm, loss_normalizer, loss_reduction)
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.loss_normalizer = loss_normalizer
+        self.accumulate = self._check_accumulate(accumulate, schedule or plan.schedule)
         self._check_loss_scaling(precision, loss_scaling, schedule or plan.schedule)
         self.precision = precision
         # Peak tensor bytes of this rank's training runs (memory_probe.py), when measured.
@@ -258,12 +308,15 @@ class Pipeline:
         self._ar_group = self._make_replica_groups()
         weights = self._make_weights(modules, local_tied, optimizer)
         scaler = self._make_loss_scaler(precision, loss_scaling)
+        self.clipper = self._make_clipper(weights)
         self.engines = self._make_engines(modules, weights, scaler, precision, seed)
         # This rank's (first) stage: what a one-stage-per-rank pipeline is made of.
         self.engine = self.engines[self.stage]
         self.module, self.weights = self.engine.module, self.engine.weights
         self.state_names = self._state_names[self.stage]
         self._start_bookkeeping()
+        if self.clipper is not None or self._scheduler_factory is not None:
+            self.schedule_for(2 * self.world_size)  # refuses what the recipe cannot follow, here (_check_recipe)
 
     # ------------------------------------------------------------------ setup
     def _join_processes(self, precision: str) -> None:
@@ -343,7 +396,8 @@ class Pipeline:
             ranks = sorted(r for ts in t.stages for r in plan.stages[ts].ranks)
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
             if k in local_tied:
-                weights = WeightVersions(module, factory, self.loss_reduction, replicated=True, only={local_tied[k]})
+                weights = WeightVersions(module, factory, self.loss_reduction, replicated=True, only={local_tied[k]},
+                                         **self._weights_options(self.stage))
                 tied[k] = TiedCopy(weights, group, holders=len(t.stages))
         return tied
 
@@ -363,12 +417,50 @@ class Pipeline:
         factory = self._guard_optimizer(optimizer)
         self.tied: dict[int, TiedCopy] = {}
         weights: dict[int, WeightVersions] = {}
-        for s in self.stages_held:
-            weights[s] = WeightVersions(modules[s], factory, self.loss_reduction,
-                                        replicated=self._ar_group is not None, exclude=set(local_tied.values()))
-            if s == self.stage:
-                self.tied = self._make_tied_copies(modules[s], factory, local_tied)
+        try:
+            for s in self.stages_held:
+                weights[s] = WeightVersions(modules[s], factory, self.loss_reduction,
+                                            replicated=self._ar_group is not None, exclude=set(local_tied.values()),
+                                            **self._weights_options(s))
+                if s == self.stage:
+                    self.tied = self._make_tied_copies(modules[s], factory, local_tied)
+        except LRScheduleError as exc:
+            raise PipelineError(str(exc)) from None
         return weights
+
+    def _weights_options(self, stage: int) -> dict[str, Any]:
+        """What every WeightVersions of ``stage`` shares: the model's parameter names (for the
+        optimizer factory), the scheduler factory, the normalizer's division, who it is."""
+        return {"normalized": self.loss_normalizer is not None, "model_names": self._state_names[stage],
+                "scheduler": self._scheduler_factory, "where": self._describe(self.rank)}
+
+    def _make_clipper(self, weights: dict[int, WeightVersions]) -> GradientClipper | None:
+        """This rank's part of clipping by the global norm (clipping.py): its stages' gradients
+        and its copies of shared parameters, each with its share of the squared norm, summed
+        over every rank in a group of its own (made on every rank, like the groups above)."""
+        if self.clip_grad_norm is None:
+            return None
+        parts = [NormPart(w, 1.0 / self.plan.stages[s].replicas) for s, w in weights.items()]
+        for k, copy in self.tied.items():
+            copies = sum(self.plan.stages[ts].replicas for ts in self.plan.tied[k].stages)
+            parts.append(NormPart(copy.weights, 1.0 / copies, posted=True))
+        group = dist.new_group(list(range(self.world_size)), timeout=datetime.timedelta(seconds=self.timeout_s)) \
+            if self.distributed else None
+
+        def total(local: torch.Tensor) -> torch.Tensor:
+            if group is None:
+                return local
+            value = local.reshape(1).to(self.device)
+            wait_for(dist.all_reduce(value, group=group, async_op=True), self.timeout_s, "the global gradient norm")
+            return value.cpu()[0]
+
+        return GradientClipper(self.clip_grad_norm, parts, total, self.timeout_s)
+
+    @property
+    def grad_norms(self) -> list[float]:
+        """The global gradient norm of every update so far, before clipping (``clip_grad_norm``;
+        NaN for a float16 update skipped); the same on every rank. Empty without clipping."""
+        return list(self.clipper.norms) if self.clipper is not None else []
 
     def _make_engines(self, modules: dict[int, nn.Module], weights: dict[int, WeightVersions],
                       scaler: LossScaler | None, precision: str, seed: int | None) -> dict[int, Engine]:
@@ -390,7 +482,7 @@ class Pipeline:
                 # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
                 buffers=ReplicaBuffers(module, self._ar_group, self.plan.stages[s].replicas)
                 if self._ar_group is not None else None,
-                scaler=scaler if own else None, config=config,
+                scaler=scaler if own else None, config=config, clipper=self.clipper,
             )
         return engines
 
@@ -398,6 +490,7 @@ class Pipeline:
         """What the runs keep: built schedules, negotiated message sizes, the last run's events,
         the loss history and data position, and the failure board and agreement of the ranks."""
         self._schedules: dict[int, Schedule] = {}
+        self._accumulating: dict[tuple[int, int], Schedule] = {}  # (updates, minibatches each) -> schedule
         self._message_sizes: dict[tuple[str, int], int] = {}  # negotiated once per channel
         self._events: list[Any] = []
         self.last_schedule: Schedule | None = None
@@ -552,6 +645,10 @@ class Pipeline:
         Raises:
             PipelineError: naming what differs, or the rule it breaks (with the grid).
         """
+        if self.accumulate > 1:
+            raise PipelineError(f"use_schedule runs a schedule of one update per minibatch; this pipeline has "
+                                f"accumulate={self.accumulate} (write the schedule with {self.accumulate}× the microbatches "
+                                "per minibatch instead, and accumulate=1)")
         theirs, ours = schedule.plan, self.plan
         if [(st.layers, st.ranks) for st in theirs.stages] != [(st.layers, st.ranks) for st in ours.stages]:
             raise PipelineError(f"the schedule is for plan {theirs.config} ({theirs.num_stages} stages, layers "
@@ -572,7 +669,64 @@ class Pipeline:
             validate_schedule(schedule)
         except ScheduleError as exc:
             raise PipelineError(f"the schedule is invalid: {exc}") from None
+        self._check_recipe(schedule)
         self._schedules[schedule.minibatches] = schedule
+
+    @staticmethod
+    def _check_accumulate(accumulate: Any, kind: str) -> int:
+        """``accumulate`` checked: a positive whole number, above 1 only for the kinds that
+        split a minibatch into microbatches (an update may then span several minibatches)."""
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise PipelineError(f"accumulate must be a whole number of minibatches per update >= 1, got {accumulate!r}")
+        try:
+            microbatched = schedule_kind(kind).microbatched
+        except UnknownKindError:
+            return accumulate  # the schedule's own check names it
+        if accumulate > 1 and not microbatched:
+            raise PipelineError(f"accumulate={accumulate} needs a kind whose updates span microbatches (flush, gpipe, "
+                                f"zb-h1, zb-h2, 2bw, zb-2bw, interleaved, zb-v); {kind} updates once per minibatch by its rule")
+        return accumulate
+
+    def _training_schedules(self, minibatches: int) -> list[tuple[Schedule, int]]:
+        """The schedules that train ``minibatches`` minibatches, each with its minibatches per
+        update: one schedule without accumulation; with it, one whose updates each cover
+        ``accumulate`` minibatches (a schedule of as many times the microbatches), then one
+        update of the minibatches left over."""
+        k = self.accumulate
+        if k == 1:
+            return [(self.schedule_for(minibatches), 1)]
+        runs = [(group, count) for group, count in ((k, minibatches // k), (minibatches % k, 1)) if group and count]
+        return [(self._accumulating_schedule(count, group), group) for group, count in runs]
+
+    def _accumulating_schedule(self, updates: int, group: int) -> Schedule:
+        """A schedule of ``updates`` updates of ``group`` minibatches each (cached)."""
+        key = (updates, group)
+        cached = self._accumulating.get(key)
+        if cached is None:
+            m = self.microbatches or self.plan.microbatches or 1
+            cached = build_schedule(self.plan, self.kind, minibatches=updates, microbatches=group * m)
+            validate_schedule(cached)
+            self._check_recipe(cached)
+            self._accumulating[key] = cached
+        return cached
+
+    def _check_recipe(self, schedule: Schedule) -> None:
+        """Refuse a schedule whose updates cannot follow ``lr_scheduler`` or ``clip_grad_norm``:
+        one where update t is not the same minibatches' on every stage (a replicated stage under
+        an asynchronous kind), or, for clipping, whose updates cannot wait for the norm of every
+        stage's gradient (schedule.validate.update_barrier_problem)."""
+        if self._scheduler_factory is not None:
+            uneven = uneven_updates(schedule)
+            if uneven:
+                raise PipelineError(f"lr_scheduler cannot follow the {schedule.kind} schedule of this plan: {uneven}, so "
+                                    "a learning rate by update count would differ between stages; plan without "
+                                    "replicated stages, or use a synchronous kind (flush, gpipe, zb-h1, zb-h2)")
+        problem = update_barrier_problem(schedule) if self.clipper is not None else None
+        if problem:
+            raise PipelineError(f"clip_grad_norm cannot run with the {schedule.kind} schedule of this plan: {problem}; "
+                                "clipping by the global norm needs every stage's gradients of one update before its "
+                                "first step (kinds with one stage per rank: flush, gpipe, zb-h1, zb-h2, pipedream, 2bw, "
+                                "zb-2bw; replicated stages with the synchronous ones only)")
 
     def schedule_for(self, minibatches: int) -> Schedule:
         """The validated schedule covering ``minibatches`` minibatches (cached; see
@@ -586,11 +740,13 @@ class Pipeline:
                 kwargs["vertical_sync"] = True
             sched = build_schedule(self.plan, self.kind, **kwargs)
             validate_schedule(sched)
+            self._check_recipe(sched)
             self._schedules[minibatches] = sched
         return sched
 
     # ------------------------------------------------------------------ data
-    def _microbatch_source(self, batches: Iterator[Any], m: int) -> Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]]:
+    def _microbatch_source(self, batches: Iterable[Any], m: int) -> Callable[[int], tuple[tuple[Any, ...], tuple[Any, ...], int]]:
+        batches = iter(batches)  # one iterator, also across the schedules of one call (accumulate)
         state: dict[str, Any] = {"t": -1, "parts": None}
 
         def get(microbatch: int) -> tuple[tuple[Any, ...], tuple[Any, ...], int]:
@@ -645,6 +801,8 @@ class Pipeline:
         for j in range(m):
             args_j, kwargs_j, targets_j = pytree.tree_unflatten([p[j] for p in parts], spec)
             samples = int(counted[j].shape[0])
+            if self.loss_normalizer is not None:
+                samples = self._normalizer_count(args_j, kwargs_j, targets_j, t) if samples else 0
             try:
                 stage_inputs = self._stage_inputs(args_j, kwargs_j)
             except (TypeError, ValueError) as exc:
@@ -652,20 +810,46 @@ class Pipeline:
             out.append((tuple(stage_inputs), tuple(targets_j), samples))
         return out
 
-    # ------------------------------------------------------------------ running
-    def _run(self, sched: Schedule, batches: Iterator[Any] | None, train: bool) -> list[tuple[float, int, int]]:
-        """Run one schedule; per minibatch (reduced loss, samples, correct) on every rank."""
-        with self._failure_guard("training" if train else "evaluation"):
-            return self._run_schedule(sched, batches, train)
+    def _normalizer_count(self, args: Any, kwargs: Any, targets: Any, t: int) -> int:
+        """``loss_normalizer`` of one microbatch, in the form a minibatch has, checked: a
+        whole number >= 0 (it travels with the microbatch as its samples)."""
+        inputs = args[0] if len(args) == 1 and not kwargs else (kwargs if not args else args)
+        count = self.loss_normalizer((inputs, targets[0] if len(targets) == 1 else targets)  # type: ignore[misc]
+                                     if self.loss_fn is not None else inputs)
+        value = count.item() if isinstance(count, torch.Tensor) and count.numel() == 1 else count
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+            raise PipelineError(f"minibatch {t}: loss_normalizer returned {count!r}; it must return a whole number "
+                                ">= 0 (the microbatch's count, such as its tokens that are not padding)")
+        return int(value)
 
-    def _run_schedule(self, sched: Schedule, batches: Iterator[Any] | None, train: bool) -> list[tuple[float, int, int]]:
-        n_minibatches, m = sched.minibatches, sched.microbatches
+    # ------------------------------------------------------------------ running
+    def _run(self, sched: Schedule, batches: Iterator[Any] | None, train: bool,
+             group: int = 1) -> list[tuple[float, int, int]]:
+        """Run one schedule whose updates each cover ``group`` minibatches; per minibatch
+        (reduced loss, samples, correct) on every rank."""
+        with self._failure_guard("training" if train else "evaluation"):
+            return self._run_schedule(sched, batches, train, group)
+
+    def _train_on(self, minibatches: int, batches: Iterator[Any] | None) -> list[float]:
+        """Train ``minibatches`` minibatches from ``batches`` (None off the first stage):
+        through the schedules :meth:`_training_schedules` gives; their losses, in order."""
+        losses: list[float] = []
+        for sched, group in self._training_schedules(minibatches):
+            losses += [r[0] for r in self._run(sched, batches, train=True, group=group)]
+            self.minibatches_done += sched.minibatches * group
+        return losses
+
+    def _run_schedule(self, sched: Schedule, batches: Iterator[Any] | None, train: bool,
+                      group: int = 1) -> list[tuple[float, int, int]]:
+        n_minibatches, m = sched.minibatches * group, sched.microbatches // group
         actions = sched.actions[self.rank] if train else forward_only(sched)[self.rank]
         base = self.weights.version
         means = train and updates_are_minibatch_means(sched, any(st.replicas > 1 for st in self.plan.stages),
                                                       self.loss_reduction)
         for weights in self._all_weights():
             weights.grads_are_means = means
+        if self.clipper is not None:
+            self.clipper.begin()
         if train:
             self._expect_uses(actions, base)
             for engine in self.engines.values():
@@ -685,7 +869,7 @@ class Pipeline:
                        sizes=self._message_sizes, max_sends=outstanding_sends(actions),
                        drain_at_update=not schedule_kind(sched.kind).asynchronous)
             self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
-        source = self._microbatch_source(iter(batches), m) if (0 in self.engines and batches is not None) else None
+        source = self._microbatch_source(batches, m) if (0 in self.engines and batches is not None) else None
         t0 = time.perf_counter()
         with self._mode(train), self._memory_measured(train):
             results, events = run_actions(self.engines, actions, comm, source, train=train, version_base=base, t0=t0)
@@ -824,7 +1008,8 @@ class Pipeline:
         out = []
         for t in range(n_minibatches):
             loss_sum, samples, correct, has_acc = table[t].tolist()
-            loss = loss_sum / samples if (self.loss_reduction == "mean" and samples) else loss_sum
+            divide = self.loss_reduction == "mean" or self.loss_normalizer is not None
+            loss = loss_sum / samples if (divide and samples) else loss_sum
             out.append((loss, int(samples), int(correct) if has_acc else -1))
         return out
 
@@ -843,10 +1028,8 @@ class Pipeline:
             raise PipelineError(f"train_minibatches takes a sequence of minibatches, got {type(batches).__name__}")
         if not batches:
             raise PipelineError("train_minibatches got an empty sequence of minibatches")
-        rows = self._run(self.schedule_for(len(batches)), iter(batches), train=True)
-        losses = [r[0] for r in rows]
+        losses = self._train_on(len(batches), iter(batches))
         self.history.extend(losses)
-        self.minibatches_done += len(batches)
         return losses
 
     def fit(self, loader: Iterable[Any], epochs: int = 1) -> list[float]:
@@ -862,10 +1045,8 @@ class Pipeline:
             raise PipelineError("the loader is empty")
         out = []
         for _ in range(epochs):
-            rows = self._run(self.schedule_for(n), iter(loader) if self.stage == 0 else None, train=True)
-            losses = [r[0] for r in rows]
+            losses = self._train_on(n, iter(loader) if 0 in self.engines else None)
             self.history.extend(losses)
-            self.minibatches_done += n
             self.epochs_done += 1
             out.append(sum(losses) / len(losses))
         return out

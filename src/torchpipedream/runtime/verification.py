@@ -191,7 +191,7 @@ def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], in
     module = job.model()
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     live = dict(module.named_parameters())
-    optimizer = job.optimizer([live[n] for n in names])
+    optimizer = job.optimizer([(n, live[n]) for n in names])  # named, as the pipeline gives them
     history = [{n: live[n].detach().clone() for n in names}]
     states = []
     m = plan.microbatches if schedule_kind(plan.schedule).microbatched else 1

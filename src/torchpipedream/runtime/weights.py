@@ -31,9 +31,17 @@ its gradients on first. There a parameter without gradient is skipped by the opt
 in plain PyTorch.
 
 Optimizer. Any ``torch.optim`` optimizer works: it is built by the user's factory on this
-stage's own parameters (each rank owns only its stage), keeps its state keyed by the
-parameter objects, and steps them with the accumulated gradient: the gradient computed with
-the stashed weights is applied to the latest weights with the optimizer's state.
+stage's own parameters (each rank owns only its stage), given as ``(name, parameter)`` pairs
+under the original model's names (so that groups by name, such as no weight decay on biases,
+work as in one process), keeps its state keyed by the parameter objects, and steps them with
+the accumulated gradient: the gradient computed with the stashed weights is applied to the
+latest weights with the optimizer's state. A learning-rate scheduler (``lr_schedule.py``)
+steps right after every update.
+
+Clipping by the global norm (``clipping.py``). :meth:`squared_norm` is the squared norm of the
+gradient the coming update applies (after the replicas' all-reduce and the division by the
+samples); the clipper sums it over every stage and hands the update a factor, which multiplies
+the gradient with the division, in the same pass.
 
 Loss scaling by construction. The engine back-propagates, per microbatch, the gradient of
 the *sum* of the per-sample losses (``loss * samples`` for a mean-reducing loss) and counts
@@ -64,12 +72,14 @@ from torch import nn
 from ..schedule.actions import Kind, Schedule
 from ..schedule.versions import copies_on_update, keeps_gradient_buffers
 from .loss_scaling import has_nonfinite
+from .lr_schedule import SchedulerFactory, build_scheduler, fast_forward, step_quietly
 
 __all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means", "wait_for"]
 
 log = logging.getLogger(__name__)
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: ``Pipeline(optimizer=)``: called with the stage's ``(name, parameter)`` pairs (the model's names).
+OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
 
 def wait_for(work: Any, timeout_s: float, what: str) -> None:
@@ -109,17 +119,30 @@ class WeightVersions:
         optimizer: factory ``params -> torch.optim.Optimizer``.
         uses: version -> number of F and B actions in the coming schedule that use it.
         loss_reduction: "mean" (divide by the samples of the update) or "sum".
+        normalized: with "sum", divide by the update's samples all the same: they are then the
+            counts of ``Pipeline(loss_normalizer=)`` (tokens, say), not rows.
+        model_names: this module's parameter name -> the model's (given to the optimizer factory).
+        scheduler: factory of the learning-rate scheduler stepped after every update.
+        where: who this is, for error messages.
     """
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_reduction: str = "mean",
-                 replicated: bool = False, only: set[str] | None = None, exclude: set[str] = frozenset()) -> None:
+                 replicated: bool = False, only: set[str] | None = None, exclude: set[str] = frozenset(),
+                 normalized: bool = False, model_names: dict[str, str] | None = None,
+                 scheduler: SchedulerFactory | None = None, where: str = "this stage") -> None:
         self.module = module
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in exclude
                  and (only is None or n in only)]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.optimizer = optimizer(self.params) if self.params else None
+        model_names = model_names or {}
+        self.optimizer = optimizer([(model_names.get(n, n), p) for n, p in named]) if self.params else None
+        self._scheduler_factory, self._where = scheduler, where
+        self.scheduler = build_scheduler(scheduler, self.optimizer, where) \
+            if scheduler is not None and self.optimizer is not None else None
         self.loss_reduction = loss_reduction
+        # The update divides the gradient by its samples (a mean-reducing loss, or a normalizer's count).
+        self.divides = loss_reduction == "mean" or normalized
         # True while a schedule runs whose backwards start from minibatch means (see the
         # module docstring): the update then applies the gradient without rescaling it.
         self.grads_are_means = False
@@ -289,6 +312,35 @@ class WeightVersions:
             self._take_grads(views)
         return has_nonfinite(self._grads if self._grads is not None else self._pending)
 
+    def _scale(self, samples: float, unscale: float) -> float:
+        """What multiplies the accumulated gradient at an update: ``unscale`` (float16's 1 / loss
+        scale), divided by the update's samples where the update applies a mean."""
+        scale = unscale
+        if self.divides:
+            if samples <= 0:
+                raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
+            if not self.grads_are_means:
+                scale /= samples
+        return scale
+
+    def squared_norm(self, unscale: float = 1.0, timeout_s: float = 0.0, posted: bool = False) -> torch.Tensor:
+        """The squared L2 norm (float64) of the gradient the coming update applies: this
+        stage's accumulated one, or with ``posted`` the oldest posted sum of a shared
+        parameter's copies (waited for)."""
+        if posted:
+            flat = self._oldest_posted(timeout_s)
+            grads: list[torch.Tensor | None] = [flat[:-1]]
+            samples = float(flat[-1].item()) / self._posted[0][2]
+        else:
+            for views in self._views.values():
+                self._take_grads(views)
+            grads, samples = (self._grads if self._grads is not None else self._pending), self._samples
+        present = [g for g in grads if g is not None]
+        if not present:
+            return torch.zeros((), dtype=torch.float64)
+        total = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in present]).square().sum()
+        return total.cpu() * self._scale(samples, unscale) ** 2
+
     def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         out, pos = [], 0
         for p in self.params:
@@ -343,12 +395,7 @@ class WeightVersions:
                 copied = True
             else:
                 self._views.pop(self.version, None)
-            scale = unscale
-            if self.loss_reduction == "mean":
-                if samples <= 0:
-                    raise RuntimeError("optimizer step with no samples behind it (no backward before U)")
-                if not self.grads_are_means:
-                    scale /= samples
+            scale = self._scale(samples, unscale)
             present = [g for g in grads if g is not None]
             if apply:
                 with torch.no_grad():
@@ -359,6 +406,8 @@ class WeightVersions:
                 self.optimizer.step()
                 for p in self.params:
                     p.grad = None
+            if self.scheduler is not None:  # stepped by every update, skipped or not: lr(t) everywhere
+                step_quietly(self.scheduler)
         self.version += 1
         self.max_versions_alive = max(self.max_versions_alive, len(self._views) + 1)
         return copied
@@ -385,6 +434,19 @@ class WeightVersions:
         self.version = int(state["version"])  # type: ignore[call-overload]
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+            self.resume_schedule()
+
+    def resume_schedule(self) -> None:
+        """After the optimizer's state was restored at version ``self.version``: rebuild the
+        learning-rate scheduler as it was built at the start and step it once per update so far
+        (lr_schedule.py: exact under any plan)."""
+        if self._scheduler_factory is None or self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            if "initial_lr" in group:
+                group["lr"] = group["initial_lr"]
+        self.scheduler = build_scheduler(self._scheduler_factory, self.optimizer, self._where)
+        fast_forward(self.scheduler, self.version)
 
     def reset_versions(self) -> None:
         """Forget stashes (between schedules: everything in flight has finished)."""

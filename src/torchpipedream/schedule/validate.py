@@ -35,7 +35,7 @@ from .placement import (interleaved_warmup, num_updates, replica_of, tied_suppor
                         virtual_support_problem, warmup_depth)
 from ..plans.plan import Plan
 
-__all__ = ["ScheduleError", "validate_schedule", "schedule_stats", "ScheduleStats", "format_grid", "bounds",
+__all__ = ["ScheduleError", "validate_schedule", "update_barrier_problem", "uneven_updates", "schedule_stats", "ScheduleStats", "format_grid", "bounds",
            "rank_inflight_bound"]
 
 _GRID_WINDOW = 8  # columns shown either side of the marked steps
@@ -573,6 +573,77 @@ class _BlockingRun:
                 self.position[o] += 1
                 self._wake(o)
         return True
+
+
+class _UpdateBarrierRun(_BlockingRun):
+    """The blocking run with one more collective: every rank's first U or TR of each update
+    waits there for every rank's (a global reduction taken there: clipping by the global norm)."""
+
+    def __init__(self, schedule: Schedule, firsts: set[tuple[int, Action]]) -> None:
+        super().__init__(schedule)
+        self.firsts = firsts  # (rank, action) of each rank's first U/TR of an update
+        self.members = sorted(schedule.actions)
+
+    def _proceeds(self, r: int, a: Action) -> bool:
+        if (r, a) in self.firsts:
+            group = self.arrived.setdefault(("UPDATE", a.id), set())
+            if r not in group:
+                group.add(r)
+                if len(group) == len(self.members):
+                    for o in self.members:
+                        self._wake(o)
+            if len(group) < len(self.members):
+                return False
+        return super()._proceeds(r, a)
+
+
+def uneven_updates(schedule: Schedule) -> str | None:
+    """Why update ``t`` is not the same minibatches' update on every stage, or None: under the
+    asynchronous kinds a replicated stage's update merges one minibatch of each replica, so
+    it makes fewer updates than a stage without replicas (a learning rate by update count, or a
+    norm per update, would then differ between stages)."""
+    counts: dict[int, int] = {}
+    for actions in schedule.actions.values():
+        for a in actions:
+            if a.kind is Kind.OPTIMIZER_STEP and a.replica == 0:
+                counts[a.stage] = counts.get(a.stage, 0) + 1
+    if len(set(counts.values())) > 1:
+        few, many = min(counts, key=counts.get), max(counts, key=counts.get)  # type: ignore[arg-type]
+        return (f"stage {few} makes {counts[few]} updates and stage {many} {counts[many]} in "
+                f"{schedule.minibatches} minibatches (a {schedule.kind} stage with replicas updates once per "
+                "minibatch of each replica together)")
+    return None
+
+
+def update_barrier_problem(schedule: Schedule) -> str | None:
+    """Why a reduction over every rank at each update (taken at each rank's first U or TR of
+    the update) cannot run exactly in ``schedule``; None when it can. It needs (1) every rank
+    to hold all of the update's gradients at that point: no B, W, AR or TP between a rank's
+    first and last step of one update; (2) no deadlock with that extra collective."""
+    uneven = uneven_updates(schedule)
+    if uneven:
+        return uneven
+    firsts: set[tuple[int, Action]] = set()
+    for r, actions in schedule.actions.items():
+        seen: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for k, a in enumerate(actions):
+            if a.kind in (Kind.OPTIMIZER_STEP, Kind.TIED_REDUCE):
+                seen.setdefault(a.id, k)
+                last[a.id] = k
+        for update, first in seen.items():
+            between = [a for a in actions[first:last[update]]
+                       if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.ALLREDUCE, Kind.TIED_POST)]
+            if between:
+                return (f"rank {r} steps update {update} at {actions[first]} before its {between[0]}: the update's "
+                        "gradients are not all there when its first step runs")
+            firsts.add((r, actions[first]))
+    run = _UpdateBarrierRun(schedule, firsts)
+    stuck = run.run()
+    if stuck:
+        r, k = min(stuck.items())
+        return f"rank {r} would wait forever at {schedule.actions[r][k]} with a collective at every update"
+    return None
 
 
 def _check_deadlock(schedule: Schedule) -> None:

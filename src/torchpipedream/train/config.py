@@ -1,29 +1,39 @@
-"""What a training run is asked to do: :class:`TrainConfig` and its checks. No torch import,
-so the command line can build its options from it quickly."""
+"""What a training run is asked to do: :class:`TrainConfig`, its checks, and the data it
+trains on (:func:`load_data`, counted by the checks). No torch import at module level, so the
+command line can build its options from it quickly."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..plans.kinds import AUTO, KIND_NAMES, schedule_kind
 from ..plans.plan import Plan, PlanError
 from ..plans.topology import Topology, TopologyError, parse_bytes
 
-__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "optimizer_scratch_of", "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES"]
+if TYPE_CHECKING:
+    import torch
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+__all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "LR_SCHEDULES", "optimizer_scratch_of",
+           "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES", "load_data",
+           "minibatches_per_epoch", "run_updates"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 #: Copies of the weights each optimizer keeps besides the weights (the gradient included): the
 #: memory model's ``optimizer_state_factor`` (plans/memory.py).
-OPTIMIZER_STATE = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0}
+OPTIMIZER_STATE = {"sgd": 1.0, "momentum": 2.0, "adam": 3.0, "adamw": 3.0}
+#: ``--lr-schedule``: runtime.lr_schedule.LR_SCHEDULE_KINDS, spelled out here to keep this module torch-free.
+LR_SCHEDULES = ("constant", "linear", "cosine", "polynomial")
 
 
 def optimizer_scratch_of(optimizer: str, cuda: bool) -> tuple[float, float]:
     """The memory model's ``optimizer_scratch`` of ``--optimizer`` (plans.memory.once_bytes):
-    SGD steps in place; torch's Adam runs a per-parameter loop on a CPU (two temporaries of the
-    largest parameter's size) and its ``foreach`` form on CUDA (one of the stage's weights)."""
-    if optimizer != "adam":
+    SGD steps in place; torch's Adam (and AdamW, the same code) runs a per-parameter loop on a CPU
+    (two temporaries of the largest parameter's size) and its ``foreach`` form on CUDA (one of the
+    stage's weights)."""
+    if optimizer not in ("adam", "adamw"):
         return (0.0, 0.0)
     return (0.0, 1.0) if cuda else (2.0, 0.0)
 
@@ -65,6 +75,10 @@ class TrainConfig:
     batch_size: int = 32
     lr: float = 0.001
     optimizer: str = "adam"
+    weight_decay: float = 0.0  # on weights of 2+ dimensions only (not biases and norm weights)
+    lr_schedule: str = "constant"  # constant, linear, cosine or polynomial decay to 0 at the run's last update
+    warmup: int = 0  # updates of linear learning-rate warm-up
+    clip_grad_norm: float | None = None  # clip by the global gradient norm over the whole model
     microbatches: int = 4
     stages: int | None = None  # planner: exactly this many stages
     straight: bool = False  # planner: no replication
@@ -107,6 +121,30 @@ def schedule_of(cfg: TrainConfig, plan: Plan) -> tuple[str, int]:
     if cfg.schedule != AUTO:
         return cfg.schedule, microbatches_of(cfg)
     return plan.schedule, (plan.microbatches if schedule_kind(plan.schedule).microbatched else 1)
+
+
+def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Digits images for the vision models (and a user's model), stdlib text for the LM:
+    (train inputs, train targets, test inputs, test targets)."""
+    from ..models import digits_data, text_data  # lazy: models imports torch (this module stays torch-free)
+
+    if cfg.model in ("transformer", "gpt2"):
+        return text_data(context=64, max_bytes=120_000)
+    return digits_data(seed=0)
+
+
+def minibatches_per_epoch(samples: int, batch_size: int, limit: int | None) -> int:
+    """How many minibatches ``inputs.minibatches`` makes of ``samples`` training samples in an
+    epoch (a last partial one dropped; at most ``limit``)."""
+    count = samples // batch_size if samples >= batch_size else min(samples, 1)
+    return min(count, limit) if limit else count
+
+
+def run_updates(cfg: TrainConfig) -> int:
+    """The run's number of updates (one per minibatch under every schedule): ``--epochs`` times
+    the minibatches of an epoch; what ``--lr-schedule`` decays over."""
+    samples = len(load_data(cfg)[0])
+    return cfg.epochs * minibatches_per_epoch(samples, cfg.batch_size, cfg.max_minibatches)
 
 
 def _positive_int(cfg: TrainConfig, name: str, allow_none: bool = False, minimum: int = 1) -> None:
@@ -164,6 +202,28 @@ def check_workers_fit(workers: int, model_bytes: int = 0, available: int | None 
             f"available: use at most {fit} workers")
 
 
+def _finite_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check_recipe(cfg: TrainConfig) -> None:
+    """TrainError for a weight decay, learning-rate schedule or clipping norm that cannot work."""
+    if not (_finite_number(cfg.weight_decay) and cfg.weight_decay >= 0):
+        raise TrainError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay!r}")
+    if cfg.clip_grad_norm is not None and not (_finite_number(cfg.clip_grad_norm) and cfg.clip_grad_norm > 0):
+        raise TrainError(f"--clip-grad-norm must be a positive finite number (the largest global gradient norm), "
+                         f"got {cfg.clip_grad_norm!r}")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise TrainError(f"unknown --lr-schedule {cfg.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    _positive_int(cfg, "warmup", minimum=0)
+    if cfg.lr_schedule != "constant" and cfg.warmup >= cfg.epochs:  # else fewer than the updates: >= 1 per epoch
+        total = run_updates(cfg)
+        if total <= cfg.warmup:
+            raise TrainError(f"--warmup {cfg.warmup} must be fewer than the run's {total} updates ({cfg.epochs} "
+                             f"epoch(s) of {total // cfg.epochs} minibatches) to leave updates for --lr-schedule "
+                             f"{cfg.lr_schedule} to decay over")
+
+
 def check_options(cfg: TrainConfig) -> None:
     """TrainError for the first option that cannot work, before anything is started."""
     if cfg.schedule not in KIND_NAMES and cfg.schedule != AUTO:
@@ -212,6 +272,7 @@ def check_options(cfg: TrainConfig) -> None:
             f"unknown model {cfg.model!r}: use one of {', '.join(MODELS)} or 'module:function' for your own "
             "(it must take (N, 1, 8, 8) digit images and return 10 logits)"
         )
+    _check_recipe(cfg)  # after --epochs, --batch-size, --max-minibatches and --model: it may count the updates
     if cfg.schedule != AUTO and schedule_kind(cfg.schedule).microbatched and cfg.batch_size < cfg.microbatches:
         raise TrainError(
             f"--batch-size {cfg.batch_size} cannot be split into --microbatches {cfg.microbatches}"

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from ..models import cross_entropy, digits_data, get_model, text_data
+from ..models import cross_entropy, get_model
 from ..model.state_files import StateFileError, load_state_file
-from .config import TrainConfig, TrainError
+from .config import TrainConfig, TrainError, load_data
 
-__all__ = ["load_data", "build_model", "seeded_model", "loss_for", "optimizer_factory", "minibatches"]
-
-
-def _is_text_model(name: str) -> bool:
-    return name in ("transformer", "gpt2")
-
-
-def load_data(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Digits images for the vision models (and a user's model), stdlib text for the LM:
-    (train inputs, train targets, test inputs, test targets)."""
-    if _is_text_model(cfg.model):
-        return text_data(context=64, max_bytes=120_000)
-    return digits_data(seed=0)
+__all__ = ["load_data", "build_model", "seeded_model", "loss_for", "optimizer_factory", "build_optimizer",
+           "decay_groups", "minibatches"]
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -49,14 +38,41 @@ def loss_for(cfg: TrainConfig) -> Callable[..., torch.Tensor]:
 
 
 def optimizer_factory(cfg: TrainConfig) -> Callable[[Any], torch.optim.Optimizer]:
-    """``params -> optimizer`` for ``--optimizer`` and ``--lr`` (see ``Pipeline``'s ``optimizer``);
-    picklable, so that ``verify`` can send it to its worker processes."""
-    lr, kind = cfg.lr, cfg.optimizer
-    if kind == "sgd":
-        return functools.partial(torch.optim.SGD, lr=lr)
-    if kind == "momentum":
-        return functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
-    return functools.partial(torch.optim.Adam, lr=lr)
+    """``params -> optimizer`` for ``--optimizer``, ``--lr`` and ``--weight-decay`` (see
+    ``Pipeline``'s ``optimizer``); picklable, so that ``verify`` can send it to its worker processes."""
+    return functools.partial(build_optimizer, kind=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+#: The torch optimizer of each ``--optimizer`` and its fixed arguments.
+_OPTIMIZER_CLASSES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {}), "momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "adam": (torch.optim.Adam, {}), "adamw": (torch.optim.AdamW, {})}
+
+
+def build_optimizer(params: Iterable[Any], kind: str, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The optimizer ``kind`` on ``params``: (name, parameter) pairs, as a pipeline stage gives
+    them, or bare parameters (the profiler, ``verify``'s reference). With ``adamw`` or a weight
+    decay, the parameters go into two groups (:func:`decay_groups`)."""
+    cls, fixed = _OPTIMIZER_CLASSES[kind]
+    items = list(params)
+    if kind == "adamw" or weight_decay:
+        return cls(decay_groups(items, weight_decay), lr=lr, **fixed)
+    return cls(items, lr=lr, **fixed)
+
+
+def decay_groups(params: Iterable[Any], weight_decay: float) -> list[dict[str, Any]]:
+    """The standard weight-decay recipe as parameter groups: ``weight_decay`` on the matrices
+    and kernels (2+ dimensions), none on biases and normalisation weights (fewer), which decay
+    would only pull towards zero without regularising. Only non-empty groups: a stage may hold
+    no bias. Items keep their form (a (name, parameter) pair or a bare parameter)."""
+    items = list(params)
+
+    def tensor(item: Any) -> torch.Tensor:
+        return item[1] if isinstance(item, tuple) else item
+
+    groups = [{"params": [i for i in items if tensor(i).ndim >= 2], "weight_decay": weight_decay},
+              {"params": [i for i in items if tensor(i).ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def seeded_model(name: str, seed: int) -> nn.Module:

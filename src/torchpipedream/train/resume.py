@@ -65,7 +65,10 @@ def _differences(cfg: TrainConfig, saved: dict[str, Any], among: frozenset[str] 
     mine = asdict(cfg)
     # an option newer than the checkpoint was not recorded: that run had its default
     defaults = asdict(TrainConfig())
-    keys = [k for k in mine if (k in among if among is not None else k not in RESUMABLE_CHANGES)]
+    fixed = RESUMABLE_CHANGES
+    if among is None and mine.get("lr_schedule", "constant") != "constant":
+        fixed = fixed - {"epochs"}  # a decaying learning rate ends at the run's last update: its length is fixed
+    keys = [k for k in mine if (k in among if among is not None else k not in fixed)]
     return [f"{flag(k)} {saved.get(k, defaults[k])!r} (now {mine[k]!r})" for k in sorted(keys)
             if saved.get(k, defaults[k]) != mine[k]]
 

@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from ..runtime import Pipeline
-from .config import TrainConfig, schedule_of
+from ..runtime.lr_schedule import LRSchedule
+from .config import TrainConfig, minibatches_per_epoch, schedule_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .out_dir import checkpoints_root, prune_checkpoints
 from .preparation import Prepared
@@ -33,20 +34,29 @@ def _progress_bar(rank: int, prep: Prepared, per_epoch: int) -> Any:
                 desc=f"train {cfg.model} [{prep.plan.summary}, {prep.plan.schedule}]")
 
 
+def lr_schedule_of(cfg: TrainConfig, per_epoch: int) -> LRSchedule | None:
+    """``--lr-schedule`` and ``--warmup`` over the run's updates (one per minibatch under every
+    schedule kind), decaying to 0 at the last; None for a constant rate without warm-up."""
+    if cfg.lr_schedule == "constant" and cfg.warmup == 0:
+        return None
+    return LRSchedule(cfg.lr_schedule, cfg.warmup, total=cfg.epochs * per_epoch, final=0.0)
+
+
 def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     """Train as rank ``rank`` of the plan; rank 0 returns history, trace and full state."""
     cfg = prep.config
     model = build_model(cfg)
     x, y, xt, yt = load_data(cfg)
     kind, microbatches = schedule_of(cfg, prep.plan)
+    per_epoch = minibatches_per_epoch(len(x), cfg.batch_size, cfg.max_minibatches)
     pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
                     schedule=kind, microbatches=microbatches,
                     vertical_sync=cfg.vertical_sync,
                     timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s,
                     precision=cfg.precision, measure_memory=cfg.measure_memory,
+                    lr_scheduler=lr_schedule_of(cfg, per_epoch), clip_grad_norm=cfg.clip_grad_norm,
                     sample=x[: cfg.batch_size])  # for models that torch.export traces (--model gpt2)
     test = minibatches(xt, yt, 256, None, None)
-    per_epoch = len(minibatches(x, y, cfg.batch_size, cfg.max_minibatches, 0))
     bar = _progress_bar(rank, prep, per_epoch)
     history: list[dict[str, Any]] = []
     start_epoch, start_minibatch, partial = 0, 0, {"losses": [], "seconds": 0.0}
@@ -61,6 +71,7 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     for epoch in range(start_epoch, cfg.epochs):
         batches = minibatches(x, y, cfg.batch_size, cfg.max_minibatches, cfg.seed * 1000 + epoch)
         resumed = epoch == start_epoch
+        norms_before = len(pipe.grad_norms)
         losses, seconds = _train_epoch(pipe, cfg, epoch, batches, start_minibatch if resumed else 0,
                                        list(partial["losses"]) if resumed else [],
                                        float(partial["seconds"]) if resumed else 0.0, history, bar,
@@ -73,6 +84,8 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
         row = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "test_loss": metrics["loss"],
                "test_accuracy": metrics["accuracy"], "seconds": seconds, "minibatches": len(batches),
                "samples_per_s": samples / seconds}
+        if cfg.clip_grad_norm is not None:  # the global gradient norms (before clipping) of this epoch's updates
+            row["grad_norm"] = _norm_summary(pipe.grad_norms[norms_before:])
         history.append(row)
         if rank == 0 and not math.isfinite(row["train_loss"]) and all(math.isfinite(r["train_loss"])
                                                                        for r in history[:-1]):
@@ -98,6 +111,15 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     return {"history": history, "trace": trace, "state": state, "memory_peak_bytes": peaks, "loss_scaling": scaling,
             "threads": torch.get_num_threads()}
 
+
+
+def _norm_summary(norms: list[float]) -> dict[str, float | None]:
+    """The largest and the mean of an epoch's gradient norms, but those of float16 updates
+    skipped (NaN); None when there are none (an epoch resumed at its end)."""
+    norms = [n for n in norms if not math.isnan(n)]
+    if not norms:
+        return {"max": None, "mean": None}
+    return {"max": max(norms), "mean": sum(norms) / len(norms)}
 
 
 def _train_epoch(pipe: Any, cfg: Any, epoch: int, batches: list, first: int, losses: list[float], seconds: float,

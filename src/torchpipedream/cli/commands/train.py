@@ -8,6 +8,7 @@ import sys
 
 from ...plans.kinds import AUTO, KIND_NAMES
 from ...train import OPTIMIZERS, TrainConfig, TrainError
+from ...train.config import LR_SCHEDULES
 
 _EPILOG = """\
 With no options: the default CNN on the bundled digits images, one worker per core, PipeDream's
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     d = TrainConfig()
     _add_model_and_plan_options(p, d)
+    _add_recipe_options(p, d)
     _add_run_options(p, d)
     p.set_defaults(handler=_handle)
 
@@ -56,9 +58,6 @@ def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> N
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per minibatch (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=d.microbatches,
                    help="microbatches per minibatch for 2bw, flush, gpipe, zb-h1, zb-h2, zb-2bw (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default: %(default)s)")
-    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS,
-                   help="sgd, momentum (SGD with momentum 0.9) or adam (default: %(default)s)")
     p.add_argument("--stages", type=int, default=None, help="plan exactly this many stages (default: the planner's choice)")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
     p.add_argument("--recompute", action="store_true",
@@ -77,6 +76,25 @@ def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> N
                         "dynamic loss scaling (synchronous schedules: flush, gpipe, auto) (default: %(default)s)")
     p.add_argument("--plan", dest="plan_file", default=None, help="use this plan.json instead of planning")
     p.add_argument("--topology", default=None, help="topology spec for the planner (default: local, one level)")
+
+
+def _add_recipe_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The optimizer, its learning-rate schedule, weight decay and gradient clipping."""
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (default: %(default)s)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS,
+                   help="sgd, momentum (SGD with momentum 0.9), adam or adamw (Adam with decoupled weight decay) "
+                        "(default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, metavar="W",
+                   help="weight decay on the weights of two or more dimensions (none on biases and norm weights); "
+                        "decoupled with adamw, an L2 term with the others (default: %(default)s)")
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=LR_SCHEDULES,
+                   help="the learning rate over the run's updates (one per minibatch): constant, or a linear, "
+                        "cosine or polynomial decay to 0 at the last update, after --warmup (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                   help="raise the learning rate linearly over the first N updates (default: %(default)s)")
+    p.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm, metavar="X",
+                   help="clip every update's gradient to a global norm of at most X, the norm taken over the "
+                        "whole model's gradients across stages; the report gives each epoch's largest and mean norm")
 
 
 def _add_run_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from ...plans.kinds import KIND_NAMES
 from ...plans.plan import Plan
 from ...plans.topology import Topology
-from ...train import TrainConfig
+from ...train import OPTIMIZERS, TrainConfig
 from . import CommandError
 
 
@@ -35,8 +35,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="samples per minibatch (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=2,
                    help="microbatches per minibatch for 2bw, flush, gpipe (default: %(default)s)")
-    p.add_argument("--optimizer", default="momentum", choices=("sgd", "momentum", "adam"),
-                   help="sgd, momentum or adam (default: %(default)s)")
+    p.add_argument("--optimizer", default="momentum", choices=OPTIMIZERS,
+                   help="sgd, momentum, adam or adamw (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="weight decay on the parameters of two or more dimensions, none on biases and norms, "
+                        "in the pipeline and the reference alike (default: %(default)s)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default: %(default)s)")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
     p.add_argument("--plan", dest="plan_file", default=None, help="check this plan.json instead of planning")
@@ -66,8 +69,11 @@ def _handle(args: argparse.Namespace) -> int:
     for flag, tolerance in (("--atol", args.atol), ("--rtol", args.rtol)):
         if not tolerance >= 0:  # also NaN: a negative bound reported "MISMATCH, max |diff| 0"
             raise CommandError(f"{flag} must be a number >= 0, got {tolerance}")
+    if not 0 <= args.weight_decay < float("inf"):
+        raise CommandError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     cfg = TrainConfig(model=args.model, schedule=kinds[0], workers=args.workers, batch_size=args.batch_size,
-                      microbatches=args.microbatches, optimizer=args.optimizer, lr=args.lr, seed=args.seed)
+                      microbatches=args.microbatches, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+                      weight_decay=args.weight_decay)
     model = functools.partial(seeded_model, args.model, args.seed)
     x, y, _, _ = load_data(cfg)
     batches = minibatches(x, y, args.batch_size, args.minibatches, args.seed)
