@@ -221,3 +221,16 @@ def test_a_decaying_schedule_fixes_the_runs_length_on_resume():
     assert _differences(TrainConfig(lr_schedule="cosine", epochs=3), saved) == ["--epochs 2 (now 3)"]
     constant = asdict(TrainConfig(epochs=2))
     assert _differences(TrainConfig(epochs=3), constant) == []
+
+
+def test_a_recipe_that_counts_updates_plans_pipedream_straight():
+    """pipedream's replicated stage makes one update per minibatch of each replica: a learning
+    rate or a norm per update would differ between stages, so such a run plans no replicas."""
+    from torchpipedream.train.preparation import _straight
+
+    assert _straight(TrainConfig(schedule="pipedream", lr_schedule="cosine"))
+    assert _straight(TrainConfig(schedule="pipedream", clip_grad_norm=1.0))
+    assert _straight(TrainConfig(schedule="auto", allow_stale=True, warmup=3))
+    assert not _straight(TrainConfig(schedule="pipedream"))
+    assert not _straight(TrainConfig(schedule="flush", clip_grad_norm=1.0))  # every stage: one update per minibatch
+    assert not _straight(TrainConfig(schedule="2bw", lr_schedule="linear"))

@@ -713,20 +713,20 @@ class Pipeline:
     def _check_recipe(self, schedule: Schedule) -> None:
         """Refuse a schedule whose updates cannot follow ``lr_scheduler`` or ``clip_grad_norm``:
         one where update t is not the same minibatches' on every stage (a replicated stage under
-        an asynchronous kind), or, for clipping, whose updates cannot wait for the norm of every
+        pipedream or naive), or, for clipping, whose updates cannot wait for the norm of every
         stage's gradient (schedule.validate.update_barrier_problem)."""
         if self._scheduler_factory is not None:
             uneven = uneven_updates(schedule)
             if uneven:
                 raise PipelineError(f"lr_scheduler cannot follow the {schedule.kind} schedule of this plan: {uneven}, so "
                                     "a learning rate by update count would differ between stages; plan without "
-                                    "replicated stages, or use a synchronous kind (flush, gpipe, zb-h1, zb-h2)")
+                                    "replicated stages, or use a kind that splits minibatches (flush, gpipe, 2bw)")
         problem = update_barrier_problem(schedule) if self.clipper is not None else None
         if problem:
             raise PipelineError(f"clip_grad_norm cannot run with the {schedule.kind} schedule of this plan: {problem}; "
                                 "clipping by the global norm needs every stage's gradients of one update before its "
                                 "first step (kinds with one stage per rank: flush, gpipe, zb-h1, zb-h2, pipedream, 2bw, "
-                                "zb-2bw; replicated stages with the synchronous ones only)")
+                                "zb-2bw; replicated stages with those that split minibatches)")
 
     def schedule_for(self, minibatches: int) -> Schedule:
         """The validated schedule covering ``minibatches`` minibatches (cached; see

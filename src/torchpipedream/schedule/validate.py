@@ -598,10 +598,11 @@ class _UpdateBarrierRun(_BlockingRun):
 
 
 def uneven_updates(schedule: Schedule) -> str | None:
-    """Why update ``t`` is not the same minibatches' update on every stage, or None: under the
-    asynchronous kinds a replicated stage's update merges one minibatch of each replica, so
+    """Why update ``t`` is not the same minibatches' update on every stage, or None: under pipedream
+    and naive a replicated stage's update merges one minibatch of each replica, so
     it makes fewer updates than a stage without replicas (a learning rate by update count, or a
-    norm per update, would then differ between stages)."""
+    norm per update, would then differ between stages). The kinds that split minibatches
+    (flush, gpipe, 2bw, ...) update every stage once per minibatch or batch."""
     counts: dict[int, int] = {}
     for actions in schedule.actions.values():
         for a in actions:

@@ -12,7 +12,7 @@ import torch
 
 from ..model import profiler
 from ..model.graph import LayerGraph
-from ..plans.kinds import AUTO
+from ..plans.kinds import AUTO, schedule_kind
 from ..plans.plan import Plan, PlanError
 from ..plans.topology import Topology, parse_bytes
 from ..runtime.measure import measure_local_costs
@@ -107,18 +107,38 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
                              "per worker); train them through the Pipeline API")
         if cfg.schedule != AUTO:  # auto: the file's schedule and microbatches
             plan.schedule = cfg.schedule
+        if _recipe_counts_updates(cfg) and not schedule_kind(plan.schedule).microbatched \
+                and any(st.replicas > 1 for st in plan.stages):
+            raise TrainError(f"--plan {cfg.plan_file}: {plan.summary} replicates a stage, which under {plan.schedule} "
+                             "updates once per minibatch of each replica together, so --lr-schedule, --warmup and "
+                             "--clip-grad-norm would count updates differently on its stages; use a straight plan "
+                             "or a synchronous schedule")
         plan = plan.with_recompute(True) if cfg.recompute else plan
         _check_fits_memory(cfg, plan, f"--plan {cfg.plan_file}")
         return plan
     try:
         return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
-                         num_stages=cfg.stages, straight=cfg.straight, recompute=cfg.recompute,
+                         num_stages=cfg.stages, straight=_straight(cfg), recompute=cfg.recompute,
                          optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer],
                          optimizer_scratch=_scratch(cfg))
     except PlanError as exc:
         if cfg.memory is None:
             raise
         raise TrainError(f"--memory {cfg.memory}: {exc}") from None
+
+
+def _recipe_counts_updates(cfg: TrainConfig) -> bool:
+    """Whether the run's learning rate or clipping follows the update count (every stage must
+    then count its updates alike: runtime/lr_schedule.py, runtime/clipping.py)."""
+    return cfg.lr_schedule != "constant" or bool(cfg.warmup) or cfg.clip_grad_norm is not None
+
+
+def _straight(cfg: TrainConfig) -> bool:
+    """Plan without replicated stages: ``--straight``, or a recipe that counts updates under a
+    kind whose replicated stage merges one minibatch of each replica into an update (pipedream,
+    naive; with ``--schedule auto``, when ``--allow-stale`` lets it choose pipedream)."""
+    per_minibatch = cfg.allow_stale if cfg.schedule == AUTO else not schedule_kind(cfg.schedule).microbatched
+    return cfg.straight or (_recipe_counts_updates(cfg) and per_minibatch)
 
 
 def _check_fits_memory(cfg: TrainConfig, plan: Plan, source: str) -> None:
@@ -178,7 +198,7 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostC
     (this machine's cores, no --topology) also tries fewer workers with more torch threads each
     (``auto.local_layouts``), each from a profile at that thread count."""
     options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
-                   straight=cfg.straight, recompute=cfg.recompute,
+                   straight=_straight(cfg), recompute=cfg.recompute,
                    optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], optimizer_scratch=_scratch(cfg),
                    host_costs=host_costs, virtual_stages=False)  # train cannot checkpoint them yet
     try:
