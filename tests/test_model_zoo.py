@@ -101,6 +101,33 @@ def test_verify_names_the_first_difference():
     assert "after minibatch 1" in str(report)
 
 
+class StageClippedSGD(torch.optim.SGD):
+    """SGD that clips its own parameters' gradients first: over the whole model that is global
+    clipping, one per stage is clipping by each stage's norm."""
+
+    def step(self, closure=None):
+        torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"] if p.grad is not None], 0.05)
+        return super().step(closure)
+
+
+def test_verify_checks_the_recipe_against_global_clipping():
+    """verify runs the pipeline with a learning-rate schedule and clipping by the global norm
+    against a reference that clips with clip_grad_norm_ over the whole model (OK), and catches
+    clipping by each stage's own norm (an optimizer that clips inside its step)."""
+    from torchpipedream.runtime.lr_schedule import LRSchedule
+
+    batches = zoo.batches("masked_mean", 3)
+    graph = _graph("masked_mean", batches)
+    plan = make_plan(graph, Topology.local(2), schedule="flush", microbatches=2, straight=True)
+    schedule = LRSchedule("cosine", warmup=1, total=3)
+    good = verify(zoo.masked_mean, batches, plan, functools.partial(torch.optim.SGD, lr=0.1), loss_fn=zoo.logits_loss,
+                  lr_scheduler=schedule, clip_grad_norm=0.05)
+    assert good.ok, str(good)
+    per_stage = verify(zoo.masked_mean, batches, plan, functools.partial(StageClippedSGD, lr=0.1),
+                       loss_fn=zoo.logits_loss, lr_scheduler=schedule)
+    assert not per_stage.ok and per_stage.mismatch.minibatch == 1
+
+
 def test_verify_refuses_what_it_cannot_check():
     batches = zoo.batches("masked_mean", 2)
     plan = Plan.straight([["x"]], schedule="naive")

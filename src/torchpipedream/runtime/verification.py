@@ -50,6 +50,7 @@ from ..schedule.build import build_schedule
 from ..schedule.orders import ScheduleBuildError
 from ..model.capture import as_call, model_loss, parameter_aliases
 from .launcher import launch
+from .lr_schedule import as_scheduler_factory
 from .pipeline import Pipeline
 
 __all__ = ["verify", "verify_plans", "VerifyReport", "Mismatch", "VerifyError"]
@@ -127,6 +128,8 @@ class _Job:
     loss_reduction: str
     timeout_s: float
     prefixes: list[int]  # run each plan on batches[:k] for each k
+    lr_scheduler: Any = None  # as Pipeline(lr_scheduler=): a picklable factory or an LRSchedule
+    clip_grad_norm: float | None = None
 
 
 def _worker(rank: int, job: _Job) -> list[dict[int, dict[str, Any]]]:
@@ -137,7 +140,8 @@ def _worker(rank: int, job: _Job) -> list[dict[int, dict[str, Any]]]:
         for k in job.prefixes:
             inputs = job.batches[0] if job.loss_fn is None else job.batches[0][0]
             pipe = Pipeline(job.model(), plan, job.optimizer, loss_fn=job.loss_fn, loss_reduction=job.loss_reduction,
-                            timeout_s=job.timeout_s, sample=inputs)
+                            timeout_s=job.timeout_s, sample=inputs, lr_scheduler=job.lr_scheduler,
+                            clip_grad_norm=job.clip_grad_norm)
             pipe.train_minibatches(job.batches[:k])
             state = pipe.stage_state_dict()
             runs[k] = {"stage": pipe.stage, "replica": pipe.replica, "state": state,
@@ -192,6 +196,8 @@ def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], in
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     live = dict(module.named_parameters())
     optimizer = job.optimizer([(n, live[n]) for n in names])  # named, as the pipeline gives them
+    factory = as_scheduler_factory(job.lr_scheduler)
+    scheduler = factory(optimizer) if factory is not None else None
     history = [{n: live[n].detach().clone() for n in names}]
     states = []
     m = plan.microbatches if schedule_kind(plan.schedule).microbatched else 1
@@ -209,8 +215,12 @@ def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], in
         grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
         for n, g in zip(names, grads):
             live[n].grad = g
+        if job.clip_grad_norm is not None:  # the norm over every parameter's gradient of this update
+            torch.nn.utils.clip_grad_norm_([live[n] for n in names if live[n].grad is not None], job.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
         history.append({n: live[n].detach().clone() for n in names})
         states.append({k: v.detach().clone() for k, v in module.state_dict().items()})
     return states
@@ -344,14 +354,16 @@ def _check_arguments(plans: list[Plan], batches: list[Any], atol: float, rtol: f
 def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: Sequence[Plan],
                  optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None = None,
                  loss_reduction: str = "mean", atol: float = 1e-5, rtol: float = 1e-4,
-                 timeout_s: float = 120.0) -> list[VerifyReport]:
+                 timeout_s: float = 120.0, lr_scheduler: Any = None,
+                 clip_grad_norm: float | None = None) -> list[VerifyReport]:
     """Check several plans of one model (all for the same number of workers) in one launch of
     worker processes; each plan runs its own ``schedule`` and ``microbatches``. See
     :func:`verify`."""
     plans = list(plans)
     batches = list(batches)
     _check_arguments(plans, batches, atol, rtol)
-    job = _Job(model, batches, plans, optimizer, loss_fn, loss_reduction, timeout_s, [len(batches)])
+    job = _Job(model, batches, plans, optimizer, loss_fn, loss_reduction, timeout_s, [len(batches)], lr_scheduler,
+               clip_grad_norm)
     rules = [schedule_kind(plan.schedule) for plan in plans]
     for plan, kind in zip(plans, rules):
         _version_rule(plan, kind, {}, {})  # refuses what has no reference, before anything runs
@@ -418,7 +430,7 @@ def _first_difference(job: _Job, i: int, want: list[dict[str, torch.Tensor]], al
 def verify(model: Callable[[], nn.Module], batches: Sequence[Any], plan: Plan,
            optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None = None,
            loss_reduction: str = "mean", atol: float = 1e-5, rtol: float = 1e-4,
-           timeout_s: float = 120.0) -> VerifyReport:
+           timeout_s: float = 120.0, lr_scheduler: Any = None, clip_grad_norm: float | None = None) -> VerifyReport:
     """Train ``batches`` with the pipeline (``plan``: its schedule and microbatches) and with
     the reference of its update rule in this process; compare every parameter and buffer.
 
@@ -430,9 +442,13 @@ def verify(model: Callable[[], nn.Module], batches: Sequence[Any], plan: Plan,
         loss_fn: as for Pipeline (None: the model computes its loss).
         atol, rtol: a value matches when ``|pipeline − reference| <= atol + rtol · max|reference|``.
         timeout_s: stop the check when the pipeline makes no progress for this long.
+        lr_scheduler, clip_grad_norm: the recipe, as for Pipeline (picklable); the reference
+            steps its scheduler after every update and clips each update's gradient with
+            ``torch.nn.utils.clip_grad_norm_`` over the whole model.
 
     Returns:
         A :class:`VerifyReport` (``ok``, the largest difference per stage, the first mismatch
         with its minibatch, stage and parameter).
     """
-    return verify_plans(model, batches, [plan], optimizer, loss_fn, loss_reduction, atol, rtol, timeout_s)[0]
+    return verify_plans(model, batches, [plan], optimizer, loss_fn, loss_reduction, atol, rtol, timeout_s,
+                        lr_scheduler, clip_grad_norm)[0]

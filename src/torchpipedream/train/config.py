@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainConfig", "TrainError", "OPTIMIZERS", "OPTIMIZER_STATE", "LR_SCHEDULES", "optimizer_scratch_of",
            "check_options", "microbatches_of", "schedule_of", "flag", "WORKER_MEMORY_BYTES", "load_data",
-           "minibatches_per_epoch", "run_updates"]
+           "minibatches_per_epoch", "run_updates", "check_recipe"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 #: Copies of the weights each optimizer keeps besides the weights (the gradient included): the
@@ -206,8 +206,9 @@ def _finite_number(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _check_recipe(cfg: TrainConfig) -> None:
-    """TrainError for a weight decay, learning-rate schedule or clipping norm that cannot work."""
+def check_recipe(cfg: TrainConfig, updates: int | None = None) -> None:
+    """TrainError for a weight decay, learning-rate schedule or clipping norm that cannot work
+    (``updates``: the run's, when known; else counted from the data and the options)."""
     if not (_finite_number(cfg.weight_decay) and cfg.weight_decay >= 0):
         raise TrainError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay!r}")
     if cfg.clip_grad_norm is not None and not (_finite_number(cfg.clip_grad_norm) and cfg.clip_grad_norm > 0):
@@ -217,7 +218,7 @@ def _check_recipe(cfg: TrainConfig) -> None:
         raise TrainError(f"unknown --lr-schedule {cfg.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
     _positive_int(cfg, "warmup", minimum=0)
     if cfg.lr_schedule != "constant" and cfg.warmup >= cfg.epochs:  # else fewer than the updates: >= 1 per epoch
-        total = run_updates(cfg)
+        total = run_updates(cfg) if updates is None else updates
         if total <= cfg.warmup:
             raise TrainError(f"--warmup {cfg.warmup} must be fewer than the run's {total} updates ({cfg.epochs} "
                              f"epoch(s) of {total // cfg.epochs} minibatches) to leave updates for --lr-schedule "
@@ -272,7 +273,7 @@ def check_options(cfg: TrainConfig) -> None:
             f"unknown model {cfg.model!r}: use one of {', '.join(MODELS)} or 'module:function' for your own "
             "(it must take (N, 1, 8, 8) digit images and return 10 logits)"
         )
-    _check_recipe(cfg)  # after --epochs, --batch-size, --max-minibatches and --model: it may count the updates
+    check_recipe(cfg)  # after --epochs, --batch-size, --max-minibatches and --model: it may count the updates
     if cfg.schedule != AUTO and schedule_kind(cfg.schedule).microbatched and cfg.batch_size < cfg.microbatches:
         raise TrainError(
             f"--batch-size {cfg.batch_size} cannot be split into --microbatches {cfg.microbatches}"

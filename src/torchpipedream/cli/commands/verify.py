@@ -12,7 +12,8 @@ from typing import Any
 from ...plans.kinds import KIND_NAMES
 from ...plans.plan import Plan
 from ...plans.topology import Topology
-from ...train import OPTIMIZERS, TrainConfig
+from ...train import OPTIMIZERS, TrainConfig, TrainError
+from ...train.config import LR_SCHEDULES, check_recipe
 from . import CommandError
 
 
@@ -41,6 +42,13 @@ def register(subparsers: Any) -> None:
                    help="weight decay on the parameters of two or more dimensions, none on biases and norms, "
                         "in the pipeline and the reference alike (default: %(default)s)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default: %(default)s)")
+    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+                   help="the learning rate over the checked updates, stepped after each by every stage and by the "
+                        "reference (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=0, metavar="N", help="updates of linear warm-up (default: %(default)s)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip every update by the norm over all the model's gradients; the reference uses "
+                        "torch.nn.utils.clip_grad_norm_ on the whole model")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
     p.add_argument("--plan", dest="plan_file", default=None, help="check this plan.json instead of planning")
     p.add_argument("--seed", type=int, default=0, help="the model's initialisation seed (default: %(default)s)")
@@ -56,6 +64,7 @@ def _handle(args: argparse.Namespace) -> int:
     from ...runtime.verification import verify_plans
     from ...search.planner import plan
     from ...train.inputs import load_data, loss_for, minibatches, optimizer_factory, seeded_model
+    from ...train.worker import lr_schedule_of
 
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
     kinds = [k.strip() for k in args.schedule.split(",") if k.strip()]
@@ -73,7 +82,12 @@ def _handle(args: argparse.Namespace) -> int:
         raise CommandError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     cfg = TrainConfig(model=args.model, schedule=kinds[0], workers=args.workers, batch_size=args.batch_size,
                       microbatches=args.microbatches, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-                      weight_decay=args.weight_decay)
+                      weight_decay=args.weight_decay, lr_schedule=args.lr_schedule, warmup=args.warmup,
+                      clip_grad_norm=args.clip_grad_norm, epochs=1, max_minibatches=args.minibatches)
+    try:
+        check_recipe(cfg, updates=args.minibatches)
+    except TrainError as exc:
+        raise CommandError(str(exc)) from None
     model = functools.partial(seeded_model, args.model, args.seed)
     x, y, _, _ = load_data(cfg)
     batches = minibatches(x, y, args.batch_size, args.minibatches, args.seed)
@@ -92,7 +106,8 @@ def _handle(args: argparse.Namespace) -> int:
     plans = [dataclasses.replace(base, schedule=k, microbatches=args.microbatches) for k in kinds]
     print(f"verify {args.model}: {base.summary} ({base.config}), {len(batches)} minibatches of {args.batch_size}")
     reports = verify_plans(model, batches, plans, optimizer_factory(cfg), loss_fn=loss_for(cfg),
-                           atol=args.atol, rtol=args.rtol)
+                           atol=args.atol, rtol=args.rtol, lr_scheduler=lr_schedule_of(cfg, len(batches)),
+                           clip_grad_norm=cfg.clip_grad_norm)
     for report in reports:
         print(report)
     return 0 if all(r.ok for r in reports) else 1
