@@ -126,6 +126,47 @@ def test_pack_unpack_round_trip_with_aligned_views():
     assert torch.equal(passengers[0], torch.tensor([True, False]))
 
 
+def test_nested_values_cross_a_cut_and_are_rebuilt():
+    """An LSTM's ``(output, (h, c))``, lists and dicts of tensors and numbers: their leaves
+    travel as tensors (views of the buffer, requires-grad kept) and the receiver gets the
+    same structure back; targets may nest too."""
+    h = torch.randn(2, 3, requires_grad=True)
+    lstm_out = (torch.randn(2, 4, requires_grad=True), (h, torch.randn(1, 2, 3)))
+    buf = pack(6, [lstm_out, [torch.Size([2, 4]), 2.5], {"mask": torch.ones(2, dtype=torch.bool)}],
+               [{"labels": torch.arange(2)}], torch.device("cpu"))
+    samples, acts, passengers, metas = unpack(buf)
+    assert samples == 6 and len(acts) == 3
+    (out, (h2, c2)), (size, number), mask = acts[0], acts[1], acts[2]["mask"]
+    assert torch.equal(out, lstm_out[0]) and torch.equal(h2, h) and torch.equal(c2, lstm_out[1][1])
+    assert out.requires_grad and h2.requires_grad and not c2.requires_grad  # the leaves of the next stage's graph
+    assert tuple(size) == (2, 4) and number == 2.5 and torch.equal(mask, torch.ones(2, dtype=torch.bool))
+    assert torch.equal(passengers[0]["labels"], torch.arange(2))
+    # one meta per leaf: 4 activation tensors and numbers, the shape's ints, the mask, the label, the structure
+    assert sum(m.is_tensor for m in metas) == 5
+    # a value no tree holds is still refused, naming its type
+    with pytest.raises(CommError, match="a value of type str crosses a stage boundary"):
+        pack(1, [("a", torch.zeros(1))], [], torch.device("cpu"))
+
+
+def test_unused_items_of_a_returned_tuple_are_no_layers():
+    """``h, _ = self.rnn(x)`` traces a getitem for the ``_``; the fx path drops it, so no cut
+    can fall between the LSTM and an item nothing uses."""
+    from torchpipedream.model.capture import trace
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, _ = self.rnn(x)
+            return h
+
+    traced = trace(Net(), (torch.randn(2, 3, 4),), {})
+    items = [n for n in traced.module.graph.nodes if n.op == "call_function" and "getitem" in n.name]
+    assert traced.method == "fx" and len(items) == 1 and items[0].users
+
+
 def test_forward_only_keeps_forward_transfers():
     from torchpipedream.schedule.build import build_schedule
 

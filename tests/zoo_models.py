@@ -140,3 +140,108 @@ def batches(name: str, n: int, size: int = 8) -> list:
 FACTORIES = {"gpt2": gpt2, "bert": bert, "t5": t5, "resnet": resnet, "mobilenet": mobilenet, "vit": vit,
              "masked_mean": masked_mean}
 LOSSES = {"masked_mean": logits_loss}
+
+
+# ----------------------------------------------------------------------------- the paper's families
+# Issue 37 (item 4): models of the families PipeDream and PipeDream-2BW train (tests/test_paper_models.py),
+# written here with torch.nn only, tiny, dropout off: ``paper_model(name)`` builds one, ``paper_batches``
+# gives its ``(inputs, target)`` minibatches for ``lm_loss``.
+PAPER_VOCAB = 50
+
+
+class TiedLSTMLM(nn.Module):
+    """AWD-LM-like: an embedding, three single-layer LSTMs (``h, _ = rnn(h)``: the state unused)
+    and a decoder whose weight is the embedding's."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(PAPER_VOCAB, dim)
+        self.rnn1 = nn.LSTM(dim, dim, batch_first=True)
+        self.rnn2 = nn.LSTM(dim, dim, batch_first=True)
+        self.rnn3 = nn.LSTM(dim, dim, batch_first=True)
+        self.decoder = nn.Linear(dim, PAPER_VOCAB)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h, _ = self.rnn1(h)
+        h, _ = self.rnn2(h)
+        h, _ = self.rnn3(h)
+        return self.decoder(h)
+
+
+class Seq2SeqAttention(nn.Module):
+    """GNMT-like: an LSTM encoder over the source, an LSTM decoder over the target started from the
+    encoder's final ``(h, c)``, dot-product attention of the decoder's outputs over the encoder's,
+    and a layer to the vocabulary. ``forward(src, tgt)``."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.src_embed = nn.Embedding(PAPER_VOCAB, dim)
+        self.encoder1 = nn.LSTM(dim, dim, batch_first=True)
+        self.encoder2 = nn.LSTM(dim, dim, batch_first=True)
+        self.tgt_embed = nn.Embedding(PAPER_VOCAB, dim)
+        self.decoder = nn.LSTM(dim, dim, batch_first=True)
+        self.query = nn.Linear(dim, dim)
+        self.out = nn.Linear(2 * dim, PAPER_VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        enc, _ = self.encoder1(self.src_embed(src))
+        enc, state = self.encoder2(enc)
+        dec, _ = self.decoder(self.tgt_embed(tgt), state)
+        scores = torch.bmm(self.query(dec), enc.transpose(1, 2))
+        context = torch.bmm(torch.softmax(scores, dim=-1), enc)
+        return self.out(torch.cat([dec, context], dim=-1))
+
+
+class EncoderLM(nn.Module):
+    """A causal language model on ``nn.TransformerEncoder`` (``nn.MultiheadAttention`` inside):
+    token and position embeddings, two layers, an output layer."""
+
+    def __init__(self, dim: int = 32, context: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(PAPER_VOCAB, dim)
+        self.pos = nn.Parameter(0.1 * torch.randn(context, dim))
+        layer = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, PAPER_VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) + self.pos
+        h = self.encoder(h, mask=self.mask)
+        return self.head(self.norm(h))
+
+
+def paper_model(name: str) -> nn.Module:
+    """Paper model ``name`` (``PAPER_MODELS``), built after ``torch.manual_seed(0)``: the same
+    weights in every process."""
+    torch.manual_seed(0)
+    return PAPER_MODELS[name]()
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over every token."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def paper_batches(name: str, n: int, size: int = 8) -> list:
+    """``n`` minibatches ``(inputs, target)`` of ``size`` samples for paper model ``name``: for
+    gnmt ``((src, tgt_in), tgt_out)``, sources of 10 tokens, targets of 8."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(n):
+        if name == "gnmt":
+            src = torch.randint(0, PAPER_VOCAB, (size, 10), generator=g)
+            tgt = torch.randint(0, PAPER_VOCAB, (size, 9), generator=g)
+            out.append(((src, tgt[:, :-1]), tgt[:, 1:]))
+        elif name in ("awd_lm", "encoder_lm"):
+            ids = torch.randint(0, PAPER_VOCAB, (size, 13), generator=g)
+            out.append((ids[:, :-1], ids[:, 1:]))
+        else:
+            raise KeyError(name)
+    return out
+
+
+PAPER_MODELS = {"awd_lm": TiedLSTMLM, "gnmt": Seq2SeqAttention, "encoder_lm": EncoderLM}

@@ -22,8 +22,10 @@ What cannot be traced either way is a :class:`TraceError` that says what was tri
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +105,7 @@ class Traced:
     _bind: Any = field(default=None, repr=False)  # fx: the forward's signature
     _arg_names: list[str] = field(default_factory=list, repr=False)  # fx: its traced parameters, in order
     _in_spec: Any = field(default=None, repr=False)  # export: the pytree spec of (args, kwargs)
+    _out_type: Any = field(default=None, repr=False)  # fx: the dict subclass the model returns (a ModelOutput)
 
     def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The values of the graph's placeholders for a call ``model(*args, **kwargs)``."""
@@ -119,7 +122,8 @@ class Traced:
     def unflatten(self, output: Any) -> Any:
         """The model's output from what the graph (or its last stage) returned."""
         if self.out_spec is None:
-            return output
+            # fx returns a dict subclass (a ModelOutput) as a plain immutable dict: rebuild its class
+            return self._out_type(**output) if self._out_type is not None and isinstance(output, dict) else output
         flat = list(output) if isinstance(output, (tuple, list)) else [output]
         return pytree.tree_unflatten(flat, self.out_spec)
 
@@ -144,31 +148,113 @@ def _fx(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None) 
                 if param.default is inspect.Parameter.empty:
                     raise TraceError(f"the sample gives no value for the model's argument {name!r}")
                 concrete[name] = param.default
-    gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+    tracer = _OutputTypeTracer()
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     if concrete:  # fx keeps placeholders for them (checked, then unused): the graph takes what is passed
-        gm = _without_concrete_placeholders(gm, [n for n in signature.parameters if n in concrete])
+        gm = _without_concrete_placeholders(gm, [n if n in concrete else None for n, p in signature.parameters.items()
+                                                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)])
+    _drop_unused_items(gm)
+    mutated = _mutated_buffers(gm)
+    if mutated:
+        raise _NotForFx(f"{type(model).__name__} updates its buffer {mutated[0]!r} in forward, and torch.fx records "
+                        "no torch.no_grad() around the update (its gradient would flow)")
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     arg_names = [n for n, p in signature.parameters.items()
                  if n not in concrete and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if len(arg_names) != len(placeholders):
         raise TraceError(f"torch.fx traced {type(model).__name__} with inputs {placeholders} that do not match its "
                          f"arguments {arg_names}")
-    return Traced(gm, "fx", placeholders, _bind=signature, _arg_names=arg_names)
+    return Traced(gm, "fx", placeholders, _bind=signature, _arg_names=arg_names, _out_type=tracer.output_type(graph))
+
+
+class _OutputTypeTracer(fx.Tracer):
+    """torch.fx's tracer with buffers traced as values, remembering the dict subclasses the
+    traced code builds (fx turns the model's returned ModelOutput into an immutable dict; its
+    class is rebuilt from this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # A buffer read in forward becomes a graph value, so that updating it in place
+        # (``self.ema.mul_(0.9)``) is traced into the graph, not run once on the real buffer
+        # while tracing.
+        self.proxy_buffer_attributes = True
+        self._dict_types: list[tuple[type, list[Any]]] = []
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, dict) and type(a) not in (dict, collections.OrderedDict):
+            self._dict_types.append((type(a), list(a.keys())))
+        return super().create_arg(a)
+
+    def output_type(self, graph: fx.Graph) -> type | None:
+        """The class of the dict the graph returns, when the model built one of its own (the
+        last one built with the output's keys: the output is the last value traced)."""
+        output = next(n for n in graph.nodes if n.op == "output").args[0]
+        if not isinstance(output, dict) or not self._dict_types:
+            return None
+        cls, keys = self._dict_types[-1]
+        return cls if keys == list(output.keys()) else None
 
 
 def _without_concrete_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     """fx leaves a placeholder (and a check of its value) for every concrete argument; the
-    stages and the profiler call the graph with the other arguments only, so drop them."""
+    stages and the profiler call the graph with the other arguments only, so drop them.
+    ``names``: every argument of the forward, in order (its placeholders follow that order; fx
+    may rename them, ``mask`` to ``mask_1``), with None for those traced as they are."""
     graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "placeholder" and node.target in names:
-            for user in list(node.users):
-                if user.op == "call_function" and not user.users:  # fx's value check
-                    graph.erase_node(user)
-            if not node.users:
-                graph.erase_node(node)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        if name is not None:
+            _erase_checks(graph, node)
     graph.lint()
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def _erase_checks(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and fx's check of its value (``_assert_is_none(x)``, or
+    ``_assert(x == value)``): the functions that use only it and end unused."""
+    for user in list(node.users):
+        if user.op == "call_function":
+            for later in list(user.users):
+                if later.op == "call_function" and not later.users:
+                    graph.erase_node(later)
+            if not user.users:
+                graph.erase_node(user)
+    if not node.users:
+        graph.erase_node(node)
+
+
+class _NotForFx(RuntimeError):
+    """torch.fx traced the model but its graph would not compute what the model does: torch.export next."""
+
+
+def _mutated_buffers(gm: fx.GraphModule) -> list[str]:
+    """The buffers the graph updates in place itself (``self.ema.mul_(0.9)``; a module's own
+    update inside a call, BatchNorm's, is not one: the module runs it as in one process)."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    modules = dict(gm.named_modules())
+    found = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_method", "call_function") and node.args and mutates_first_input(node, modules):
+            base = node.args[0]
+            while isinstance(base, fx.Node) and base.op != "get_attr" and base.args and mutates_first_input(base, modules):
+                base = base.args[0]  # a chain of in-place updates: mul_(...).add_(...)
+            if isinstance(base, fx.Node) and base.op == "get_attr" and str(base.target) in buffers:
+                found.append(str(base.target))
+    return found
+
+
+def _drop_unused_items(gm: fx.GraphModule) -> None:
+    """Remove the items of a returned tuple that nothing uses (``h, _ = self.lstm(x)`` traces a
+    ``getitem`` for the ``_``). Such a node would be a layer of its own that only the whole tuple
+    feeds, placed anywhere after the call, so a cut between the two carried the tuple for
+    nothing. The export path drops them with every other unused node (``_drop_unused``)."""
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.target is operator.getitem and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
 
 
 def _dynamic_batch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

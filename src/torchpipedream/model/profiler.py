@@ -62,6 +62,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate, map_arg
+from torch.utils import _pytree as pytree
 
 from .graph import Layer, LayerGraph, SharedParameter
 from .split_backward import backward_inputs
@@ -344,7 +345,9 @@ def _forward_pass(program: _Program, args: tuple, timer: _Timer, first: bool) ->
 
 
 def _detached(value: Any, clone: bool) -> Any:
-    """Leaf copies of the tensors in ``value``: requires_grad where the original had it."""
+    """Leaf copies of the tensors in ``value``: requires_grad where the original had it; its
+    containers as they were (torch's pytree keeps a ModelOutput one, where fx would make it
+    an immutable dict)."""
 
     def leaf(v: Any) -> Any:
         if not isinstance(v, Tensor):
@@ -354,7 +357,7 @@ def _detached(value: Any, clone: bool) -> Any:
             d.requires_grad_(True)
         return d.clone() if clone else d
 
-    return map_aggregate(value, leaf)
+    return pytree.tree_map(leaf, value)
 
 
 def _backward_once(step: _Step, env: dict[str, Any], timer: _Timer) -> Any:

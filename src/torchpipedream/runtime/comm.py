@@ -18,6 +18,9 @@ direction uses its own tags, so prefetching on one never steals a message of ano
   the user never types a shape. The receiver's tensors are views into the buffer (no copy);
   the sender packs into one buffer (one copy of the activations). Python values a cut
   separates from their use (``x.size(0)``, a ``torch.Size``, a float) travel in the header.
+  Values nested in tuples, lists and dicts (an LSTM's ``(output, (h, c))``) are flattened with
+  torch's pytree: their leaves travel as above, their structure (the tree spec, as text) as
+  the header's last entry, and the receiver rebuilds them.
 * **Gradients** (``SG``/``RG``, tag ``_TAG_GRAD``): no header. The receiver of a gradient
   is the stage that sent the activations, so it already knows the shapes (one gradient
   per activation that requires grad); it posts the ``irecv`` as soon as it has sent the
@@ -47,6 +50,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 __all__ = ["P2P", "CommTimeout", "CommError", "encode_header", "decode_header", "pack", "unpack", "post_send",
            "post_recv"]
@@ -86,7 +90,43 @@ class CommTimeout(CommError):
 
 
 # Python values that may cross a cut travel inside the header (no payload message).
-_PY_INT, _PY_FLOAT, _PY_BOOL, _PY_INTS, _PY_NONE = 100, 101, 102, 103, 104
+_PY_INT, _PY_FLOAT, _PY_BOOL, _PY_INTS, _PY_NONE, _PY_TREE = 100, 101, 102, 103, 104, 105
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """How a message's leaves nest (``pytree.treespec_dumps`` text): its last header entry."""
+
+    spec: str
+
+
+def _is_leaf(v: Any) -> bool:
+    """A value the header or payload carries as it is (not a container to flatten)."""
+    return not isinstance(v, (tuple, list, dict)) or _is_ints(v)
+
+
+def _is_ints(v: Any) -> bool:
+    return isinstance(v, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def flatten_message(tensors: list[Any], passengers: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The values of a message as the header carries them: unchanged when none is nested,
+    else their leaves, with the structure as the last passenger (:func:`unflatten_message`)."""
+    if all(_is_leaf(v) for v in list(tensors) + list(passengers)):
+        return list(tensors), list(passengers)
+    act_leaves, act_spec = pytree.tree_flatten(list(tensors), is_leaf=_is_leaf)
+    pass_leaves, pass_spec = pytree.tree_flatten(list(passengers), is_leaf=_is_leaf)
+    spec = pytree.treespec_dumps(act_spec) + "\n" + pytree.treespec_dumps(pass_spec)
+    return act_leaves, pass_leaves + [_Structure(spec)]
+
+
+def unflatten_message(acts: list[Any], passengers: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Inverse of :func:`flatten_message` (values whose last passenger is no structure: as they are)."""
+    if not passengers or not isinstance(passengers[-1], _Structure):
+        return acts, passengers
+    act_spec, pass_spec = passengers[-1].spec.split("\n")
+    return (pytree.tree_unflatten(acts, pytree.treespec_loads(act_spec)),
+            pytree.tree_unflatten(passengers[:-1], pytree.treespec_loads(pass_spec)))
 
 
 def _encode_value(v: Any) -> list[int]:
@@ -102,11 +142,15 @@ def _encode_value(v: Any) -> list[int]:
         return [_PY_INT, 0, 1, v]
     if isinstance(v, float):
         return [_PY_FLOAT, 0, 1, struct.unpack("<q", struct.pack("<d", v))[0]]
-    if isinstance(v, (tuple, list)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+    if _is_ints(v):
         return [_PY_INTS, 0, len(v), *v]  # e.g. a torch.Size
+    if isinstance(v, _Structure):
+        data = v.spec.encode()
+        words = np.frombuffer(data + b"\0" * (-len(data) % 8), dtype=np.int64).tolist()
+        return [_PY_TREE, len(data), len(words), *words]
     raise CommError(
-        f"a value of type {type(v).__name__} crosses a stage boundary; only tensors, Python numbers, "
-        "None and tuples of ints can (move the cut)"
+        f"a value of type {type(v).__name__} crosses a stage boundary; only tensors, Python numbers, None, "
+        "and tuples, lists and dicts of them can (move the cut)"
     )
 
 
@@ -156,6 +200,8 @@ def decode_header(words: list[int]) -> tuple[int, list[TensorMeta], list[TensorM
             value = torch.Size(body)
         elif code == _PY_NONE:
             value = None
+        elif code == _PY_TREE:
+            value = _Structure(np.asarray(body, dtype=np.int64).tobytes()[:rg].decode())
         else:
             raise CommError(f"corrupt activation header (value code {code}); are both ranks the same version?")
         metas.append(TensorMeta((), None, False, value=value, is_tensor=False))
@@ -184,7 +230,9 @@ def _read_words(buf: torch.Tensor, start: int, count: int) -> list[int]:
 
 
 def pack(samples: int, tensors: list[Any], passengers: list[Any], device: torch.device) -> torch.Tensor:
-    """One activation message: header words then the tensors' bytes at aligned offsets."""
+    """One activation message: header words then the tensors' bytes at aligned offsets (nested
+    values flattened: :func:`flatten_message`)."""
+    tensors, passengers = flatten_message(tensors, passengers)
     words = encode_header(samples, tensors, passengers)
     values = [v for v in list(tensors) + list(passengers)]
     offset = _align(8 * (2 + len(words)))
@@ -203,7 +251,9 @@ def pack(samples: int, tensors: list[Any], passengers: list[Any], device: torch.
 
 
 def unpack(buf: torch.Tensor) -> tuple[int, list[Any], list[Any], list[TensorMeta]]:
-    """Inverse of :func:`pack`: (samples, activations, passengers, metas); tensors are views of ``buf``."""
+    """Inverse of :func:`pack`: (samples, activations, passengers, metas of the leaves); tensors
+    are views of ``buf``, those the sender's required grad require grad (leaves of the
+    receiving stage's graph), nested values rebuilt."""
     kind, nwords = _read_words(buf, 0, 2)
     if kind != _KIND_DATA:
         raise CommError(f"corrupt activation message (kind {kind}); are both ranks running the same schedule?")
@@ -220,9 +270,10 @@ def unpack(buf: torch.Tensor) -> tuple[int, list[Any], list[Any], list[TensorMet
         for d in m.shape:
             numel *= d
         n = numel * m.dtype.itemsize
-        values.append(buf[offset: offset + n].view(m.dtype).view(m.shape))
+        values.append(buf[offset: offset + n].view(m.dtype).view(m.shape).requires_grad_(m.requires_grad))
         offset = _align(offset + n)
-    return samples, values[: len(act)], values[len(act):], metas
+    acts, passengers = unflatten_message(values[: len(act)], values[len(act):])
+    return samples, acts, passengers, metas
 
 
 def _resize_message(expected: int, new_size: int, device: torch.device) -> torch.Tensor:
@@ -418,8 +469,9 @@ class P2P:
             self._sizes[channel] = buf.numel()
             self.resizes += 1
         self._sends.append((post_send(buf, peer, _TAG_ACT), buf, f"activations of {_named(microbatch)}", peer))
-        self._grad_meta[microbatch] = [
-            TensorMeta(tuple(t.shape), t.dtype, True) for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad
+        self._grad_meta[microbatch] = [  # one gradient per leaf tensor that requires grad, in leaf order
+            TensorMeta(tuple(t.shape), t.dtype, True) for t in pytree.tree_leaves(list(tensors))
+            if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         return int(buf.numel())
 
@@ -445,10 +497,7 @@ class P2P:
                 break
         posted.popleft()
         self.pump()  # prefetch: post the next message of this channel now
-        samples, acts, passengers, metas = unpack(rec.buf)
-        for t, m in zip(acts + passengers, metas):
-            if m.is_tensor and m.requires_grad:
-                t.requires_grad_(True)
+        samples, acts, passengers, _ = unpack(rec.buf)
         return samples, acts, passengers, int(rec.buf.numel())
 
     # ------------------------------------------------------------------ gradients

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from ..schedule.actions import Action, Kind, message_key, split_backwards
@@ -64,6 +65,31 @@ def as_tuple(x: Any) -> tuple[Any, ...]:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _correct_predictions(output: Any, targets: tuple[Any, ...]) -> int | None:
+    """How many class labels the model's output (as the user sees it: a tensor of scores, or a
+    ModelOutput or dict with ``logits``) predicts right; None where it has no such scores."""
+    scores = output
+    if not isinstance(scores, torch.Tensor):
+        scores = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if len(targets) != 1 or not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        return None
+    y = targets[0]
+    if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() == 1 and len(y) == len(scores):
+        return int((scores.detach().argmax(dim=1) == y).sum().item())
+    return None
+
+
+def _grad_leaves(values: Any) -> list[torch.Tensor]:
+    """The tensors among ``values`` (nested in tuples, lists, dicts too) that require grad, in
+    pytree leaf order: the order gradients cross a cut in (``comm.flatten_message``)."""
+    return [t for t in pytree.tree_leaves(list(values)) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _fresh_leaf(t: Any) -> Any:
+    """A tensor handed to the next stage in memory as the wire would: a copy, a new leaf."""
+    return t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
 
 
 def _parameter_slots(module: nn.Module, names: set[str]) -> list[tuple[nn.Module, str, str]] | None:
@@ -158,6 +184,7 @@ class Engine:
         buffers: a replicated stage's buffers, combined with its replicas' at every ``AR``.
         scaler: float16's loss scale (``loss_scaling.py``; None without one).
         config: the engine's settings (:class:`EngineConfig`).
+        finish: the last stage's output -> the model's output as the user sees it (for accuracy).
         clipper: the rank's clipping by the global gradient norm (``clipping.py``; None without).
     """
 
@@ -177,6 +204,7 @@ class Engine:
         scaler: LossScaler | None = None,
         config: EngineConfig | None = None,
         clipper: GradientClipper | None = None,
+        finish: Callable[[Any], Any] | None = None,
     ) -> None:
         config = config or EngineConfig()
         self.config = config
@@ -194,6 +222,7 @@ class Engine:
         self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
         self.scaler = scaler
         self.clipper = clipper
+        self.finish = finish or (lambda out: out)
         self.microbatch_base = 0  # microbatches trained before the running schedule
 
     # The settings the actions read: views of the config, which is fixed at construction.
@@ -266,8 +295,7 @@ class Engine:
         previous stage) the inputs' gradients, both as the wire would (fresh leaves, copies)."""
         if action.kind is Kind.SEND_ACT:
             samples, tensors, passengers = self._to_send.pop(action.id)
-            acts = tuple(t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                         for t in tensors)
+            acts = tuple(pytree.tree_map(_fresh_leaf, list(tensors)))
             to._received[action.id] = (samples, acts, tuple(passengers))
         else:
             to._out_grads[action.id] = [g.detach().clone() for g in self._in_grads.pop(action.id)]
@@ -309,7 +337,7 @@ class Engine:
         if microbatch not in self._received:
             raise RuntimeError(f"rank {self.rank}: F{microbatch} before its activations were received (RA missing)")
         samples, acts, passengers = self._received.pop(microbatch)
-        leaves = [t for t in acts if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = _grad_leaves(acts)
         return acts, passengers, samples, leaves
 
     def _params(self, version: int, tied_versions: dict[int, int]) -> dict[str, torch.Tensor]:
@@ -420,11 +448,7 @@ class Engine:
                 raise ValueError(
                     f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}; use reduction='mean' or 'sum'"
                 )
-            correct = None
-            if len(targets) == 1 and isinstance(out, torch.Tensor) and out.dim() == 2:
-                y = targets[0]
-                if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() == 1 and len(y) == len(out):
-                    correct = int((out.detach().argmax(dim=1) == y).sum().item())
+            correct = _correct_predictions(self.finish(out), targets)
             results[microbatch] = MicrobatchResult(samples, float(loss.detach().item()), correct)
             if train:
                 self._ctx[microbatch] = _Context(version, inputs, leaves, loss=loss, targets=targets, samples=samples,
@@ -433,7 +457,7 @@ class Engine:
             outs = list(as_tuple(out))
             self._to_send[microbatch] = (samples, outs, list(targets))
             if train:
-                diff = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+                diff = _grad_leaves(outs)
                 self._ctx[microbatch] = _Context(version, inputs, leaves, outputs=diff, targets=targets, samples=samples,
                                                    tied_versions=tied)
 
@@ -444,9 +468,9 @@ class Engine:
         if version is not None and version != ctx.version:
             # No stashing (naive): recompute the forward with the weights this B names, then
             # differentiate that graph (inputs from F, weights of the B's version).
-            inputs = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                           for t in ctx.inputs)
-            leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            inputs = tuple(pytree.tree_map(
+                lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, list(ctx.inputs)))
+            leaves = _grad_leaves(inputs)
             with torch.enable_grad(), self._seeded(microbatch, True), self._buffers_kept():
                 out, loss = self._run_module(version, inputs, ctx.targets, ctx.tied_versions)
             ctx.leaves = leaves

@@ -482,7 +482,7 @@ class Pipeline:
                 # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
                 buffers=ReplicaBuffers(module, self._ar_group, self.plan.stages[s].replicas)
                 if self._ar_group is not None else None,
-                scaler=scaler if own else None, config=config, clipper=self.clipper,
+                scaler=scaler if own else None, config=config, clipper=self.clipper, finish=self._finish,
             )
         return engines
 

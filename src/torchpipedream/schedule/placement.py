@@ -87,9 +87,13 @@ def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bo
     """Why this kind cannot keep the copies of a shared parameter (``plan.tied``) equal, naming
     the parameter, or None: under round-robin kinds (pipedream, naive) every stage holding one
     must have a single replica (their updates cover other minibatches than the other stages'
-    otherwise); naive and vertical sync define no version rule for them."""
+    otherwise); naive and vertical sync define no version rule for them; virtual stages (a
+    worker holding two copies) are not supported yet."""
     info = schedule_kind(kind)
     for t in plan.tied:
+        if plan.virtual:
+            return (f"parameter {t.name!r} is shared by stages {t.stages}: shared parameters are not supported with "
+                    f"virtual stages ({info.name}: a worker holding several stages) yet; use flush or zb-h1")
         if info.version_rule is VersionRule.NEWEST:
             return (f"parameter {t.name!r} is shared by stages {t.stages}: {info.name} keeps no version rule for "
                     "it; use pipedream, 2bw, flush or gpipe")

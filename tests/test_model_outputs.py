@@ -1,0 +1,129 @@
+"""Models' outputs as the user sees them, on both tracing paths: a ModelOutput reaches
+``loss_fn`` as a ModelOutput (torch.fx would hand an immutable dict), and accuracy is counted on
+the model's scores for torch.export-traced models and ModelOutputs alike (issue 37)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import torchpipedream as tpd
+
+ModelOutput = pytest.importorskip("transformers.utils").ModelOutput
+
+
+@dataclass
+class Scores(ModelOutput):
+    logits: torch.Tensor = None
+
+
+class WithModelOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> Scores:
+        return Scores(logits=self.b(torch.relu(self.a(x))))
+
+
+class ExportOnly(nn.Module):
+    """Control flow on a shape: torch.fx cannot trace it, torch.export can; returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        if h.shape[1] > 3:
+            h = torch.relu(h)
+        return {"logits": self.b(h)}
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _loss(out, y: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if isinstance(out, ModelOutput) else out["logits"]
+    return nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("cls, method", [(WithModelOutput, "fx"), (ExportOnly, "export")])
+def test_loss_fn_and_accuracy_see_the_models_output(cls, method):
+    torch.manual_seed(0)
+    model = cls()
+    x, y = _data()
+    seen = []
+
+    def loss_fn(out, target):
+        seen.append(type(out))
+        return _loss(out, target)
+
+    graph = tpd.profile(model, x, loss_fn=loss_fn, target=y, iters=1, warmup=0)
+    assert graph.meta["split"] == method
+    plan = tpd.Plan.straight([graph.names], schedule="flush", microbatches=2)
+    pipe = tpd.Pipeline(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss_fn, sample=x)
+    pipe.train_step((x, y))
+    got = pipe.evaluate([(x, y)])
+    model.load_state_dict(pipe.state_dict())
+    with torch.no_grad():
+        logits = model(x)["logits"]  # a ModelOutput is a dict too
+    want = (logits.argmax(dim=1) == y).float().mean().item()
+    assert got["accuracy"] == pytest.approx(want)  # None before: the export graph's output is a flat tuple
+    if cls is WithModelOutput:
+        assert set(seen) == {Scores}  # profile, training and evaluation alike
+    else:
+        assert seen and all(issubclass(t, dict) for t in seen)
+
+
+class KwargsNet(nn.Module):
+    """An optional argument and a keyword-only one, both with defaults."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, temperature: float = 2.0) -> torch.Tensor:
+        h = torch.relu(self.a(x)) / temperature
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+@pytest.mark.parametrize("given", ["x", "x and mask", "x and temperature"])
+def test_optional_and_keyword_only_arguments_take_their_defaults_on_the_fx_path(given):
+    """The arguments a sample leaves out are traced as their defaults (fx renames their
+    placeholders, mask to mask_1; they are dropped by position), and the pipeline trains the
+    graph exactly as the model runs with the same arguments."""
+    x, y = _data()
+    mask = (torch.arange(8) % 2).float().expand(16, 8)
+    inputs = {"x": x, **({"mask": mask} if "mask" in given else {}),
+              **({"temperature": 3.0} if "temperature" in given else {})}
+    torch.manual_seed(0)
+    model = KwargsNet()
+    graph = tpd.profile(model, inputs, loss_fn=nn.CrossEntropyLoss(), target=y, iters=1, warmup=0)
+    assert graph.meta["split"] == "fx" and not any(n.startswith(("mask_1", "temperature_1")) for n in graph.names)
+    cut = graph.names.index("b")
+    plan = tpd.Plan.straight([graph.names[:cut], graph.names[cut:]], schedule="flush", microbatches=2)
+    results = tpd.launch(_train_kwargs, 2, plan, inputs, y, timeout_s=120)
+    torch.manual_seed(0)
+    reference = KwargsNet()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.cross_entropy(reference(**inputs), y).backward()
+    optimizer.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(results[key], value, atol=1e-6, rtol=1e-6)
+
+
+def _train_kwargs(rank: int, plan, inputs, y):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    pipe = tpd.Pipeline(KwargsNet(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        loss_fn=nn.CrossEntropyLoss(), sample=inputs, timeout_s=60)
+    pipe.train_step((inputs, y))
+    return pipe.state_dict(dst=0)
