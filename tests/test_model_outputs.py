@@ -127,3 +127,25 @@ def _train_kwargs(rank: int, plan, inputs, y):
                         loss_fn=nn.CrossEntropyLoss(), sample=inputs, timeout_s=60)
     pipe.train_step((inputs, y))
     return pipe.state_dict(dst=0)
+
+
+class ShapeBranch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) if x.shape[1] > 3 else x  # fx cannot trace it, torch.export can
+
+
+def test_a_sequential_profiled_through_export_needs_the_same_sample_and_says_so():
+    """A Sequential that fx cannot trace is profiled by torch.export (its layers are graph
+    nodes); without the sample the Pipeline splits it by children, which the plan does not
+    name: refused with what to do, and trained once the sample is given."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), ShapeBranch(), nn.Linear(8, 3))
+    x, y = _data()
+    graph = tpd.profile(model, x, loss_fn=nn.CrossEntropyLoss(), target=y, iters=1, warmup=0)
+    assert graph.meta["split"] == "export"
+    plan = tpd.Plan.straight([graph.names], schedule="flush", microbatches=2)
+    factory = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match=r"give the Pipeline the profile's sample \(sample=\.\.\.\)"):
+        tpd.Pipeline(model, plan, optimizer=factory, loss_fn=nn.CrossEntropyLoss())
+    pipe = tpd.Pipeline(model, plan, optimizer=factory, loss_fn=nn.CrossEntropyLoss(), sample=x)
+    assert isinstance(pipe.train_step((x, y)), float)

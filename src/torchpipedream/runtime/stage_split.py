@@ -109,7 +109,7 @@ def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan, 
     except TraceError as exc:
         if isinstance(module, nn.Sequential):
             log.info("%s; splitting the nn.Sequential by child names", exc)
-            modules = _split_sequential(module, plan)
+            modules = _split_sequential(module, plan, sample_missing=sample is None)
             return StageSplit(modules, _positional, tied=_shared_between(modules, module), method="sequential")
         raise StageSplitError(str(exc)) from None
     return _split_graph(traced, plan, module, follow=None if follow is None else follow.layout)
@@ -335,7 +335,10 @@ class _SequentialStage(nn.Module):
         return x if isinstance(x, tuple) else (x,)
 
 
-def _split_sequential(module: nn.Sequential, plan: Plan) -> list[nn.Module]:
+def _split_sequential(module: nn.Sequential, plan: Plan, sample_missing: bool = False) -> list[nn.Module]:
+    """The Sequential's children grouped by the plan's stages (their names, or fx-style ``_k``).
+    ``sample_missing``: no sample was given, so a plan of graph nodes (made from a
+    profile that torch.export traced with its sample) is told to give the same sample."""
     children = list(module.named_children())
     names = [c for c, _ in children]
     position = {c: i for i, c in enumerate(names)}
@@ -345,8 +348,11 @@ def _split_sequential(module: nn.Sequential, plan: Plan) -> list[nn.Module]:
         idx = []
         for layer in stage.layers:
             if layer not in position:
+                hint = ("; the plan's layers are graph nodes, as torch.export traces the model with a sample: give "
+                        "the Pipeline the profile's sample (sample=...) so that it traces it the same way"
+                        if sample_missing else "")
                 raise StageSplitError(
-                    f"stage {s} names layer {layer!r} but the nn.Sequential's children are {names[:8]}"
+                    f"stage {s} names layer {layer!r} but the nn.Sequential's children are {names[:8]}{hint}"
                 )
             idx.append(position[layer])
         groups.append(sorted(idx))
