@@ -64,7 +64,8 @@ def test_plans_and_simulations_match_the_golden_file(golden: dict) -> None:
     diffs = gp.differences(golden, now)
     assert not diffs, ("the snapshot differs from tests/data/golden_plans.json (written by d47f816); first: "
                        + diffs[0] + "\n" + "\n".join(diffs[1:]))
-    assert gp.dumps(now) == gp.dumps(golden)  # the whole file, byte for byte
+    # the whole file, byte for byte, but for the public names (new exports may come: checked above)
+    assert gp.dumps({**now, "public_api": None}) == gp.dumps({**golden, "public_api": None})
 
 
 def test_the_comparison_reports_a_planted_change(golden: dict) -> None:

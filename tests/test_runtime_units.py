@@ -361,3 +361,39 @@ def test_tied_weights_within_a_stage_get_the_summed_gradient():
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v)
     assert isinstance(pipe.module.get_submodule("a").weight, nn.Parameter)  # masters restored
+
+
+def test_a_deferred_update_waits_for_its_weights_first_use():
+    """WeightVersions.defer sets an update aside: the factor (clipping's norm, a collective
+    wait) is asked for only when a newer version is needed, and the result equals the step
+    taken at once; the next update's gradient accumulates meanwhile, apart."""
+    from torchpipedream.runtime.weights import WeightVersions
+
+    def run(deferred: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        module = nn.Linear(3, 2)
+        weights = WeightVersions(module, lambda named: torch.optim.SGD(named, lr=0.5))
+        weights.expect({0: 2, 1: 2})
+        asked: list[str] = []
+        x = torch.randn(4, 3)
+        for version in (0, 1):
+            params = weights.tensors(version)
+            asked.append(f"F{version}")
+            out = torch.func.functional_call(module, params, (x * (version + 1),))
+            torch.autograd.backward(out.sum(), inputs=list(params.values()))
+            weights.add_samples(4)
+            weights.release(version)
+            weights.release(version)
+            if deferred:
+                weights.defer(lambda v=version: asked.append(f"factor{v}") or 0.5)
+                assert weights.version == version and weights.next_version == version + 1
+            else:
+                weights.step(unscale=0.5)
+        weights.apply_deferred()
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}, asked
+
+    now, _ = run(deferred=False)
+    later, asked = run(deferred=True)
+    assert asked == ["F0", "factor0", "F1", "factor1"]  # update 0 applied when version 1 was asked for
+    for key in now:
+        torch.testing.assert_close(later[key], now[key], atol=0, rtol=0)

@@ -10,14 +10,20 @@ summed gradient the same on each rank holding a copy (each adds 1 / copies). One
 over every rank makes the total; every rank then multiplies the update's gradients by
 ``min(1, max_norm / (norm + 1e-6))`` (torch's coefficient) before its optimizer steps.
 
+The all-reduce is started at the rank's first step of the update and waited for only when the
+update's weights are needed (``WeightVersions.defer``): a stage defers its step until the
+first forward or backward that uses the weights it produces. Under 2bw and zb-2bw those are
+the next batch but one's, so by then every stage has long finished its backward of the update
+and nothing waits; the synchronous kinds reach the update at the flush anyway; under pipedream,
+whose next forward uses the new weights at once, update ``t`` waits for the first stage's
+backward of ``t`` (the price of exactness, benchmarks/clipping.py).
+
 Where the reduction can be taken exactly (``schedule.validate.update_barrier_problem``): every
 rank must hold all of update ``t``'s gradients at its first step of ``t``, and the extra
-collective must not deadlock the schedule. That holds for every kind with one stage per rank:
-the synchronous ones at no cost (every rank reaches its update at the flush anyway), and
-pipedream, 2bw and zb-2bw with a stall, since each stage's update ``t`` then waits for the
-first stage's backward of ``t``. It fails for the kinds whose ranks hold several stages
-(interleaved, zb-v: a later stage's update comes before an earlier stage's last backward on
-the same rank), which are refused by name.
+collective must not deadlock the schedule. That holds for every kind with one stage per rank.
+It fails for the kinds whose ranks hold several stages (interleaved, zb-v: a later stage's
+update comes before an earlier stage's last backward on the same rank), which are refused by
+name.
 """
 
 from __future__ import annotations
@@ -61,37 +67,48 @@ class GradientClipper:
     Args:
         max_norm: the largest norm an update applies.
         parts: the gradients this rank applies (its stages', its shared parameters' copies).
-        total: ``total(local squared norm) -> the sum over every rank`` (a collective; identity
-            in one process).
+        start: ``start(local squared norm) -> wait``: starts the sum over every rank (a
+            collective) and returns the function that waits for it and returns the sum.
         timeout_s: the deadline of waiting for a shared parameter's posted all-reduce.
     """
 
-    def __init__(self, max_norm: float, parts: list[NormPart], total: Callable[[torch.Tensor], torch.Tensor],
-                 timeout_s: float) -> None:
+    def __init__(self, max_norm: float, parts: list[NormPart],
+                 start: Callable[[torch.Tensor], Callable[[], torch.Tensor]], timeout_s: float) -> None:
         self.max_norm = max_norm
         self.parts = parts
-        self._total = total
+        self._start = start
         self.timeout_s = timeout_s
         self.norms: list[float] = []  # every update's norm, before clipping (NaN: a skipped update)
         self._factors: dict[int, float] = {}
+        self._waiting: dict[int, Callable[[], torch.Tensor]] = {}
 
     def begin(self) -> None:
         """A new schedule starts (its update ids start at 0 again)."""
+        if self._waiting:
+            raise RuntimeError(f"updates {sorted(self._waiting)} took a norm that nothing waited for")
         self._factors = {}
 
-    def factor(self, update: int, unscale: float, apply: bool) -> float:
-        """What multiplies update ``update``'s gradient on this rank (1 when not clipped).
-        ``unscale`` undoes float16's loss scale; an update skipped by every rank (``apply``
-        False) takes no norm (every rank skips it, so no rank waits in the collective)."""
+    def start(self, update: int, unscale: float, apply: bool) -> None:
+        """At the rank's first step of ``update``: start summing its squared norm over every rank
+        (once; later calls for the same update do nothing). ``unscale`` undoes float16's loss
+        scale; an update skipped by every rank (``apply`` False) takes no norm (every rank skips
+        it, so no rank waits in the collective)."""
+        if update in self._factors or update in self._waiting:
+            return
+        if not apply:
+            self.norms.append(math.nan)
+            self._factors[update] = 1.0
+            return
+        local = torch.zeros((), dtype=torch.float64)
+        for part in self.parts:
+            local = local + part.weights.squared_norm(unscale, self.timeout_s, part.posted) * part.share
+        self._waiting[update] = self._start(local)
+
+    def factor(self, update: int) -> float:
+        """What multiplies update ``update``'s gradient on this rank (1 when not clipped); waits
+        for the norm :meth:`start` started."""
         if update not in self._factors:
-            if not apply:
-                self.norms.append(math.nan)
-                self._factors[update] = 1.0
-            else:
-                local = torch.zeros((), dtype=torch.float64)
-                for part in self.parts:
-                    local = local + part.weights.squared_norm(unscale, self.timeout_s, part.posted) * part.share
-                norm = math.sqrt(max(0.0, float(self._total(local))))
-                self.norms.append(norm)
-                self._factors[update] = min(1.0, self.max_norm / (norm + EPSILON))
+            norm = math.sqrt(max(0.0, float(self._waiting.pop(update)())))
+            self.norms.append(norm)
+            self._factors[update] = min(1.0, self.max_norm / (norm + EPSILON))
         return self._factors[update]

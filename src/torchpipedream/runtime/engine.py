@@ -31,6 +31,7 @@ relative to a common start (ranks start after a barrier).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -276,8 +277,7 @@ class Engine:
             if self.buffers is not None:
                 nbytes += self.buffers.sync(self.timeout_s)
         elif kind == Kind.OPTIMIZER_STEP:
-            self.weights.step(*self._update(action.id))
-            version = self.weights.version
+            version = self._step(action.id)
         elif kind == Kind.TIED_POST:
             copy = self.tied[action.tie]
             nbytes = copy.weights.post_allreduce(copy.group, copy.holders)
@@ -305,26 +305,41 @@ class Engine:
         return [k for k, v in (("forward graphs", self._ctx), ("unsent activations", self._to_send),
                                ("unsent gradients", self._in_grads), ("weight gradients", self._weight_work)) if v]
 
+    def _step(self, update: int) -> int:
+        """U: this stage's step of ``update``; returns the version it produces. With clipping it
+        is deferred where it can be (weights.py ``defer``): the global norm's all-reduce runs
+        meanwhile and is waited for when the new weights are first needed."""
+        if self.clipper is not None and self.weights.can_defer:
+            unscale, apply = self._scaled(update)
+            self.clipper.start(update, unscale, apply)
+            self.weights.defer(functools.partial(self.clipper.factor, update), unscale, apply)
+            return self.weights.next_version
+        self.weights.step(*self._update(update))
+        return self.weights.version
+
     def _update(self, update: int) -> tuple[float, bool]:
-        """(gradient factor, apply) for this rank's steps of ``update``, decided once per update
-        (at the first of its TR and U actions, when every gradient of the update is here): with
-        a loss scaler, 1 / the scale, and whether to apply (agreed with every rank); with a
-        clipper, times the global norm's clipping factor (clipping.py); else (1, True)."""
-        if self.scaler is None and self.clipper is None:
+        """(gradient factor, apply) for a step of ``update`` taken now: :meth:`_scaled`, times
+        the global norm's clipping factor with a clipper (clipping.py; waits for the norm)."""
+        unscale, apply = self._scaled(update)
+        if self.clipper is not None:
+            self.clipper.start(update, unscale, apply)
+            unscale *= self.clipper.factor(update)
+        return unscale, apply
+
+    def _scaled(self, update: int) -> tuple[float, bool]:
+        """(1 / loss scale, apply) for this rank's steps of ``update``, decided once per update
+        (at the first of its TR and U actions, when every gradient of the update is here) by the
+        loss scaler and agreed with every rank; (1, True) without one."""
+        if self.scaler is None:
             return 1.0, True
         if update not in self._updates:
-            unscale, apply = 1.0, True
-            if self.scaler is not None:
-                overflow = self.weights.gradient_overflowed() or any(
-                    copy.weights.posted_gradient_overflowed(self.timeout_s) for copy in self.tied.values())
-                apply, used = self.scaler.decide(overflow)
-                if not apply:
-                    log.info("rank %d: update %d skipped: the float16 gradients overflowed at loss scale %g",
-                             self.rank, update, used)
-                unscale = 1.0 / used
-            if self.clipper is not None:
-                unscale *= self.clipper.factor(update, unscale, apply)
-            self._updates[update] = (unscale, apply)
+            overflow = self.weights.gradient_overflowed() or any(
+                copy.weights.posted_gradient_overflowed(self.timeout_s) for copy in self.tied.values())
+            apply, used = self.scaler.decide(overflow)
+            if not apply:
+                log.info("rank %d: update %d skipped: the float16 gradients overflowed at loss scale %g",
+                         self.rank, update, used)
+            self._updates[update] = (1.0 / used, apply)
         return self._updates[update]
 
     # ------------------------------------------------------------------ compute

@@ -447,14 +447,18 @@ class Pipeline:
         group = dist.new_group(list(range(self.world_size)), timeout=datetime.timedelta(seconds=self.timeout_s)) \
             if self.distributed else None
 
-        def total(local: torch.Tensor) -> torch.Tensor:
+        def start(local: torch.Tensor) -> Callable[[], torch.Tensor]:
             if group is None:
-                return local
+                return lambda: local
             value = local.reshape(1).to(self.device)
-            wait_for(dist.all_reduce(value, group=group, async_op=True), self.timeout_s, "the global gradient norm")
-            return value.cpu()[0]
+            work = dist.all_reduce(value, group=group, async_op=True)
 
-        return GradientClipper(self.clip_grad_norm, parts, total, self.timeout_s)
+            def wait() -> torch.Tensor:
+                wait_for(work, self.timeout_s, "the global gradient norm")
+                return value.cpu()[0]
+            return wait
+
+        return GradientClipper(self.clip_grad_norm, parts, start, self.timeout_s)
 
     @property
     def grad_norms(self) -> list[float]:
@@ -874,6 +878,7 @@ class Pipeline:
         with self._mode(train), self._memory_measured(train):
             results, events = run_actions(self.engines, actions, comm, source, train=train, version_base=base, t0=t0)
         for weights in self._all_weights():
+            weights.apply_deferred()  # updates still waiting for their first use (clipping defers them)
             weights.reset_versions()
         self._events = events
         self.last_schedule = sched
@@ -916,7 +921,7 @@ class Pipeline:
             return  # the schedule's own check names it
         if asynchronous:
             raise PipelineError(
-                f"precision='fp16' needs a synchronous schedule (flush or gpipe), not {kind!r}: an update "
+                f"precision='fp16' needs a synchronous schedule (flush, gpipe, zb-h1, zb-h2), not {kind!r}: an update "
                 "whose float16 gradients overflowed must be skipped by every stage, and with "
                 f"{kind!r} the stages apply different minibatches' updates at a time; use precision='bf16' "
                 "(no loss scaling needed)")

@@ -159,12 +159,16 @@ class WeightVersions:
         self.copies = 0  # number of copy-on-update events (for tests and reports)
         self.max_versions_alive = 1
         self._posted: list[tuple[Any, torch.Tensor, int]] = []  # all-reduces posted, not yet waited for
+        # Updates set aside until their weights are needed (defer): gradients, samples, the
+        # factor (clipping's, waited for then), unscale, apply.
+        self._deferred: list[tuple[list[torch.Tensor | None], float, Callable[[], float], float, bool]] = []
 
     def tensors_held(self) -> list[object]:
         """Every tensor this holder keeps between actions: gradient buffers and pending
         gradients, stashed versions, spare storage and the optimizer's state."""
         state = list(self.optimizer.state.values()) if self.optimizer is not None else []
-        return [self._flat, self._grads, self._pending, self._spare, list(self._views.values()), state]
+        deferred = [d[0] for d in self._deferred]
+        return [self._flat, self._grads, self._pending, self._spare, list(self._views.values()), state, deferred]
 
     # ------------------------------------------------------------------ versions
     def expect(self, uses: dict[int, int]) -> None:
@@ -172,7 +176,10 @@ class WeightVersions:
         self._uses = dict(uses)
 
     def tensors(self, version: int) -> dict[str, torch.Tensor]:
-        """The parameter tensors of ``version`` (leaf aliases with ``requires_grad``)."""
+        """The parameter tensors of ``version`` (leaf aliases with ``requires_grad``); applies the
+        deferred updates that make it first."""
+        if self._deferred and version > self.version:
+            self.apply_deferred(upto=version)
         if not self.params:
             # A stage without trainable weights (say ReLU, pooling, flatten) has one, empty,
             # set of weights for every version. Its steps keep no stash, so an older version
@@ -373,6 +380,36 @@ class WeightVersions:
         self._samples = 0.0
         return copied
 
+    @property
+    def can_defer(self) -> bool:
+        """Whether an update can be set aside without a copy: its gradient tensors were handed
+        over by autograd (a stage without replicas), not accumulated in persistent buffers."""
+        return self._grads is None
+
+    @property
+    def next_version(self) -> int:
+        """The version the updates so far produce, deferred ones included."""
+        return self.version + len(self._deferred)
+
+    def defer(self, factor: Callable[[], float], unscale: float = 1.0, apply: bool = True) -> None:
+        """Set this update's gradient aside and apply it when its weights are first needed
+        (:meth:`tensors` asks for a newer version, or :meth:`apply_deferred`); ``factor()``
+        (clipping's: it may wait for a collective) then multiplies it, with ``unscale``."""
+        if not self.can_defer:
+            raise RuntimeError("an update of persistent gradient buffers (a replicated stage) cannot be deferred")
+        if self.params and self.optimizer is not None:
+            for views in self._views.values():
+                self._take_grads(views)
+        self._deferred.append((self._pending, self._samples, factor, unscale, apply))
+        self._pending = [None] * len(self.params)
+        self._samples = 0.0
+
+    def apply_deferred(self, upto: int | None = None) -> None:
+        """Apply the deferred updates in order: all, or until the version reaches ``upto``."""
+        while self._deferred and (upto is None or self.version < upto):
+            grads, samples, factor, unscale, apply = self._deferred.pop(0)
+            self._apply(grads, samples, unscale * factor(), apply)
+
     def _apply(self, grads: list[torch.Tensor | None], samples: float, unscale: float = 1.0,
                apply: bool = True) -> bool:
         """One optimizer step with ``grads``, the sum over ``samples`` samples (copying the
@@ -420,7 +457,7 @@ class WeightVersions:
         checkpoint taken mid-schedule would silently drop the stashes.
         """
         live = [v for v in self._views if v != self.version]
-        if live or self._samples or self._posted or any(g is not None for g in self._pending):
+        if live or self._samples or self._posted or self._deferred or any(g is not None for g in self._pending):
             raise RuntimeError(
                 f"checkpoint requested mid-schedule (stashed versions {live}, {self._samples:g} samples of "
                 "unapplied gradient): save only after train_step/fit returned"
