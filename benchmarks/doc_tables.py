@@ -58,7 +58,7 @@ _START = re.compile(r"^<!-- table: (?P<name>[\w.-]+)(?: \((?P<note>[^\n]*?)\))? 
 _VALUE = re.compile(r"(?<!`)<!-- value: (?P<file>[\w.-]+) (?P<name>[\w.-]+) -->(?P<text>[^<\n]*)<!-- /value -->")
 _DEFINES_TABLES = re.compile(r"^TABLES\s*[:=]", re.MULTILINE)
 #: Files (by name) whose prose may quote no measured number unmarked: the docs that report results
-PROSE_CHECKED = ("benchmarks.md", "README.md")
+PROSE_CHECKED = ("benchmarks.md", "README.md", "recipe.md")
 #: What counts as a measured number in prose: a decimal (0.93, 52.9; not 2.13.0 or 127.0.0.1) or a count "N of M"
 _MEASURED = re.compile(r"(?<![\w.])\d+\.\d+(?!\w|\.\d)|\b\d+ of \d+\b")
 #: What is not prose: fenced code, marked blocks and values, inline code, HTML comments

@@ -15,7 +15,7 @@ from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline, PipelineError
 from torchpipedream.schedule.actions import Kind
 from torchpipedream.schedule.build import build_schedule
-from torchpipedream.schedule.validate import update_barrier_problem
+from torchpipedream.schedule.validate import update_barrier_problem, validate_schedule
 
 ONE_STAGE_PER_RANK = ["pipedream", "2bw", "flush", "gpipe", "zb-h1", "zb-h2", "zb-2bw", "naive"]
 
@@ -55,16 +55,19 @@ def test_ranks_holding_several_stages_step_before_their_last_backward(kind):
     assert problem is not None and "rank 0 steps update 0" in problem
 
 
-def test_a_step_moved_after_a_later_receive_deadlocks_with_the_barrier():
-    """Rank 1's first update waits for activations rank 0 sends only after its own first
-    update: fine without the barrier (the schedule still validates its transfers), a
-    deadlock with it."""
+def test_a_send_moved_after_the_step_deadlocks_with_the_barrier():
+    """Rank 0 sends microbatch 1's activations only after its first update, and rank 1 takes its
+    first update only after receiving them: fine without the barrier (rank 0 does not wait at
+    its update), a deadlock with it."""
     schedule = build_schedule(_straight("pipedream", 2, 1), "pipedream", 6)
-    actions = list(schedule.actions[1])
-    step = next(i for i, a in enumerate(actions) if a.kind is Kind.OPTIMIZER_STEP)
-    late = next(i for i, a in enumerate(actions) if a.kind is Kind.RECV_ACT and a.id == 2)
-    actions.insert(late, actions.pop(step))
-    broken = dataclasses.replace(schedule, actions={**schedule.actions, 1: actions})
+    zero, one = list(schedule.actions[0]), list(schedule.actions[1])
+    send = next(i for i, a in enumerate(zero) if a.kind is Kind.SEND_ACT and a.id == 1)
+    sent = zero.pop(send)
+    zero.insert(next(i for i, a in enumerate(zero) if a.kind is Kind.OPTIMIZER_STEP) + 1, sent)
+    step = one.pop(next(i for i, a in enumerate(one) if a.kind is Kind.OPTIMIZER_STEP))
+    one.insert(next(i for i, a in enumerate(one) if a.kind is Kind.RECV_ACT and a.id == 1) + 1, step)
+    broken = dataclasses.replace(schedule, actions={0: zero, 1: one})
+    validate_schedule(broken)  # a valid schedule without the barrier
     problem = update_barrier_problem(broken)
     assert problem is not None and "wait forever" in problem
 

@@ -78,7 +78,8 @@ class GradientClipper:
         self.parts = parts
         self._start = start
         self.timeout_s = timeout_s
-        self.norms: list[float] = []  # every update's norm, before clipping (NaN: a skipped update)
+        self._norms: list[float] = []  # earlier schedules' updates' norms, in order
+        self._current: dict[int, float] = {}  # this schedule's, by update (they may resolve out of order)
         self._factors: dict[int, float] = {}
         self._waiting: dict[int, Callable[[], torch.Tensor]] = {}
 
@@ -86,7 +87,13 @@ class GradientClipper:
         """A new schedule starts (its update ids start at 0 again)."""
         if self._waiting:
             raise RuntimeError(f"updates {sorted(self._waiting)} took a norm that nothing waited for")
-        self._factors = {}
+        self._norms += [self._current[u] for u in sorted(self._current)]
+        self._current, self._factors = {}, {}
+
+    @property
+    def norms(self) -> list[float]:
+        """Every update's norm so far, before clipping, in update order (NaN: a skipped update)."""
+        return self._norms + [self._current[u] for u in sorted(self._current)]
 
     def start(self, update: int, unscale: float, apply: bool) -> None:
         """At the rank's first step of ``update``: start summing its squared norm over every rank
@@ -96,12 +103,13 @@ class GradientClipper:
         if update in self._factors or update in self._waiting:
             return
         if not apply:
-            self.norms.append(math.nan)
+            self._current[update] = math.nan
             self._factors[update] = 1.0
             return
         local = torch.zeros((), dtype=torch.float64)
         for part in self.parts:
-            local = local + part.weights.squared_norm(unscale, self.timeout_s, part.posted) * part.share
+            posted = update if part.posted else None  # a shared parameter: its sum posted for this update
+            local = local + part.weights.squared_norm(unscale, self.timeout_s, posted) * part.share
         self._waiting[update] = self._start(local)
 
     def factor(self, update: int) -> float:
@@ -109,6 +117,6 @@ class GradientClipper:
         for the norm :meth:`start` started."""
         if update not in self._factors:
             norm = math.sqrt(max(0.0, float(self._waiting.pop(update)())))
-            self.norms.append(norm)
+            self._current[update] = norm
             self._factors[update] = min(1.0, self.max_norm / (norm + EPSILON))
         return self._factors[update]

@@ -280,7 +280,7 @@ class Engine:
             version = self._step(action.id)
         elif kind == Kind.TIED_POST:
             copy = self.tied[action.tie]
-            nbytes = copy.weights.post_allreduce(copy.group, copy.holders)
+            nbytes = copy.weights.post_allreduce(copy.group, copy.holders, action.id)
         elif kind == Kind.TIED_REDUCE:
             unscale, apply = self._update(action.id)
             self.tied[action.tie].weights.step_posted(self.timeout_s, unscale, apply)

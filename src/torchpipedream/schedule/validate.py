@@ -616,29 +616,48 @@ def uneven_updates(schedule: Schedule) -> str | None:
     return None
 
 
+def _late_gradient(rank: int, actions: list[Action]) -> tuple[str | None, dict[int, int]]:
+    """Whether a rank's first step (U or TR) of each update comes after everything that makes
+    the update's gradient on that rank: each stage's B and W since its previous U (what its U
+    applies), the update's AR and TP (a replicated stage's sum, a shared parameter's posted
+    sum). Returns (the problem or None, update -> the
+    position of its first step)."""
+    count: dict[int, int] = {}  # stage -> its U so far: the update its next B and W feed
+    last_part: dict[int, int] = {}  # update -> position of the last action making its gradient
+    first: dict[int, int] = {}
+    for k, a in enumerate(actions):
+        if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
+            last_part[count.get(a.stage, 0)] = k
+        elif a.kind in (Kind.ALLREDUCE, Kind.TIED_POST):
+            last_part[a.id] = k
+        elif a.kind in (Kind.OPTIMIZER_STEP, Kind.TIED_REDUCE):
+            first.setdefault(a.id, k)
+            if a.kind is Kind.OPTIMIZER_STEP:
+                count[a.stage] = count.get(a.stage, 0) + 1
+    for update, k in sorted(first.items()):
+        late = last_part.get(update, -1)
+        if late > k:
+            shared = " (a parameter shared by stages posts its gradient after the stage's step)" \
+                if actions[late].kind is Kind.TIED_POST else ""
+            return (f"rank {rank} steps update {update} at {actions[k]} before its {actions[late]}: the update's "
+                    f"gradients are not all there when its first step runs{shared}", first)
+    return None, first
+
+
 def update_barrier_problem(schedule: Schedule) -> str | None:
     """Why a reduction over every rank at each update (taken at each rank's first U or TR of
     the update) cannot run exactly in ``schedule``; None when it can. It needs (1) every rank
-    to hold all of the update's gradients at that point: no B, W, AR or TP between a rank's
-    first and last step of one update; (2) no deadlock with that extra collective."""
+    to hold all of the update's gradients at that point (:func:`_late_gradient`); (2) no
+    deadlock with that extra collective."""
     uneven = uneven_updates(schedule)
     if uneven:
         return uneven
     firsts: set[tuple[int, Action]] = set()
     for r, actions in schedule.actions.items():
-        seen: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for k, a in enumerate(actions):
-            if a.kind in (Kind.OPTIMIZER_STEP, Kind.TIED_REDUCE):
-                seen.setdefault(a.id, k)
-                last[a.id] = k
-        for update, first in seen.items():
-            between = [a for a in actions[first:last[update]]
-                       if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.ALLREDUCE, Kind.TIED_POST)]
-            if between:
-                return (f"rank {r} steps update {update} at {actions[first]} before its {between[0]}: the update's "
-                        "gradients are not all there when its first step runs")
-            firsts.add((r, actions[first]))
+        problem, first_steps = _late_gradient(r, actions)
+        if problem:
+            return problem
+        firsts.update((r, actions[k]) for k in first_steps.values())
     run = _UpdateBarrierRun(schedule, firsts)
     stuck = run.run()
     if stuck:
