@@ -9,8 +9,9 @@ may be a tensor, a tuple, a dict, a dataclass or a Hugging Face ``ModelOutput``.
    are traced as their defaults (``concrete_args``), so a missing optional argument is not
    traced as present. The graph keeps ``call_module`` nodes and the model's output structure.
 2. When fx cannot trace the model (Hugging Face models, data-dependent Python control flow),
-   ``torch.export.export(model, args, kwargs, strict=False)`` with the sample, dimension 0 of
-   every input tensor dynamic, and ``ep.module()``: a ``GraphModule`` of ATen operations that
+   ``torch.export.export(model, args, kwargs, strict=False)`` with the sample, every dimension
+   of every input tensor dynamic where the model allows it (``Dim.AUTO``: batch and sequence
+   lengths may change), and ``ep.module()``: a ``GraphModule`` of ATen operations that
    keeps the original parameter and buffer names. Its inputs are the sample's flattened leaves
    (:meth:`Traced.flatten`), its outputs a flat tuple that :meth:`Traced.unflatten` turns back
    into the model's output type. Export fixes the training mode (dropout) at trace time, so a
@@ -258,12 +259,13 @@ def _drop_unused_items(gm: fx.GraphModule) -> None:
 
 
 def _dynamic_batch(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Dimension 0 of every input tensor may vary (microbatches of other sizes), as export allows
-    (``Dim.AUTO``: dynamic unless the model fixes it), by the forward's argument names."""
+    """Every dimension of every input tensor may vary where the model lets it (``Dim.AUTO``:
+    dynamic unless the model fixes it), by the forward's argument names: microbatches of other
+    sizes, and sequences of another length (minibatches padded to their own longest)."""
     auto = torch.export.Dim.AUTO
 
     def dims(x: Any) -> Any:
-        return {0: auto} if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+        return {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) and x.dim() > 0 else None
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     return {name: pytree.tree_map(dims, value) for name, value in bound.arguments.items()}
