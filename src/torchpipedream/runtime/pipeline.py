@@ -22,8 +22,9 @@ must be built per rank on those.
 A batch is ``(inputs, targets)`` with a ``loss_fn``, or the model's inputs alone when the model
 computes its own loss; inputs are a tensor, a tuple of positional arguments or a dict of
 keyword arguments. Restrictions: dim 0 of every input and target tensor is the batch dimension
-(minibatches are split along it into microbatches); tensors, Python numbers and tuples of ints
-(shape arithmetic) may cross stage boundaries, nothing else; ``loss_fn`` is called as
+(minibatches are split along it into microbatches); tensors, Python numbers, None and tuples,
+lists and dicts of them (an LSTM's ``(output, (h, c))``) may cross stage boundaries, nothing
+else; ``loss_fn`` is called as
 ``loss_fn(output, *targets)`` and returns a scalar, the mean over the microbatch's samples
 (``loss_reduction="mean"``, e.g. ``nn.CrossEntropyLoss()``) or their sum
 (``loss_reduction="sum"``). Reported losses are per minibatch, in the same reduction.
