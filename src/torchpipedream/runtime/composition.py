@@ -30,7 +30,7 @@ from ..schedule.build import build_schedule
 from ..schedule.orders import ScheduleBuildError
 from ..schedule.placement import tied_support_problem
 from ..schedule.validate import ScheduleError, validate_schedule
-from .pipeline import Pipeline, PipelineError, _check_arguments, _check_recipe, _with_recompute
+from .pipeline import Pipeline, PipelineError, _check_arguments, _check_recipe_arguments, _with_recompute
 
 __all__ = ["KINDS", "FEATURES", "FEATURE_OPTIONS", "Options", "Cell", "cell", "ask", "kind_plan", "matrix",
            "render_markdown", "readme_path", "readme_table", "write_readme", "SHARED_PARAMETER", "README_BEGIN",
@@ -156,7 +156,7 @@ def _construct(plan: Plan, kind: str, o: Options) -> tuple[Plan, Any]:
     plan (with recomputation and the shared parameter) and the scheduler factory."""
     reduction = o.pipeline_kwargs()["loss_reduction"]
     _check_arguments(_sgd, reduction, o.precision)
-    factory = _check_recipe(o.lr_scheduler, o.clip_grad_norm, o.loss_normalizer, reduction)
+    factory = _check_recipe_arguments(o.lr_scheduler, o.clip_grad_norm, o.loss_normalizer, reduction)
     Pipeline._check_accumulate(o.accumulate, kind)
     Pipeline._check_loss_scaling(o.precision, None, kind)
     plan = _with_recompute(plan, o.recompute)

@@ -141,7 +141,7 @@ def _check_arguments(optimizer: Any, loss_reduction: str, precision: str) -> Non
         raise PipelineError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
 
-def _check_recipe(lr_scheduler: Any, clip_grad_norm: Any, loss_normalizer: Any, loss_reduction: str) -> Any:
+def _check_recipe_arguments(lr_scheduler: Any, clip_grad_norm: Any, loss_normalizer: Any, loss_reduction: str) -> Any:
     """Refuse a learning-rate schedule, a clipping norm or a loss normalizer the pipeline
     cannot use; returns the scheduler factory (None: a constant learning rate)."""
     try:
@@ -284,7 +284,7 @@ class Pipeline:
         accumulate: int = 1,
     ) -> None:
         _check_arguments(optimizer, loss_reduction, precision)
-        self._scheduler_factory = _check_recipe(lr_scheduler, clip_grad_norm, loss_normalizer, loss_reduction)
+        self._scheduler_factory = _check_recipe_arguments(lr_scheduler, clip_grad_norm, loss_normalizer, loss_reduction)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.loss_normalizer = loss_normalizer
         self.accumulate = self._check_accumulate(accumulate, schedule or plan.schedule)
@@ -706,14 +706,10 @@ class Pipeline:
     def _accumulating_schedule(self, updates: int, group: int) -> Schedule:
         """A schedule of ``updates`` updates of ``group`` minibatches each (cached)."""
         key = (updates, group)
-        cached = self._accumulating.get(key)
-        if cached is None:
+        if key not in self._accumulating:
             m = self.microbatches or self.plan.microbatches or 1
-            cached = build_schedule(self.plan, self.kind, minibatches=updates, microbatches=group * m)
-            validate_schedule(cached)
-            self._check_recipe(cached)
-            self._accumulating[key] = cached
-        return cached
+            self._accumulating[key] = self._proven_schedule(minibatches=updates, microbatches=group * m)
+        return self._accumulating[key]
 
     def _check_recipe(self, schedule: Schedule) -> None:
         """Refuse a schedule whose updates cannot follow ``lr_scheduler`` or ``clip_grad_norm``:
@@ -742,12 +738,17 @@ class Pipeline:
             kwargs: dict[str, Any] = {"minibatches": minibatches}
             if self.microbatches is not None:
                 kwargs["microbatches"] = self.microbatches
-            if self.vertical_sync:
-                kwargs["vertical_sync"] = True
-            sched = build_schedule(self.plan, self.kind, **kwargs)
-            validate_schedule(sched)
-            self._check_recipe(sched)
-            self._schedules[minibatches] = sched
+            sched = self._schedules[minibatches] = self._proven_schedule(**kwargs)
+        return sched
+
+    def _proven_schedule(self, **kwargs: Any) -> Schedule:
+        """``build_schedule`` for this pipeline's plan and kind, validated and checked against
+        the recipe (``_check_recipe``)."""
+        if self.vertical_sync:
+            kwargs["vertical_sync"] = True
+        sched = build_schedule(self.plan, self.kind, **kwargs)
+        validate_schedule(sched)
+        self._check_recipe(sched)
         return sched
 
     # ------------------------------------------------------------------ data

@@ -218,6 +218,12 @@ class WeightVersions:
                 alias.grad = None
                 self._pending[i] = g if self._pending[i] is None else self._pending[i].add_(g)
 
+    def _gather_grads(self) -> None:
+        """Move every live version's alias gradients into the pending sum (steal mode; with
+        persistent buffers they are already there)."""
+        for views in self._views.values():
+            self._take_grads(views)
+
     def _recycle(self, views: dict[str, torch.Tensor] | None) -> None:
         """Keep a dropped stash's storage for the next copy on update (allocating megabytes
         costs page faults every time; copying into recycled memory does not)."""
@@ -317,8 +323,7 @@ class WeightVersions:
         backward overflowed)."""
         if self._flat is not None:
             return has_nonfinite([self._flat])
-        for views in self._views.values():
-            self._take_grads(views)
+        self._gather_grads()
         return has_nonfinite(self._grads if self._grads is not None else self._pending)
 
     def _scale(self, samples: float, unscale: float) -> float:
@@ -339,10 +344,9 @@ class WeightVersions:
         if posted is not None:
             flat = self._oldest_posted(timeout_s, posted)
             grads: list[torch.Tensor | None] = [flat[:-1]]
-            samples = float(flat[-1].item()) / self._posted[0][2]
+            samples = float(flat[-1].item()) / self._posted[0][2]  # every entry has the same holders
         else:
-            for views in self._views.values():
-                self._take_grads(views)
+            self._gather_grads()
             grads, samples = (self._grads if self._grads is not None else self._pending), self._samples
         present = [g for g in grads if g is not None]
         if not present:
@@ -369,8 +373,7 @@ class WeightVersions:
         ``apply=False`` skips the optimizer (an overflowed update: the gradient is dropped,
         the weights stay, the version still advances so the schedule's versions hold)."""
         if self.params and self.optimizer is not None:
-            for views in self._views.values():
-                self._take_grads(views)
+            self._gather_grads()
         grads = self._grads if self._grads is not None else self._pending
         copied = self._apply(grads, self._samples, unscale, apply)
         if self.params and self.optimizer is not None:
@@ -402,8 +405,7 @@ class WeightVersions:
         if not self.can_defer:
             raise RuntimeError("an update of persistent gradient buffers (a replicated stage) cannot be deferred")
         if self.params and self.optimizer is not None:
-            for views in self._views.values():
-                self._take_grads(views)
+            self._gather_grads()
         self._deferred.append((self._pending, self._samples, factor, unscale, apply))
         self._pending = [None] * len(self.params)
         self._samples = 0.0
