@@ -24,6 +24,17 @@ def gpt2() -> nn.Module:
                                       bos_token_id=0, eos_token_id=0))
 
 
+def llama() -> nn.Module:
+    """A Llama-shaped causal LM (grouped-query attention, SwiGLU MLP, RMSNorm, rotary positions),
+    output layer not tied to the input embedding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        tie_word_embeddings=False, use_cache=False, attention_dropout=0.0))
+
+
 def bert() -> nn.Module:
     """BERT for sequence classification: attention mask, token type ids, labels -> loss."""
     from transformers import BertConfig, BertForSequenceClassification
@@ -110,7 +121,7 @@ def batches(name: str, n: int, size: int = 8) -> list:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
-        if name == "gpt2":
+        if name in ("gpt2", "llama"):
             ids = torch.randint(0, VOCAB, (size, 12), generator=g)
             out.append({"input_ids": ids, "labels": ids})
         elif name == "t5":

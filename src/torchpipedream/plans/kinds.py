@@ -115,6 +115,12 @@ class ScheduleKind:
         return self.version_rule is not VersionRule.BATCH
 
     @property
+    def can_shard(self) -> bool:
+        """Replicated stages may shard their weights over their replicas (``Stage.sharding``,
+        FSDP2): one weight version, whole backwards, replicated stages (flush, gpipe)."""
+        return self.version_rule is VersionRule.BATCH and not self.split_backward and not self.virtual_stages
+
+    @property
     def stashes_weights(self) -> bool:
         """A microbatch's backward uses the weights its forward used, kept until then."""
         return self.version_rule is VersionRule.STASHED

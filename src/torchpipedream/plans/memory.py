@@ -20,6 +20,12 @@ A worker of a stage holding ``d`` minibatches in flight (``planner.in_flight``) 
   Adam on a CPU, a per-parameter loop, holds two of one parameter's size at once; with
   ``foreach`` it holds one of the stage's weights; SGD steps in place).
 
+A stage sharded over its ``m`` replicas (``Stage.sharding``, FSDP2; one weight version: flush,
+gpipe) holds ``(1 + optimizer_state_factor) / m`` of its weights' worth, and gathered on top
+(:func:`sharded_weight_bytes`): under "zero3" one layer's weights and its unsharded gradient
+at a time (the largest parameter stands for the largest layer), under "zero2" the whole
+stage's weights (kept gathered from a forward to its backward) and one unsharded gradient.
+
 The planner (feasibility under a budget), ``Plan.stages[s].memory_bytes`` and the simulator
 (with the schedule's exact in-flight counts) all use these terms. benchmarks/memory_model.py
 measures the peak per stage (``Pipeline(measure_memory=True)``) beside them, on the benchmark
@@ -40,7 +46,7 @@ if TYPE_CHECKING:
     from ..model.graph import Block
 
 __all__ = ["WORKING_FACTOR", "DEFAULT_OPTIMIZER_STATE_FACTOR", "NO_SCRATCH", "scratch_of_options", "StageActivations",
-           "stage_activations", "working_key", "once_bytes", "memory_terms", "stage_memory_bytes"]
+           "stage_activations", "working_key", "once_bytes", "memory_terms", "stage_memory_bytes", "sharded_weight_bytes"]
 
 #: Extra copies of a stage's weights a worker holds besides its weight versions
 #: (``optimizer_state_factor``): the gradient buffer and one momentum buffer (SGD with
@@ -149,23 +155,37 @@ def once_bytes(acts: StageActivations, microbatches: int, recompute: bool = Fals
     return float(both) if np.ndim(both) == 0 else both
 
 
+def sharded_weight_bytes(weights: Any, replicas: int, optimizer_factor: float, sharding: str,
+                         largest_parameter: Any) -> Any:
+    """What one replica of a sharded stage holds of its weights (see the module docstring): its
+    shard of the weights and of the gradient and optimizer state, and what is gathered whole."""
+    gathered = 2 * largest_parameter if sharding == "zero3" else weights + largest_parameter
+    return (1 + optimizer_factor) * weights / max(1, int(replicas)) + gathered
+
+
 def memory_terms(kind: str | ScheduleKind, weights: float, acts: StageActivations, microbatches: int,
                  optimizer_factor: float, recompute: bool = False, replicas: int = 1,
-                 scratch: tuple[float, float] = NO_SCRATCH) -> tuple[float, float, float]:
+                 scratch: tuple[float, float] = NO_SCRATCH, sharding: str = "replicate") -> tuple[float, float, float]:
     """``(base, per, cap)``: a worker of a stage of ``replicas`` replicas holding ``d``
     minibatches in flight needs ``base + per · min(d, cap)`` bytes (the planner's vectorised
     search uses the same form; versions and in-flight counts are the kind's,
-    ``ScheduleKind.memory_terms``)."""
+    ``ScheduleKind.memory_terms``). A sharded stage (one version: the kinds that shard keep
+    ``(1 + f)`` weights' worth) holds :func:`sharded_weight_bytes` instead."""
     k = schedule_kind(kind)
     mu = max(1, int(microbatches)) if k.microbatched else 1
     base, per, cap = k.memory_terms(weights, acts.held(recompute), mu, optimizer_factor, replicas)
+    if sharding != "replicate" and replicas > 1:
+        base = base - (1 + optimizer_factor) * weights + sharded_weight_bytes(
+            weights, replicas, optimizer_factor, sharding, acts.largest_parameter)
     return base + once_bytes(acts, mu, recompute, replicas, scratch, weights), per, cap
 
 
 def stage_memory_bytes(kind: str | ScheduleKind, weights: float, acts: StageActivations, depth: int,
                        microbatches: int, optimizer_factor: float, recompute: bool = False,
-                       replicas: int = 1, scratch: tuple[float, float] = NO_SCRATCH) -> float:
+                       replicas: int = 1, scratch: tuple[float, float] = NO_SCRATCH,
+                       sharding: str = "replicate") -> float:
     """Predicted peak bytes of one worker of a stage of ``replicas`` replicas with ``depth``
-    minibatches in flight."""
-    base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas, scratch)
+    minibatches in flight (its weights ``sharding`` over them)."""
+    base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas, scratch,
+                                  sharding)
     return base + per * min(depth, cap)

@@ -23,9 +23,11 @@ from .kinds import UnknownKindError, schedule_kind
 from .memory import StageActivations, scratch_of_options
 from .memory import stage_memory_bytes as model_memory_bytes
 
-__all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION", "looped_rank", "v_shape_rank"]
+__all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION", "SHARDINGS", "looped_rank", "v_shape_rank"]
 
 PLAN_FORMAT_VERSION = 1
+#: What a stage's replicas may do with its weights (``Stage.sharding``).
+SHARDINGS = ("replicate", "zero3", "zero2")
 #: Fields that older plan files carry and this version derives or no longer keeps: read and dropped.
 _LEGACY_STAGE_FIELDS = frozenset({"output_tensors"})
 #: The largest batch size and microbatch count a plan may name: more samples than any run has
@@ -49,6 +51,8 @@ def _stage_dict(stage: Stage) -> dict[str, Any]:
     for key in ("input_grad_ms", "weight_grad_ms"):
         if d[key] is None:
             del d[key]
+    if d["sharding"] == "replicate":  # files as before sharding existed
+        del d["sharding"]
     return d
 
 
@@ -81,6 +85,11 @@ class Stage:
         input_grad_ms / weight_grad_ms: the stage's backward split as the zero-bubble kinds
             run it (B: input gradients, W: weight gradients), from the profile's per-layer
             times (``Layer.input_grad_ms``); None where the profile did not time it.
+        sharding: what the replicas of the stage hold: "replicate" (every replica the whole
+            stage, gradients all-reduced: PipeDream's), "zero3" (torch's FSDP2 over the
+            replicas: weights, gradients and optimizer state split, weights gathered for each
+            forward and backward) or "zero2" (the same, the gathered weights kept from a
+            forward to its backward). See ``SHARDINGS`` and runtime/sharding.py.
     """
 
     layers: list[str]
@@ -97,6 +106,12 @@ class Stage:
     activations: StageActivations | None = None
     input_grad_ms: float | None = None
     weight_grad_ms: float | None = None
+    sharding: str = "replicate"
+
+    @property
+    def sharded(self) -> bool:
+        """The replicas split the stage's weights, gradients and optimizer state (FSDP2)."""
+        return self.sharding != "replicate"
 
     @property
     def compute_ms(self) -> float:
@@ -147,6 +162,14 @@ def _check_stage_values(s: int, stage: Stage) -> None:
         raise PlanError(f"stage {s}: ranks {stage.ranks} name a rank twice")
     if not isinstance(stage.recompute, bool):
         raise PlanError(f"stage {s}: recompute must be true or false, got {stage.recompute!r}")
+    if stage.sharding not in SHARDINGS:
+        raise PlanError(f"stage {s}: sharding must be one of {', '.join(SHARDINGS)}, got {stage.sharding!r:.40}")
+    if stage.sharded and stage.replicas < 2:
+        raise PlanError(f"stage {s}: sharding {stage.sharding!r} splits the stage over its replicas, and it has "
+                        f"{stage.replicas}: give it two or more, or sharding 'replicate'")
+    if stage.sharded and stage.recompute:
+        raise PlanError(f"stage {s}: sharding {stage.sharding!r} with recomputation is not supported yet; "
+                        "recompute on stages with sharding 'replicate'")
     for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes",
                  "memory_bytes", "input_grad_ms", "weight_grad_ms"):
         v = getattr(stage, attr)
@@ -234,7 +257,16 @@ class Plan:
 
     @property
     def summary(self) -> str:
-        """A human name for the plan's shape: "data parallel ×4", "straight ×4" or "15-1"."""
+        """A human name for the plan's shape: "data parallel ×4", "straight ×4" or "15-1", with
+        its sharded stages ("2-2, stages 0, 1 sharded zero3")."""
+        sharded = [s for s, st in enumerate(self.stages) if st.sharded]
+        if not sharded:
+            return self._shape_name()
+        modes = sorted({self.stages[s].sharding for s in sharded})
+        which = "" if self.num_stages == 1 else f"{'stage' if len(sharded) == 1 else 'stages'} {', '.join(map(str, sharded))} "
+        return f"{self._shape_name()}, {which}sharded {'/'.join(modes)}"
+
+    def _shape_name(self) -> str:
         if self.num_stages == 1:
             r = self.stages[0].replicas
             return "single worker" if r == 1 else f"data parallel ×{r}"
@@ -449,7 +481,8 @@ class Plan:
         for s, st in enumerate(self.stages):
             span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]}"
             span += " recomputed" if st.recompute else ""
-            rows.append((str(s), f"{span} ({len(st.layers)})", str(st.replicas), ranks(st.ranks),
+            rows.append((str(s), f"{span} ({len(st.layers)})", str(st.replicas) + (f" {st.sharding}" if st.sharded else ""),
+                         ranks(st.ranks),
                          f"{st.compute_ms:.3f}", f"{st.comm_ms:.3f}", mem(st.memory_bytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
@@ -475,7 +508,7 @@ class Plan:
     def same_layout(self, other: "Plan") -> bool:
         """Whether both plans put the same layers on the same ranks with the same replicas."""
         def shape(p: "Plan") -> list[Any]:
-            return [[st.layers, st.replicas, st.ranks] for st in p.stages]
+            return [[st.layers, st.replicas, st.ranks, st.sharding] for st in p.stages]
 
         return shape(self) == shape(other)
 
@@ -516,7 +549,7 @@ class Plan:
         first = -(-(self.num_workers - self.stages[0].ranks[0]) // self.stages[0].replicas)
         depth = schedule_kind(kind).inflight_depth(depth, first, mu)  # split kinds: the input stage's, or more
         return model_memory_bytes(kind, self.held_parameter_bytes(s), st.activations, depth, mu, f, st.recompute,
-                                  st.replicas, scratch_of_options(options))
+                                  st.replicas, scratch_of_options(options), st.sharding)
 
     def held_parameter_bytes(self, s: int) -> int:
         """Parameter bytes a worker of stage ``s`` holds: its own, and a copy of each shared

@@ -86,6 +86,7 @@ from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .loss_scaling import LossScaler
 from .optimizer_state import OptimizerStateError, load_state_by_name, state_by_name
+from .sharding import shard_like, sharded_optimizer_entries, whole, whole_optimizer_entries
 from .weights import WeightVersions
 
 __all__ = ["CheckpointError", "CheckpointState", "Resumed", "Manifest", "save_checkpoint", "load_checkpoint",
@@ -481,18 +482,22 @@ def _stage_file(state: CheckpointState, save_id: str, owner: dict[str, int]) -> 
     payload: dict[str, Any] = {"save_id": save_id, "stage": state.stage, "replica": state.replica, "rank": state.rank,
                                "version": states[0]["version"], "rng": _rng_state(state.device),
                                "data": {"epoch": state.epochs_done, "minibatches": state.minibatches_done}}
-    if state.replica != 0:
+    # a sharded stage's replicas gather its tensors whole together (sharding.py); replica 0 writes them
+    sharded = any(w.sharded for w in state.weights)
+    if state.replica != 0 and not sharded:
         return f"stage{state.stage}_replica{state.replica}.pt", payload
     mine = {name for name, s in owner.items() if s == state.stage}
     names = state.state_names
-    tensors = {names[k]: v.detach().cpu().clone() for k, v in state.module.state_dict().items()
-               if k in names and names[k] in mine}
+    tensors = {names[k]: whole(v) for k, v in state.module.state_dict().items() if k in names and names[k] in mine}
     optimizer: dict[str, Any] = {}
     for weights in state.weights:
         if weights.optimizer is not None:
-            for name, entry in state_by_name(weights.optimizer, _name_of_parameters(state, weights)).items():
+            entries = state_by_name(weights.optimizer, _name_of_parameters(state, weights))
+            for name, entry in (whole_optimizer_entries(entries) if weights.sharded else entries).items():
                 if name in mine:
                     optimizer[name] = entry
+    if state.replica != 0:
+        return f"stage{state.stage}_replica{state.replica}.pt", payload
     payload.update(tensors=tensors, optimizer=optimizer)
     return f"stage{state.stage}.pt", payload
 
@@ -706,8 +711,9 @@ def _read_everywhere(state: CheckpointState, directory: Path) -> _Loaded:
 def _restore(state: CheckpointState, loaded: _Loaded, directory: Path) -> None:
     """Put what was read into the stage: tensors, weight versions, optimizer states, loss
     scale (agreed on every rank), random state."""
-    with torch.no_grad():
-        state.module.load_state_dict(loaded.state, strict=False)
+    local = state.module.state_dict()
+    with torch.no_grad():  # whole tensors, cut to this replica's shards where the stage is sharded
+        state.module.load_state_dict({k: shard_like(v, local[k]) for k, v in loaded.state.items()}, strict=False)
     if state.buffers is not None:
         state.buffers.snapshot()
     error = None
@@ -715,7 +721,10 @@ def _restore(state: CheckpointState, loaded: _Loaded, directory: Path) -> None:
         for weights in state.weights:
             weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
             if weights.optimizer is not None:
-                load_state_by_name(weights.optimizer, loaded.optimizer, _name_of_parameters(state, weights))
+                names = _name_of_parameters(state, weights)
+                saved = sharded_optimizer_entries(loaded.optimizer, {names[id(p)]: p for p in weights.params}) \
+                    if weights.sharded else loaded.optimizer
+                load_state_by_name(weights.optimizer, saved, names)
                 weights.resume_schedule()  # the learning rate of the restored update count
         scaler_state = loaded.manifest.raw.get("loss_scaler")
         if state.scaler is not None and isinstance(scaler_state, dict):

@@ -28,7 +28,7 @@ from ..plans.kinds import KIND_NAMES, schedule_kind
 from ..plans.plan import Plan, PlanError, Stage, TiedParameter
 from ..schedule.build import build_schedule
 from ..schedule.orders import ScheduleBuildError
-from ..schedule.placement import tied_support_problem
+from ..schedule.placement import sharding_support_problem, tied_support_problem
 from ..schedule.validate import ScheduleError, validate_schedule
 from .pipeline import Pipeline, PipelineError, _check_arguments, _check_recipe_arguments, _with_recompute
 
@@ -69,6 +69,7 @@ class Options:
     shared: bool = False
     recompute: bool | None = None
     replicated: bool = False
+    sharded: bool = False
     checkpoint: bool = False
 
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -106,6 +107,11 @@ FEATURE_OPTIONS: dict[str, Options] = {
     "loss_normalizer": Options(loss_normalizer=_count_samples),
     "accumulate": Options(accumulate=2),
     "vertical sync": Options(vertical_sync=True),
+    "sharded stage (FSDP2)": Options(sharded=True),
+    "sharded stage with clip_grad_norm": Options(sharded=True, clip_grad_norm=1.0),
+    "sharded stage with bf16": Options(sharded=True, precision="bf16"),
+    "sharded stage with recomputation": Options(sharded=True, recompute=True),
+    "sharded stage, checkpoint resume onto another plan": Options(sharded=True, checkpoint=True),
 }
 
 FEATURES: tuple[str, ...] = tuple(FEATURE_OPTIONS)
@@ -115,11 +121,14 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def kind_plan(kind: str, workers: int = 2, layers: list[str] | None = None, replicated: bool = False) -> Plan:
+def kind_plan(kind: str, workers: int = 2, layers: list[str] | None = None, replicated: bool = False,
+              sharded: bool = False) -> Plan:
     """A small plan of ``kind``'s shape: a straight pipeline of ``workers`` stages, interleaved's
     looped placement or zb-v's V (two stages per worker); with ``replicated``, stage 0 on two
-    replicas and stage 1 on a third worker (``workers`` aside). ``layers`` (default ``layer0``
-    ...) are split evenly over the stages."""
+    replicas and stage 1 on a third worker (``workers`` aside), with ``sharded`` too, stage 0
+    sharded over its replicas (FSDP2, "zero3"). ``layers`` (default ``layer0`` ...) are split
+    evenly over the stages."""
+    replicated = replicated or sharded
     info = schedule_kind(kind)
     stages = 2 if replicated else (2 * workers if info.virtual_stages else workers)
     names = layers or [f"layer{i}" for i in range(2 * stages)]
@@ -129,7 +138,8 @@ def kind_plan(kind: str, workers: int = 2, layers: list[str] | None = None, repl
     groups = [names[i:i + step] for i in range(0, len(names), step)]
     microbatches = 4 if info.microbatched else 1
     if replicated:
-        return Plan(stages=[Stage(groups[0], replicas=2, ranks=[0, 1]), Stage(groups[1], ranks=[2])],
+        return Plan(stages=[Stage(groups[0], replicas=2, ranks=[0, 1], sharding="zero3" if sharded else "replicate"),
+                            Stage(groups[1], ranks=[2])],
                     schedule=kind, microbatches=microbatches)
     if info.v_shape:
         return Plan.v_shape(groups, workers, schedule=kind, microbatches=microbatches)
@@ -168,6 +178,9 @@ def _construct(plan: Plan, kind: str, o: Options) -> tuple[Plan, Any]:
         problem = tied_support_problem(plan, kind, o.vertical_sync)
         if problem:
             raise PipelineError(problem)
+    problem = sharding_support_problem(plan, kind)  # as Pipeline._with_shared_parameters
+    if problem:
+        raise PipelineError(problem)
     return plan, factory
 
 
@@ -185,7 +198,7 @@ def ask(kind: str, options: Options, plan: Plan | None = None) -> None:
     """Run the checks a ``Pipeline`` of ``kind`` with ``options`` runs on ``plan`` (default
     :func:`kind_plan`); raises the library's error where it refuses."""
     if plan is None:
-        plan = kind_plan(kind, replicated=options.replicated)
+        plan = kind_plan(kind, replicated=options.replicated, sharded=options.sharded)
     plan, factory = _construct(plan, kind, options)
     if options.checkpoint:  # Pipeline.save_checkpoint and load_checkpoint
         Pipeline._refuse_virtual(SimpleNamespace(plan=plan), "load_checkpoint")  # type: ignore[arg-type]

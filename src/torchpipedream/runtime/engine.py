@@ -88,6 +88,13 @@ def _grad_leaves(values: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(list(values)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _zero_of(out: Any) -> torch.Tensor | None:
+    """A zero that depends on every differentiable tensor of ``out`` (an empty microbatch's loss
+    on a sharded stage, whose backward must run like its replicas')."""
+    tensors = _grad_leaves(as_tuple(out))
+    return sum((t.sum() * 0 for t in tensors), torch.zeros(())) if tensors else None
+
+
 def _fresh_leaf(t: Any) -> Any:
     """A tensor handed to the next stage in memory as the wire would: a copy, a new leaf."""
     return t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
@@ -218,7 +225,8 @@ class Engine:
         self.device = torch.device(config.device)
         self.tied = dict(tied or {})
         self.buffers = buffers
-        names = set(weights.names).union(*(set(c.weights.names) for c in self.tied.values()))
+        # a sharded stage's weights are installed by FSDP2 itself (sharding.py): no slot to swap
+        names = set() if weights.sharded else set(weights.names).union(*(set(c.weights.names) for c in self.tied.values()))
         self._slots = _parameter_slots(module, names)
         self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
         self.scaler = scaler
@@ -455,7 +463,9 @@ class Engine:
                 copy.weights.release(tied[k])
         if self.is_last and samples == 0:
             if train:  # no loss: B has nothing to differentiate, the stage's inputs get zeros
-                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=None, targets=targets, samples=0,
+                # (a sharded stage's B is a collective of its replicas all the same: it differentiates a zero)
+                zero = _zero_of(out) if self.weights.sharded else None
+                self._ctx[microbatch] = _Context(version, inputs, leaves, loss=zero, targets=targets, samples=0,
                                                    tied_versions=tied)
         elif self.is_last:
             assert loss is not None
@@ -515,6 +525,10 @@ class Engine:
             # B: the inputs' gradients now (sent by SG), the weights' at this microbatch's W
             work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
             self._weight_work[microbatch] = (work, ctx, version)
+        elif self.weights.sharded:
+            if roots:  # into everything the graph holds: FSDP2's gathered weights, whose hooks reduce them
+                torch.autograd.backward(roots, grad_tensors=grad_outputs)
+            self._weights_done(ctx, version)
         else:
             wrt = params + ctx.leaves
             if wrt and roots:

@@ -59,11 +59,19 @@ def allocation_peak(device: torch.device | str = "cpu") -> Iterator[AllocationPe
 
 def held_bytes(*groups: object) -> int:
     """Bytes of the distinct tensor storages in ``groups`` (tensors, or iterables / dicts of
-    them, nested): what a stage holds, each storage counted once however many views share it."""
+    them, nested): what a stage holds, each storage counted once however many views share it
+    (of a sharded tensor, this rank's shard)."""
     seen: dict[int, int] = {}
 
     def visit(x: object) -> None:
         if isinstance(x, torch.Tensor):
+            to_local = getattr(x, "to_local", None)  # a sharded tensor (DTensor): this rank's shard
+            if callable(to_local):
+                grad = x.grad if x.is_leaf and x.requires_grad else None
+                visit(to_local())
+                if grad is not None:
+                    visit(grad)
+                return
             if x.device.type != "meta":
                 s = x.untyped_storage()
                 if s.data_ptr():

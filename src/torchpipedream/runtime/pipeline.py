@@ -56,7 +56,7 @@ from ..plans.kinds import UnknownKindError, schedule_kind
 from ..plans.plan import Plan, PlanError, TiedParameter
 from ..schedule.actions import Action, Kind, Schedule, message_key
 from ..schedule.build import build_schedule
-from ..schedule.placement import tied_support_problem
+from ..schedule.placement import sharding_support_problem, tied_support_problem
 from ..schedule.validate import ScheduleError, uneven_updates, update_barrier_problem, validate_schedule
 from ..sim.trace import Event, Trace
 from .agreement import Agreement
@@ -70,6 +70,7 @@ from .launcher import init_from_env
 from .loss_scaling import LossScaler, LossScaling
 from .lr_schedule import LRScheduleError, SchedulerArgument, as_scheduler_factory
 from .memory_probe import allocation_peak, held_bytes
+from .sharding import GatheredEvaluation, ShardedWeights, full_state_dict, shard_stage
 from .stage_split import model_state_names, split_stages
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means, wait_for
 
@@ -307,6 +308,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         modules, local_tied = self._split_model(module_or_stages, sample)
         self._ar_group = self._make_replica_groups()
+        self._shard(modules)
         weights = self._make_weights(modules, local_tied, optimizer)
         scaler = self._make_loss_scaler(precision, loss_scaling)
         self.clipper = self._make_clipper(weights)
@@ -387,6 +389,21 @@ class Pipeline:
                     mine = group
         return mine
 
+    @property
+    def _sharded(self) -> bool:
+        """This rank's stage is sharded over its replicas (``Stage.sharding``; runtime/sharding.py)."""
+        return self.plan.stages[self.stage].sharded
+
+    def _shard(self, modules: dict[int, nn.Module]) -> None:
+        """Shard this rank's stage over its replicas with FSDP2 where the plan says so (its
+        evaluation graph, if torch.export traced one, then runs with the gathered weights)."""
+        if not self._sharded:
+            return
+        st = self.plan.stages[self.stage]
+        if self.stage in self._eval_modules:  # torch.export's evaluation graph: the gathered weights
+            self._eval_modules[self.stage] = GatheredEvaluation(self._eval_modules[self.stage], modules[self.stage])
+        shard_stage(modules[self.stage], self._ar_group, self.device, st.sharding)
+
     def _make_tied_copies(self, module: nn.Module, factory: OptimizerFactory,
                           local_tied: dict[int, str]) -> dict[int, TiedCopy]:
         """This stage's copy of each shared parameter it holds: weights of its own, stepped by
@@ -420,6 +437,10 @@ class Pipeline:
         weights: dict[int, WeightVersions] = {}
         try:
             for s in self.stages_held:
+                if self.plan.stages[s].sharded:
+                    weights[s] = ShardedWeights(modules[s], factory, self.loss_reduction,
+                                                self.plan.stages[s].replicas, **self._weights_options(s))
+                    continue
                 weights[s] = WeightVersions(modules[s], factory, self.loss_reduction,
                                             replicated=self._ar_group is not None, exclude=set(local_tied.values()),
                                             **self._weights_options(s))
@@ -441,7 +462,8 @@ class Pipeline:
         over every rank in a group of its own (made on every rank, like the groups above)."""
         if self.clip_grad_norm is None:
             return None
-        parts = [NormPart(w, 1.0 / self.plan.stages[s].replicas) for s, w in weights.items()]
+        # a replica's part of a replicated stage's norm is 1/replicas of it; a shard's, its own
+        parts = [NormPart(w, 1.0 if w.sharded else 1.0 / self.plan.stages[s].replicas) for s, w in weights.items()]
         for k, copy in self.tied.items():
             copies = sum(self.plan.stages[ts].replicas for ts in self.plan.tied[k].stages)
             parts.append(NormPart(copy.weights, 1.0 / copies, posted=True))
@@ -527,7 +549,7 @@ class Pipeline:
         for t in found:  # the layers that use it, as the profile named them
             t.layers = next((list(p.layers) for p in plan.tied if p.name == t.name), [])
         plan = dataclasses.replace(plan, tied=found)
-        problem = tied_support_problem(plan, self.kind, self.vertical_sync)
+        problem = tied_support_problem(plan, self.kind, self.vertical_sync) or sharding_support_problem(plan, self.kind)
         if problem:
             raise PipelineError(problem)
         if found:
@@ -1079,6 +1101,8 @@ class Pipeline:
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stage parameters and buffers (of every stage it holds), under the original
         model's key names."""
+        if self._sharded:  # gathered whole: every replica of the stage calls this
+            return full_state_dict(self.module)
         return {k: v.detach().cpu().clone() for engine in self.engines.values()
                 for k, v in engine.module.state_dict().items()}
 
@@ -1088,7 +1112,8 @@ class Pipeline:
         Keys match the original module's ``state_dict`` (for user-given stages,
         ``"<stage>.<key>"``). Collective: call on every rank. Other ranks get None.
         """
-        mine = self.stage_state_dict() if self.replica == 0 else {}
+        mine = self.stage_state_dict() if self.replica == 0 or self._sharded else {}
+        mine = mine if self.replica == 0 else {}
         if not self.distributed:
             return with_aliases(mine, self._aliases.values())
         buf = io.BytesIO()

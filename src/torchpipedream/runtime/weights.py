@@ -126,6 +126,10 @@ class WeightVersions:
         where: who this is, for error messages.
     """
 
+    #: FSDP2 shards the weights and reduces their gradients (sharding.py's subclass): the engine
+    #: then runs the stage module as it is and back-propagates into whatever it holds.
+    sharded = False
+
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_reduction: str = "mean",
                  replicated: bool = False, only: set[str] | None = None, exclude: set[str] = frozenset(),
                  normalized: bool = False, model_names: dict[str, str] | None = None,

@@ -30,7 +30,8 @@ from ..plans.kinds import UnknownKindError, VersionRule, schedule_kind
 from ..plans.plan import Plan, PlanError
 from .actions import Action, Kind, Schedule
 from .orders import BuildContext, ComputeItem, ComputeOrder, ScheduleBuildError, order_function
-from .placement import num_updates, replica_of, tied_support_problem, update_of, virtual_support_problem
+from .placement import (num_updates, replica_of, sharding_support_problem, tied_support_problem, update_of,
+                        virtual_support_problem)
 
 __all__ = ["build_schedule", "schedule_from_order", "ScheduleBuildError"]
 
@@ -234,6 +235,18 @@ def _lower(ctx: BuildContext, order: dict, versions: dict) -> dict[int, list[Act
     return dict(sorted(actions.items()))
 
 
+def _check_sharded_shares(plan: Plan, m: int) -> None:
+    """A sharded stage's replicas run the same forwards and backwards, each a collective of
+    theirs (FSDP2's gathers and reductions), so each takes the same share of every batch."""
+    for i, st in enumerate(plan.stages):
+        if st.sharded and m % st.replicas:
+            raise ScheduleBuildError(
+                f"stage {i} is sharded ({st.sharding}) over {st.replicas} replicas, and microbatches is {m}: every "
+                "replica of a sharded stage must run as many forwards and backwards (FSDP2 gathers and reduces "
+                f"inside each, with the other replicas); choose microbatches = {m + (-m) % st.replicas} or another "
+                f"multiple of {st.replicas}")
+
+
 def _check_shares(plan: Plan, kind: str, m: int) -> None:
     """Restriction of a microbatched kind without flushes (2bw): every replica takes the same
     share of each batch (r divides m).
@@ -294,8 +307,12 @@ def build_schedule(
         m = plan.microbatches if microbatches is None else microbatches
         if not isinstance(m, int) or m < 1:
             raise ScheduleBuildError(f"microbatches must be a positive integer, got {m!r}")
+    problem = sharding_support_problem(plan, info)
+    if problem:
+        raise ScheduleBuildError(problem)
     if info.microbatched and not info.flushes:
         _check_shares(plan, info.name, m)
+    _check_sharded_shares(plan, m)
     if info.split_backward and any(st.replicas > 1 for st in plan.stages):
         bad = next(i for i, st in enumerate(plan.stages) if st.replicas > 1)
         raise ScheduleBuildError(

@@ -14,7 +14,7 @@ from ..plans.kinds import SCHEDULE_KINDS, ScheduleKind, VersionRule, schedule_ki
 from ..plans.plan import Plan
 
 __all__ = ["replica_of", "update_of", "num_updates", "warmup_depth", "interleaved_warmup", "v_shape_inflight",
-           "tied_support_problem", "virtual_support_problem"]
+           "tied_support_problem", "virtual_support_problem", "sharding_support_problem"]
 
 
 def replica_of(plan: Plan, stage: int, microbatch: int) -> int:
@@ -104,4 +104,30 @@ def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bo
             return (f"parameter {t.name!r} is shared by stages {t.stages}, and stage {replicated[0]} is replicated: "
                     f"under {info.name} its replicas update on other minibatches than the other stages; plan those "
                     "stages without replicas, or use 2bw, flush or gpipe")
+    return None
+
+
+def sharding_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None:
+    """Why this kind cannot run the plan's sharded stages (``Stage.sharding``: FSDP2 over a
+    stage's replicas), naming the stage, or None. Sharding needs one weight version per stage
+    (FSDP2 shards the module's parameters, not stashes of older ones: pipedream, 2bw and naive
+    keep several) and one whole backward per microbatch (FSDP2 reduces the weights' gradients
+    when the backward ends; the zero-bubble kinds split it, and run straight pipelines anyway);
+    a parameter shared by stages is stepped by the TR actions, outside FSDP2: refused too."""
+    info = schedule_kind(kind)
+    sharded = [s for s, st in enumerate(plan.stages) if st.sharded]
+    if not sharded:
+        return None
+    first = plan.stages[sharded[0]]
+    if info.asynchronous:
+        return (f"stage {sharded[0]} is sharded ({first.sharding}): {info.name} keeps several weight versions of a "
+                "stage, which torch's FSDP2 does not shard; use flush or gpipe, or sharding 'replicate'")
+    if info.split_backward:
+        return (f"stage {sharded[0]} is sharded ({first.sharding}): {info.name} splits the backward, and FSDP2 "
+                "reduces the weights' gradients when a whole backward ends; use flush or gpipe")
+    for t in plan.tied:
+        on = [s for s in t.stages if plan.stages[s].sharded]
+        if on:
+            return (f"parameter {t.name!r} is shared by stages {t.stages}, and stage {on[0]} is sharded: shared "
+                    "parameters on sharded stages are not supported yet; use sharding 'replicate' there")
     return None

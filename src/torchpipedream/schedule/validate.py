@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from .actions import Action, Kind, Schedule, message_key, split_backwards
 from ..plans.kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
-from .placement import (interleaved_warmup, num_updates, replica_of, tied_support_problem, update_of, v_shape_inflight,
-                        virtual_support_problem, warmup_depth)
+from .placement import (interleaved_warmup, num_updates, replica_of, sharding_support_problem, tied_support_problem,
+                        update_of, v_shape_inflight, virtual_support_problem, warmup_depth)
 from ..plans.plan import Plan
 
 __all__ = ["ScheduleError", "validate_schedule", "update_barrier_problem", "uneven_updates", "schedule_stats", "ScheduleStats", "format_grid", "bounds",
@@ -563,7 +563,10 @@ class _BlockingRun:
     def _allreduce(self, r: int, a: Action) -> bool:
         """Rank ``r`` reaches an all-reduce: it waits there until every member has; the last to
         arrive releases the others (parked at this collective)."""
-        key, members = _collective(self.plan, a)
+        return self._meet(r, *_collective(self.plan, a))
+
+    def _meet(self, r: int, key: tuple, members: list[int]) -> bool:
+        """Rank ``r`` reaches the collective ``key`` of ``members``: :meth:`_allreduce`'s rule."""
         group = self.arrived.setdefault(key, set())
         group.add(r)
         if len(group) < len(members):
@@ -573,6 +576,32 @@ class _BlockingRun:
                 self.position[o] += 1
                 self._wake(o)
         return True
+
+
+class _ShardedRun(_BlockingRun):
+    """The blocking run where every F and B of a sharded stage (``Stage.sharding``) is also a
+    collective of the stage's replicas: torch's FSDP2 gathers the weights (and, in B, reduces
+    the gradients) inside them, so the replicas' k-th F/B must meet, and be of one kind (each
+    replica's list is then a run of the same collectives: no deadlock, none left unmatched)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        super().__init__(schedule)
+        # (rank, kind, microbatch) of a sharded stage's F/B -> the key of its collective:
+        # (stage, how many F/B of the rank's stage came before it, kind)
+        self.keys: dict[tuple[int, str, int], tuple] = {}
+        for r, actions in self.acts.items():
+            seen: dict[int, int] = {}
+            for a in actions:
+                if a.kind in (Kind.FORWARD, Kind.BACKWARD) and self.plan.stages[a.stage].sharded:
+                    k = seen.get(a.stage, 0)
+                    seen[a.stage] = k + 1
+                    self.keys[(r, a.kind.value, a.id)] = ("FSDP", a.stage, k, a.kind.value)
+
+    def _proceeds(self, r: int, a: Action) -> bool:
+        key = self.keys.get((r, a.kind.value, a.id))
+        if key is not None:
+            return self._meet(r, key, list(self.plan.stages[a.stage].ranks))
+        return super()._proceeds(r, a)
 
 
 class _UpdateBarrierRun(_BlockingRun):
@@ -667,8 +696,9 @@ def update_barrier_problem(schedule: Schedule) -> str | None:
 
 
 def _check_deadlock(schedule: Schedule) -> None:
-    """Run every list with non-blocking sends, blocking receives and stage-wide all-reduces."""
-    run = _BlockingRun(schedule)
+    """Run every list with non-blocking sends, blocking receives and stage-wide all-reduces
+    (and, on sharded stages, every F and B a collective of the stage's replicas)."""
+    run = _ShardedRun(schedule) if any(st.sharded for st in schedule.plan.stages) else _BlockingRun(schedule)
     stuck = run.run()
     if stuck:
         _report_deadlock(schedule, stuck, run.arrived)
@@ -685,6 +715,8 @@ def _report_deadlock(schedule: Schedule, stuck: dict[int, int], arrived: dict[tu
         elif a.kind is Kind.ALLREDUCE or a.kind is Kind.TIED_REDUCE:
             key, members = _collective(schedule.plan, a)
             waits_for[r] = [o for o in members if o not in arrived.get(key, set())]
+        elif a.kind in (Kind.FORWARD, Kind.BACKWARD) and schedule.plan.stages[a.stage].sharded:
+            waits_for[r] = [o for o in schedule.plan.stages[a.stage].ranks if o != r and o in stuck]
         else:
             waits_for[r] = []
     cycle = _find_cycle(waits_for)
@@ -753,7 +785,7 @@ def validate_schedule(schedule: Schedule) -> None:
     vsync = bool((schedule.options or {}).get("vertical_sync"))
     if vsync and not kind.stashes_weights:
         raise ScheduleError("vertical_sync applies to schedules with weight stashing (pipedream) only")
-    problem = tied_support_problem(plan, kind, vsync)
+    problem = tied_support_problem(plan, kind, vsync) or sharding_support_problem(plan, kind)
     if problem:
         raise ScheduleError(problem)
     problem = virtual_support_problem(plan, kind)

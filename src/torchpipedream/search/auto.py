@@ -27,12 +27,13 @@ candidate). With a budget, the fastest plan without it is recorded too
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from ..model.graph import LayerGraph
-from ..plans.kinds import AUTO, SCHEDULE_KINDS, schedule_kind
+from ..plans.kinds import AUTO, SCHEDULE_KINDS, ScheduleKind, schedule_kind
 from ..plans.plan import Plan, PlanError
 from ..plans.topology import Topology
 from ..schedule.build import build_schedule
@@ -61,6 +62,7 @@ class Candidate:
     error: str = ""
     threads: int = 1  # torch threads per worker (choose_layout)
     recompute_stages: list[int] | None = None  # the stages that recompute, where only some do
+    sharding: str = "replicate"  # what its replicated stages do with their weights (Stage.sharding)
 
     @property
     def recomputed(self) -> str:
@@ -73,7 +75,8 @@ class Candidate:
     def label(self) -> str:
         text = self.schedule if self.microbatches == 1 else f"{self.schedule}, {self.microbatches} microbatches"
         again = {"yes": ", recompute", "no": ""}.get(self.recomputed, f", recompute {self.recomputed}")
-        return text + again + (f", {self.threads} threads per worker" if self.threads != 1 else "")
+        shard = f", sharded {self.sharding}" if self.sharding != "replicate" else ""
+        return text + again + shard + (f", {self.threads} threads per worker" if self.threads != 1 else "")
 
 
 def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedream", allow_stale: bool = False,
@@ -159,7 +162,7 @@ def choose_schedule(
     budget = budget if budget is not None else topo.memory_bytes
     asked = bool(plan_options.pop("recompute", False))
     search = _Search(graph, names, kinds is not None, counts, batch_size or graph(1).batch_size, minibatches,
-                     budget, asked, threads, host_costs, progress)
+                     budget, asked, threads, host_costs, progress, plan_options.pop("sharding", "replicate"))
     recomputes = [True] if asked else ([False, True] if budget is not None else [False])
     tried = search.candidates(topo, plan_options, recomputes, report=True)
     ok = search.ranked(tried)
@@ -228,6 +231,14 @@ class _Search:
     threads: int
     host_costs: Callable[[Plan, int], dict[str, Any]] | None
     progress: Callable[[Candidate, Plan | None], None] | None
+    sharding: str = "replicate"  # asked for; "replicate": sharding tried too under a budget
+
+    def shardings(self, kind: ScheduleKind) -> list[str]:
+        """The sharding options tried for ``kind``: the one asked for (none where the kind cannot
+        shard), or under a memory budget "replicate" and "zero3" where it can."""
+        if self.sharding != "replicate":
+            return [self.sharding] if kind.can_shard else []
+        return ["replicate", "zero3"] if kind.can_shard and self.budget is not None else ["replicate"]
 
     def candidates(self, topo: Topology, options: dict[str, Any], recomputes: list[bool],
                    report: bool) -> list[tuple[Candidate, Plan | None]]:
@@ -241,8 +252,10 @@ class _Search:
             for m in self.counts if kind.microbatched else [1]:
                 if self.batch and m > self.batch:
                     continue
-                for recompute in recomputes:
-                    cand, plan = self._candidate(name, m, recompute, topo, options)
+                for recompute, sharding in itertools.product(recomputes, self.shardings(kind)):
+                    if recompute and sharding != "replicate":
+                        continue  # not supported together (Plan.validate)
+                    cand, plan = self._candidate(name, m, recompute, topo, dict(options, sharding=sharding))
                     tried.append((cand, plan))
                     if self.progress is not None and report:
                         self.progress(cand, plan)
@@ -251,7 +264,7 @@ class _Search:
     def _candidate(self, name: str, m: int, recompute: bool, topo: Topology,
                    options: dict[str, Any]) -> tuple[Candidate, Plan | None]:
         """One candidate planned and simulated, or the planner's reason it cannot be."""
-        cand = Candidate(name, m, recompute, threads=self.threads)
+        cand = Candidate(name, m, recompute, threads=self.threads, sharding=options["sharding"])
         try:
             plan = plan_one_kind(self.graph(m), topo, schedule=name, microbatches=m, recompute=recompute, **options)
             if recompute and not self.asked and self.budget is not None:
@@ -277,7 +290,7 @@ class _Search:
         order = {n: i for i, n in enumerate(self.names)}
         ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
         ok.sort(key=lambda cp: (cp[0].time_per_minibatch_s, cp[0].peak_memory_bytes or 0, cp[0].recompute,
-                                cp[0].microbatches, order[cp[0].schedule]))
+                                cp[0].sharding != "replicate", cp[0].microbatches, order[cp[0].schedule]))
         return ok
 
     def fastest_without_budget(self, topo: Topology, plan_options: dict[str, Any]) -> dict[str, Any] | None:
@@ -394,8 +407,8 @@ def auto_summary_lines(auto: Any) -> list[str]:
     if budget is not None:
         if not free:
             lines.append(f"memory budget {human_bytes(budget)} per worker")
-        elif (free["schedule"], free["microbatches"], free["recompute"], free["config"]) == tuple(
-                auto["chosen"][k] for k in ("schedule", "microbatches", "recompute", "config")):
+        elif all(free.get(k) == auto["chosen"].get(k)
+                 for k in ("schedule", "microbatches", "recompute", "config", "sharding")):
             lines.append(f"memory budget {human_bytes(budget)} per worker: gave up nothing (the fastest plan fits)")
         else:
             cost = auto["chosen"]["time_per_minibatch_s"] / free["time_per_minibatch_s"] - 1
@@ -413,7 +426,8 @@ def auto_candidates_table(plan: Plan) -> str:
     rows = [("schedule", "microbatches", "recompute", "config", "ms per minibatch", "peak memory")]
     for c in cands:
         again = c.recomputed
-        config = c.config + (f" ×{c.threads} threads" if c.threads != 1 else "")
+        config = c.config + (f" ×{c.threads} threads" if c.threads != 1 else "") + \
+            (f" {c.sharding}" if c.sharding != "replicate" else "")
         if c.error:
             rows.append((c.schedule, str(c.microbatches), again, "-", "does not fit", c.error[:60]))
         else:

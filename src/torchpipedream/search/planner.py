@@ -63,10 +63,10 @@ from ..model.graph import Block, LayerGraph, SharedParameter, measured_sum
 from ..plans.kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from ..plans.memory import (DEFAULT_OPTIMIZER_STATE_FACTOR, NO_SCRATCH, StageActivations, memory_terms,
                             scratch_of_options, stage_activations, stage_memory_bytes, working_key)
-from ..plans.plan import Plan, PlanError, Stage, TiedParameter, looped_rank, v_shape_rank
+from ..plans.plan import SHARDINGS, Plan, PlanError, Stage, TiedParameter, looped_rank, v_shape_rank
 from ..plans.topology import Level, Topology, format_bytes
 from ..schedule.build import build_schedule
-from ..sim.costs import MS_PER_S, paper_allreduce, paper_transfer, ring_allreduce_share
+from ..sim.costs import MS_PER_S, paper_allreduce, paper_transfer, ring_allreduce_share, sharded_passes
 from ..sim.simulator import Costs, simulate
 
 __all__ = [
@@ -120,18 +120,29 @@ def replica_count_allowed(schedule: str | ScheduleKind, replicas: int, microbatc
 
 
 def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, bandwidth_Bps: float,
-                  schedule: str | ScheduleKind = "pipedream", microbatches: int = 1) -> float:
+                  schedule: str | ScheduleKind = "pipedream", microbatches: int = 1, sharding: str = "replicate") -> float:
     """Time per minibatch of a stage with ``replicas`` workers.
 
     pipedream, naive: (compute + all-reduce) / m: each replica takes every m-th minibatch and
     the all-reduce runs once per round of m minibatches. 2bw, flush, gpipe: compute · ⌈μ/m⌉/μ
     + all-reduce: the busiest replica runs ⌈μ/m⌉ of the minibatch's μ microbatches, and every
-    minibatch ends in its own all-reduce.
+    minibatch ends in its own all-reduce; a sharded stage instead gathers and reduce-scatters
+    in each of those microbatches (:func:`sharded_sync_ms`).
     """
-    ar = allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)
     if replicas_share_microbatches(schedule):
-        return compute_ms * math.ceil(microbatches / replicas) / microbatches + ar
-    return (compute_ms + ar) / replicas
+        local = math.ceil(microbatches / replicas)
+        sync = sharded_sync_ms(parameter_bytes, replicas, bandwidth_Bps, sharding, local) if sharding != "replicate" \
+            else allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)
+        return compute_ms * local / microbatches + sync
+    return (compute_ms + allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)) / replicas
+
+
+def sharded_sync_ms(parameter_bytes: Any, replicas: Any, bandwidth_Bps: float, sharding: str, local: Any) -> Any:
+    """A sharded stage's collectives per minibatch on one replica, in milliseconds: ``local``
+    microbatches, each ``sim.costs.sharded_passes`` all-gathers and reduce-scatters of
+    (m − 1)/m of the weights (half a ring all-reduce each; arrays broadcast)."""
+    passes = sum(sharded_passes(sharding))
+    return local * passes * (ring_allreduce_share(replicas) / 2) * (parameter_bytes / bandwidth_Bps * MS_PER_S)
 
 
 def fill_drain_factor(schedule: str | ScheduleKind, microbatches: int, depth: int) -> float:
@@ -184,7 +195,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
              schedule: str = "pipedream", microbatches: int = 1,
              optimizer_state_factor: float = DEFAULT_OPTIMIZER_STATE_FACTOR,
              tied: Sequence[SharedParameter] = (), recompute: bool = False,
-             optimizer_scratch: tuple[float, float] = NO_SCRATCH) -> Evaluation:
+             optimizer_scratch: tuple[float, float] = NO_SCRATCH, sharding: str = "replicate") -> Evaluation:
     """Apply the cost model to stages given as (first block, last block, replicas), ranks in order.
 
     Memory per worker is ``plans.memory.stage_memory_bytes`` (with ``recompute``, what a
@@ -194,7 +205,11 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
     weights, versions and optimizer state: the profile counts it once, in its first layer) and
     the exchange of its gradient: a ring all-reduce among the holders' ranks once per update,
     charged to each holder as its replicas' all-reduce is (``schedule.build._add_tied`` overlaps it
-    with compute where the kind allows; the charge is the upper bound)."""
+    with compute where the kind allows; the charge is the upper bound).
+
+    ``sharding`` is what every replicated stage does with its weights (``Stage.sharding``):
+    sharded, it pays its gathers and reduce-scatters instead of the all-reduce, and holds its
+    shard (``plans.memory.sharded_weight_bytes``)."""
     workers = sum(m for _, _, m in stages)
     if workers > topology.num_workers:
         raise PlanError(f"the stages use {workers} workers but the topology has {topology.num_workers}")
@@ -219,11 +234,14 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         own = sum(b.parameter_bytes for b in blocks[i:j + 1])  # without copies of shared parameters
         params = own + copies[s]
         bw = topology.allreduce_bandwidth(ranks[s])
-        ar_ms.append(allreduce_ms(own, m, bw) + exchange[s])
-        stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches) + exchange[s])
+        stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches, sharding) + exchange[s])
+        share = -(-microbatches // m)
+        sync = sharded_sync_ms(own, m, bw, sharding, share) if sharding != "replicate" and m > 1 else allreduce_ms(own, m, bw)
+        ar_ms.append(sync + exchange[s])
         depth = kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth, microbatches)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
-                                      optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch))
+                                      optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch,
+                                      sharding=sharding))
         if s + 1 < len(stages):
             cut_ms.append(2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth(ranks[s] + ranks[s + 1])))
     worst_stage = max(range(len(stages)), key=lambda s: stage_ms[s])
@@ -241,8 +259,9 @@ class _Problem:
 
     def __init__(self, blocks: Sequence[Block], topology: Topology, schedule: str, microbatches: int,
                  memory: float | None, f: float, num_stages: int | None, straight: bool,
-                 recompute: bool = False, scratch: tuple[float, float] = NO_SCRATCH) -> None:
+                 recompute: bool = False, scratch: tuple[float, float] = NO_SCRATCH, sharding: str = "replicate") -> None:
         self.blocks = list(blocks)
+        self.sharding = sharding  # what replicated stages do with their weights (Stage.sharding)
         self.N = len(blocks)
         self.topology = topology
         self.W = topology.num_workers
@@ -486,7 +505,8 @@ class _Problem:
         def memory_fits(m: int) -> np.ndarray:
             """(nI, workers): a stage of ``m`` replicas (sharing each minibatch's microbatches) fits."""
             if m not in fitting:
-                base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m, self.scratch)
+                base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m, self.scratch,
+                                              self.sharding)
                 d = np.minimum(-(-togo // m), cap)  # (1, workers)
                 fitting[m] = (np.broadcast_to(base, w.shape)[:, None] + np.broadcast_to(per, w.shape)[:, None] * d
                               <= self.memory)
@@ -540,7 +560,11 @@ class _Problem:
         """:func:`stage_time_ms` of class-k stages of ``m`` replicas under 2bw, flush or gpipe
         (``m`` broadcasts against ``comp`` and ``w``)."""
         # paper_allreduce over arrays (the same arithmetic: share × (bytes / B in ms))
-        return comp * (-(-self.mu // m)) / self.mu + ring_allreduce_share(m) * (w / self.bar[max(k, 1)] * MS_PER_S)
+        local = -(-self.mu // m)
+        bandwidth = self.bar[max(k, 1)]
+        if self.sharding != "replicate":
+            return comp * local / self.mu + sharded_sync_ms(w, m, bandwidth, self.sharding, local)
+        return comp * local / self.mu + ring_allreduce_share(m) * (w / bandwidth * MS_PER_S)
 
     def _shared_ends(self, k: int, workers: int, counts: int, starts: Any, record: bool
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -600,7 +624,7 @@ def _search(prob: _Problem, workers: int, exact_end: bool, rtol: float,
         return None
 
     def cost(st: list[tuple[int, int, int]]) -> float:
-        return evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f).time_ms
+        return evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f, sharding=prob.sharding).time_ms
 
     rtol = max(rtol, 1e-12)  # well above the closed form's rounding (4e-15, see mmin)
     best = cost(stages)
@@ -751,6 +775,7 @@ def plan(
     rtol: float = 1e-10,
     recompute: bool = False,
     chunks: int = 2,
+    sharding: str = "replicate",
 ) -> Plan:
     """Choose stages, replica counts and ranks that minimise the predicted time per minibatch.
 
@@ -779,6 +804,8 @@ def plan(
         chunks: for kinds with virtual stages (interleaved): stages per worker, v. The model
             is cut into workers × v stages of balanced time (a straight plan of that depth),
             stage k on worker k mod workers (``Plan.looped``).
+        sharding: what replicated stages do with their weights (``Stage.sharding``): "replicate",
+            or "zero3"/"zero2" (FSDP2; flush, gpipe), priced with the shards' memory and collectives.
 
     Raises:
         PlanError: impossible requests (more stages than blocks or workers, nothing fits in
@@ -792,42 +819,58 @@ def plan(
         return _plan_virtual(graph, topo, schedule, _stages_per_worker(kind, chunks, num_stages, topo),
                              microbatches=microbatches, memory_bytes=memory_bytes, rtol=rtol, recompute=recompute,
                              optimizer_state_factor=optimizer_state_factor, optimizer_scratch=optimizer_scratch)
-    optimizer_scratch = _checked_search_options(method, optimizer_state_factor, optimizer_scratch, recompute)
+    optimizer_scratch = _checked_search_options(method, optimizer_state_factor, optimizer_scratch, recompute,
+                                                (sharding, kind), hierarchical_ok=not straight and num_stages is None)
     blocks = _planning_blocks(graph, recompute)
     _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
                          allow_fewer_workers)
     memory = _memory_budget(memory_bytes, topo)
-    if method == "hierarchical" and (straight or num_stages is not None):
-        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
-                        "use method='fast'")
     search = functools.partial(_search_chain, topo=topo, schedule=schedule, microbatches=microbatches, memory=memory,
                                f=optimizer_state_factor, scratch=optimizer_scratch, recompute=recompute,
-                               method=method, num_stages=num_stages, allow_fewer=allow_fewer_workers, rtol=rtol)
+                               method=method, num_stages=num_stages, allow_fewer=allow_fewer_workers, rtol=rtol,
+                               sharding=sharding)
     blocks, stages, checks = _place(graph, blocks, search, straight, topo, schedule, microbatches,
-                                    optimizer_state_factor)
+                                    optimizer_state_factor, sharding)
     options = _options_record(method=method, straight=straight, num_stages=num_stages,
                               allow_fewer_workers=allow_fewer_workers, memory_bytes=memory, microbatches=microbatches,
                               optimizer_state_factor=optimizer_state_factor, recompute=recompute,
-                              optimizer_scratch=optimizer_scratch)
+                              optimizer_scratch=optimizer_scratch, sharding=sharding)
     return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
                        time.perf_counter() - t0, checks, options)
 
 
 def _place(graph: LayerGraph, blocks: list[Block], search: Any, straight: bool, topo: Topology, schedule: str,
-           microbatches: int, f: float) -> tuple[list[Block], list[tuple[int, int, int]], int]:
+           microbatches: int, f: float, sharding: str = "replicate") -> tuple[list[Block], list[tuple[int, int, int]], int]:
     """The chain of blocks the plan cuts, its stages and the feasibility tests they took:
     ``search``'s, or where the model shares parameters, ``_place_shared``'s choice."""
     if graph.tied:
-        return _place_shared(graph, blocks, search, straight, topo, schedule, microbatches, f)
+        return _place_shared(graph, blocks, search, straight, topo, schedule, microbatches, f, sharding)
     stages, checks = search(blocks, straight)
     return blocks, stages, checks
 
 
-def _options_record(*, optimizer_scratch: tuple[float, float], **options: Any) -> dict[str, Any]:
-    """The options a plan records (``meta["planner"]``), its optimizer scratch only where it has one."""
+def _options_record(*, optimizer_scratch: tuple[float, float], sharding: str = "replicate",
+                    **options: Any) -> dict[str, Any]:
+    """The options a plan records (``meta["planner"]``), its optimizer scratch and sharding only
+    where it has them (records as before them otherwise)."""
     if optimizer_scratch != NO_SCRATCH:
         options["optimizer_scratch"] = list(optimizer_scratch)
+    if sharding != "replicate":
+        options["sharding"] = sharding
     return options
+
+
+def _check_sharding(sharding: str, kind: ScheduleKind, method: str) -> None:
+    """``sharding`` is one of the plan's, for a kind that shards (flush, gpipe) and the exact search."""
+    if sharding not in SHARDINGS:
+        raise PlanError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r:.40}")
+    if sharding == "replicate":
+        return
+    if kind.asynchronous or kind.split_backward or kind.virtual_stages:
+        raise PlanError(f"sharding {sharding!r} runs under flush and gpipe (one weight version, whole backwards, "
+                        f"replicated stages), not {kind.name}")
+    if method != "fast":
+        raise PlanError(f"sharding {sharding!r} is planned by method='fast' only")
 
 
 def _topology_and_kind(graph: LayerGraph, topology: Topology | str, schedule: str) -> tuple[Topology, ScheduleKind]:
@@ -857,9 +900,16 @@ def _stages_per_worker(kind: ScheduleKind, chunks: int, num_stages: int | None, 
 
 
 def _checked_search_options(method: str, optimizer_state_factor: float, optimizer_scratch: Any,
-                            recompute: Any) -> tuple[float, float]:
-    """PlanError for a bad method, optimizer state factor, optimizer scratch or recompute flag;
-    the scratch as two floats."""
+                            recompute: Any, sharding: tuple[str, ScheduleKind] | None = None,
+                            hierarchical_ok: bool = True) -> tuple[float, float]:
+    """PlanError for a bad method (the paper's DP plans neither straight nor a set number of
+    stages: ``hierarchical_ok``), optimizer state factor, optimizer scratch, recompute flag or
+    (sharding, kind) pair; the scratch as two floats."""
+    if method == "hierarchical" and not hierarchical_ok:
+        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
+                        "use method='fast'")
+    if sharding is not None:
+        _check_sharding(*sharding, method)
     if method not in ("fast", "hierarchical"):
         raise PlanError(f"unknown method {method!r}; use 'fast' or 'hierarchical'")
     if optimizer_state_factor < 0:
@@ -883,7 +933,8 @@ def _memory_budget(memory_bytes: int | None, topo: Topology) -> float | None:
 
 def _search_chain(chain: list[Block], straight_only: bool, *, topo: Topology, schedule: str, microbatches: int,
                   memory: float | None, f: float, scratch: tuple[float, float], recompute: bool, method: str,
-                  num_stages: int | None, allow_fewer: bool, rtol: float) -> tuple[list[tuple[int, int, int]], int]:
+                  num_stages: int | None, allow_fewer: bool, rtol: float,
+                  sharding: str = "replicate") -> tuple[list[tuple[int, int, int]], int]:
     """The best stages for one chain of blocks and the feasibility tests it took: the paper's DP
     (``method="hierarchical"``) or the exact search over the depths worth searching."""
     # the paper's DP replicates freely: a straight re-search (shared parameters) is the exact one's
@@ -891,7 +942,8 @@ def _search_chain(chain: list[Block], straight_only: bool, *, topo: Topology, sc
         return _hierarchical(chain, topo, allow_fewer), 0
 
     def problem(depth: int | None) -> _Problem:
-        return _Problem(chain, topo, schedule, microbatches, memory, f, depth, straight_only, recompute, scratch)
+        return _Problem(chain, topo, schedule, microbatches, memory, f, depth, straight_only, recompute, scratch,
+                        sharding)
 
     return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer,
                           memory is not None, rtol)
@@ -1152,7 +1204,7 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
         ok, st = prob.feasible(math.inf, workers, True, True)
         if ok:
             ev = evaluate(prob.blocks, prob.topology, st, prob.schedule, prob.mu, prob.f, recompute=prob.recompute,
-                          optimizer_scratch=prob.scratch)
+                          optimizer_scratch=prob.scratch, sharding=prob.sharding)
             peaks.append(max(ev.memory_bytes))
     hi = min(peaks)
     prob.memory = memory
@@ -1160,7 +1212,8 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
         f"no plan fits in {format_bytes(memory)} per worker ({int(memory)} bytes); the smallest budget any "
         f"plan of this model fits in is {format_bytes(math.ceil(hi))} ({math.ceil(hi)} bytes) "
         f"with schedule {prob.schedule!r}: raise --memory, add workers, or pick a schedule that keeps fewer "
-        "weight versions (2bw, flush)"
+        "weight versions (2bw, flush)" + (", or shard the replicated stages (sharding 'zero3', train --shard)"
+                                          if prob.shared and prob.sharding == "replicate" else "")
     )
 
 
@@ -1188,11 +1241,13 @@ def _merge_shared(blocks: Sequence[Block], tied: Sequence[SharedParameter]) -> l
 
 
 def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight: bool, topo: Topology,
-                  schedule: str, microbatches: int, f: float) -> tuple[list[Block], list[tuple[int, int, int]], int]:
+                  schedule: str, microbatches: int, f: float,
+                  sharding: str = "replicate") -> tuple[list[Block], list[tuple[int, int, int]], int]:
     """The best placement of a model with shared parameters (``graph.tied``): the search's own
     plan, priced with the exchange and copies of every tie it splits, against the best plan that
     keeps each tie's layers in one stage; the latter wins ties (no copy to keep equal). Where the
-    kind cannot keep copies of a replicated holder equal (pipedream), a straight plan stands in."""
+    kind cannot keep copies of a replicated holder equal (pipedream), or a replicated holder would
+    be sharded (its copy is kept outside FSDP2), a straight plan stands in."""
     kind = schedule_kind(schedule)
     candidates: list[tuple[list[Block], list[tuple[int, int, int]]]] = []
     checks = 0
@@ -1208,7 +1263,8 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
         split = tied_holders(chain, stages, graph.tied)
         if split and kind.version_rule is VersionRule.NEWEST:
             continue  # naive keeps no version rule for a copy
-        if split and kind.round_robin and any(stages[s][2] > 1 for _, holders in split for s in holders):
+        if split and (kind.round_robin or sharding != "replicate") \
+                and any(stages[s][2] > 1 for _, holders in split for s in holders):
             if straight:
                 continue
             try:
@@ -1225,7 +1281,7 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
 
     def cost(candidate: tuple[list[Block], list[tuple[int, int, int]]]) -> float:
         chain, stages = candidate
-        return evaluate(chain, topo, stages, schedule, microbatches, f, graph.tied).minibatch_ms
+        return evaluate(chain, topo, stages, schedule, microbatches, f, graph.tied, sharding=sharding).minibatch_ms
 
     best = candidates[0]
     for other in candidates[1:]:
@@ -1238,8 +1294,9 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
                 schedule: str, microbatches: int, f: float, memory: float | None, elapsed: float, checks: int,
                 options: dict[str, Any]) -> Plan:
     recompute = bool(options.get("recompute"))
+    sharding = options.get("sharding", "replicate")
     ev = evaluate(blocks, topo, stages, schedule, microbatches, f, graph.tied, recompute,
-                  scratch_of_options(options))
+                  scratch_of_options(options), sharding)
     out: list[Stage] = []
     for s, (i, j, m) in enumerate(stages):
         bl = blocks[i:j + 1]
@@ -1257,6 +1314,7 @@ def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stag
             activations=stage_activations(blocks, i, j),
             input_grad_ms=measured_sum(b.input_grad_ms for b in bl),
             weight_grad_ms=measured_sum(b.weight_grad_ms for b in bl),
+            sharding=sharding if m > 1 else "replicate",
         ))
     workers = sum(m for _, _, m in stages)
     dp = evaluate(blocks, topo, [(0, len(blocks) - 1, topo.num_workers)], schedule, microbatches, f)

@@ -13,6 +13,9 @@ Every cost of communication in the library comes from here, in two forms:
 
 A ring all-reduce of ``|w|`` bytes among ``m`` members moves ``2(m − 1)/m · |w|`` bytes per
 member (:func:`ring_allreduce_share`) over the slowest link of the ring, in ``2(m − 1)`` steps.
+An all-gather or a reduce-scatter moves half of that, ``(m − 1)/m · |w|``: a stage sharded over
+its replicas (``Stage.sharding``, FSDP2) runs :func:`sharded_passes` of them per microbatch
+instead of one all-reduce per update.
 
 Pure Python (the vectorised planner passes numpy arrays to :func:`ring_allreduce_share`).
 """
@@ -22,7 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MS_PER_S", "ring_allreduce_share", "transfer_s", "ring_allreduce_s", "paper_transfer", "paper_allreduce"]
+__all__ = ["MS_PER_S", "ring_allreduce_share", "transfer_s", "ring_allreduce_s", "paper_transfer", "paper_allreduce",
+           "sharded_passes"]
 
 #: Milliseconds per second: the planner's unit (its times are milliseconds per minibatch).
 MS_PER_S = 1e3
@@ -32,6 +36,18 @@ def ring_allreduce_share(members: Any) -> Any:
     """Bytes each of ``members`` sends in a ring all-reduce, per byte of the buffer: 2(m − 1)/m
     (an int or a numpy array of them)."""
     return 2.0 * (members - 1) / members
+
+
+def sharded_passes(sharding: str) -> tuple[int, int]:
+    """(in the forward, in the backward): the all-gathers and reduce-scatters of a sharded
+    stage's weights in one microbatch, each ``(m − 1)/m`` of the stage's bytes per replica.
+    "zero3" gathers the weights for the forward and again for the backward, then
+    reduce-scatters the gradient; "zero2" keeps the forward's weights for the backward."""
+    if sharding == "zero3":
+        return 1, 2
+    if sharding == "zero2":
+        return 1, 1
+    return 0, 0
 
 
 def transfer_s(nbytes: float, bandwidth_Bps: float, latency_s: float = 0.0) -> float:

@@ -47,13 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..plans.kinds import SCHEDULE_KINDS
-from ..plans.memory import DEFAULT_OPTIMIZER_STATE_FACTOR, once_bytes, scratch_of_options
+from ..plans.memory import DEFAULT_OPTIMIZER_STATE_FACTOR, once_bytes, scratch_of_options, sharded_weight_bytes
 from ..plans.plan import Plan
 from ..plans.topology import Topology
 from ..schedule.actions import Action, Kind, Schedule, split_backwards
 from ..schedule.validate import schedule_stats, validate_schedule
 from ..schedule.versions import accumulating_backwards, by_stage, stash_copies
-from .costs import ring_allreduce_s, ring_allreduce_share, transfer_s
+from .costs import ring_allreduce_s, ring_allreduce_share, sharded_passes, transfer_s
 from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 
 # stash_copies, accumulating_backwards (schedule.versions) and DEFAULT_OPTIMIZER_STATE_FACTOR
@@ -334,9 +334,18 @@ class _Charges:
         steps = costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * n
         allreduce: dict[int, float] = {}
         moved: dict[int, int] = {}
+        forward = [f * slow for f in costs.forward_s]
+        backward = [b * slow for b in costs.backward_s]
         for s, st in enumerate(plan.stages):
             r = st.replicas
             if r < 2:
+                continue
+            if st.sharded:  # FSDP2's collectives run inside F and B; AR sums the sample count
+                one = _allreduce_among_s(costs, list(st.ranks), params[s]) / 2  # a gather or reduce-scatter
+                in_forward, in_backward = sharded_passes(st.sharding)
+                forward[s] += in_forward * one
+                backward[s] += in_backward * one
+                allreduce[s], moved[s] = _allreduce_among_s(costs, list(st.ranks), 8.0), 8
                 continue
             moved[s] = int(ring_allreduce_share(r) * params[s])
             measured = costs.allreduce_s[s] if costs.allreduce_s is not None else None
@@ -351,11 +360,20 @@ class _Charges:
             tied[k] = _allreduce_among_s(costs, members, t.bytes)
             tied_moved[k] = int(ring_allreduce_share(len(members)) * t.bytes)
         wg = costs.weight_grad_s if costs.weight_grad_s is not None else [WEIGHT_GRAD_SHARE * b for b in costs.backward_s]
-        return cls(forward=[f * slow for f in costs.forward_s], backward=[b * slow for b in costs.backward_s],
+        return cls(forward=forward, backward=backward,
                    weight_grad=[min(w, b) * slow for w, b in zip(wg, costs.backward_s)],
                    step=[u * slow for u in steps], copy=[b / costs.copy_Bps for b in params],
                    add=[b / costs.accumulate_Bps for b in params], output_bytes=costs.output_bytes or [0.0] * n,
                    allreduce=allreduce, allreduce_bytes=moved, tied=tied, tied_bytes=tied_moved)
+
+
+def _weight_bytes(stage: Any, params: float, versions: int, optimizer_state_factor: float) -> float:
+    """What one replica of ``stage`` holds of its weights: ``versions`` of them with the optimizer's
+    state, or a sharded stage's shard with what it gathers (``plans.memory.sharded_weight_bytes``)."""
+    if stage.sharded and stage.replicas > 1:
+        largest = stage.activations.largest_parameter if stage.activations is not None else params
+        return sharded_weight_bytes(params, stage.replicas, optimizer_state_factor, stage.sharding, largest)
+    return params * (versions + optimizer_state_factor)
 
 
 def _split_backward_ms(plan: Plan, split: bool) -> tuple[list[float], list[float]]:
@@ -604,7 +622,8 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     params = costs.parameter_bytes or [0.0] * n
     acts = costs.activation_bytes or [0.0] * n
     once = costs.working_bytes or [0.0] * n
-    mem = [params[s] * (max_v[s] + costs.optimizer_state_factor) + acts[s] * max_a[s] + once[s] for s in range(n)]
+    mem = [_weight_bytes(plan.stages[s], params[s], max_v[s], costs.optimizer_state_factor) + acts[s] * max_a[s]
+           + once[s] for s in range(n)]
     return SimResult(
         trace=trace,
         makespan_s=span,

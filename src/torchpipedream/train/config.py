@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..plans.kinds import AUTO, KIND_NAMES, schedule_kind
-from ..plans.plan import Plan, PlanError
+from ..plans.plan import SHARDINGS, Plan, PlanError
 from ..plans.topology import Topology, TopologyError, parse_bytes
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ class TrainConfig:
     stages: int | None = None  # planner: exactly this many stages
     straight: bool = False  # planner: no replication
     recompute: bool = False  # activation recomputation on every stage (Stage.recompute)
+    shard: str = "replicate"  # what replicated stages do with their weights: replicate, zero3, zero2 (Stage.sharding)
     memory: str | None = None  # per-worker memory budget for the planner ("512MB")
     measure_memory: bool = False  # record each worker's peak tensor memory (runtime/memory_probe.py)
     precision: str = "fp32"  # fp32, bf16 or fp16 (forwards under autocast; float32 master weights)
@@ -225,6 +226,22 @@ def check_recipe(cfg: TrainConfig, updates: int | None = None) -> None:
                              f"{cfg.lr_schedule} to decay over")
 
 
+def _check_shard(cfg: TrainConfig) -> None:
+    """``--shard`` names a sharding, for a kind that shards, on stages that may have replicas."""
+    if cfg.shard not in SHARDINGS:
+        raise TrainError(f"--shard {cfg.shard!r}: choose one of {', '.join(s for s in SHARDINGS if s != 'replicate')}")
+    if cfg.shard == "replicate":
+        return
+    if cfg.schedule != AUTO and not schedule_kind(cfg.schedule).can_shard:
+        raise TrainError(f"--shard {cfg.shard} splits replicated stages with FSDP2, which runs under flush and gpipe "
+                         f"(one weight version, whole backwards), not --schedule {cfg.schedule}")
+    for given, flag_name in ((cfg.straight, "--straight"), (cfg.recompute, "--recompute")):
+        if given:
+            raise TrainError(f"--shard {cfg.shard} with {flag_name}: "
+                             + ("a straight plan has no replicas to shard over" if flag_name == "--straight"
+                                else "recomputation on sharded stages is not supported yet"))
+
+
 def check_options(cfg: TrainConfig) -> None:
     """TrainError for the first option that cannot work, before anything is started."""
     if cfg.schedule not in KIND_NAMES and cfg.schedule != AUTO:
@@ -246,6 +263,7 @@ def check_options(cfg: TrainConfig) -> None:
                          "once; --precision bf16 needs no loss scaling and works with every schedule")
     if cfg.optimizer not in OPTIMIZERS:
         raise TrainError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    _check_shard(cfg)
     for name in ("epochs", "batch_size", "microbatches"):
         _positive_int(cfg, name)
     _positive_int(cfg, "checkpoint_every", allow_none=True)

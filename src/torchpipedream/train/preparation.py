@@ -3,6 +3,7 @@ checked) and its time predicted."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import asdict, dataclass, field
@@ -114,17 +115,29 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
                              "--clip-grad-norm would count updates differently on its stages; use a straight plan "
                              "or a synchronous schedule")
         plan = plan.with_recompute(True) if cfg.recompute else plan
+        plan = _sharded(cfg, plan)
         _check_fits_memory(cfg, plan, f"--plan {cfg.plan_file}")
         return plan
     try:
         return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
                          num_stages=cfg.stages, straight=_straight(cfg), recompute=cfg.recompute,
                          optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer],
-                         optimizer_scratch=_scratch(cfg))
+                         optimizer_scratch=_scratch(cfg), sharding=cfg.shard)
     except PlanError as exc:
         if cfg.memory is None:
             raise
         raise TrainError(f"--memory {cfg.memory}: {exc}") from None
+
+
+def _sharded(cfg: TrainConfig, plan: Plan) -> Plan:
+    """``--plan`` with ``--shard``: the file's replicated stages sharded (TrainError when it has none)."""
+    if cfg.shard == "replicate":
+        return plan
+    if all(st.replicas == 1 for st in plan.stages):
+        raise TrainError(f"--plan {cfg.plan_file} with --shard {cfg.shard}: the plan ({plan.summary}) has no replicated "
+                         "stage to shard")
+    stages = [dataclasses.replace(st, sharding=cfg.shard) if st.replicas > 1 else st for st in plan.stages]
+    return dataclasses.replace(plan, stages=stages)
 
 
 def _recipe_counts_updates(cfg: TrainConfig) -> bool:
@@ -200,7 +213,8 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostC
     options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
                    straight=_straight(cfg), recompute=cfg.recompute,
                    optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], optimizer_scratch=_scratch(cfg),
-                   host_costs=host_costs, virtual_stages=False)  # train cannot checkpoint them yet
+                   host_costs=host_costs, virtual_stages=False,  # train cannot checkpoint them yet
+                   sharding=cfg.shard)
     try:
         if host_costs is not None:
             layouts = local_layouts(workers, os.cpu_count() or 1)

@@ -60,6 +60,11 @@ def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> N
                    help="microbatches per minibatch for 2bw, flush, gpipe, zb-h1, zb-h2, zb-2bw (default: %(default)s)")
     p.add_argument("--stages", type=int, default=None, help="plan exactly this many stages (default: the planner's choice)")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
+    p.add_argument("--shard", nargs="?", const="zero3", default=d.shard, choices=["zero3", "zero2"],
+                   help="shard every replicated stage over its replicas with torch's FSDP2 (ZeRO: weights, gradients "
+                        "and optimizer state split; zero3 gathers the weights for each forward and backward, zero2 "
+                        "keeps them from a forward to its backward); flush and gpipe; the planner prices it. "
+                        "--shard alone means zero3 (default: replicate)")
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage: keep only each stage's inputs between a forward "
                         "and its backward, and run the forward again in the backward (less memory, more compute)")
