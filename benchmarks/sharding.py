@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from table_format import Data, table  # noqa: E402
+from table_format import Data, Table, table  # noqa: E402
 
 MINIBATCHES = 6
 WORKERS = 4
@@ -115,6 +115,27 @@ def sharding_memory(data: Data) -> str:
                      f"{r['measured_vs_predicted']:.2f}", share,
                      f"{r['s_per_minibatch'] * 1e3:.1f}"])
     return table(head, body)
+
+
+def _within(data: Data) -> str:
+    """How many stages' measured peaks lie within ±15% of the prediction, of how many."""
+    ratios = [r["measured_vs_predicted"] for r in data["rows"]]
+    return f"{sum(abs(x - 1) <= 0.15 for x in ratios)} of {len(ratios)}"
+
+
+def _dp_share(model: str, sharding: str):
+    """The data-parallel stage's measured peak with ``sharding`` as a share of the replicated one."""
+    def render(data: Data) -> str:
+        rows = {r["sharding"]: r for r in data["rows"] if r["model"] == model and r["layout"] == "data parallel"}
+        return f"{rows[sharding]['measured_bytes'] / rows['replicate']['measured_bytes']:.2f}"
+    return render
+
+
+TABLES = {"sharding": Table(("sharding.json",), sharding_memory)}
+VALUES = {"sharding_within": Table(("sharding.json",), _within),
+          "sharding_lm_zero3_share": Table(("sharding.json",), _dp_share("transformer_lm", "zero3")),
+          "sharding_fc_zero3_share": Table(("sharding.json",), _dp_share("fc_heavy", "zero3"))}
+COMPANIONS = {"sharding.md": Table(("sharding.json",), sharding_memory)}
 
 
 def main(argv: list[str] | None = None) -> int:

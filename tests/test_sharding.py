@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from torchpipedream.plans.plan import Plan, PlanError, Stage
 from torchpipedream.runtime import Pipeline, PipelineError, launch
+from torchpipedream.runtime.loss_scaling import LossScaling
 from torchpipedream.runtime.lr_schedule import LRSchedule
 from torchpipedream.runtime.sharding import local_tensor
 from torchpipedream.schedule.build import build_schedule
@@ -27,6 +28,8 @@ from torchpipedream.schedule.orders import ScheduleBuildError
 from torchpipedream.schedule.validate import ScheduleError, validate_schedule
 
 N_PROCS = 4
+#: float16's loss scale: 2**20 overflows at first (an update is skipped), then halves
+FP16_SCALING = LossScaling(init_scale=2.0 ** 20, growth_interval=2)
 WIDTH = 16
 CLIP = 0.3
 #: scenario -> (kind, per-stage replicas, sharding, microbatches, optimizer, options)
@@ -38,6 +41,8 @@ SCENARIOS: dict[str, dict] = {
     "flush_3_1_uneven": dict(kind="flush", shape=(3, 1), sharding="zero3", m=3, opt="adam", uneven=True,
                              evaluate=True),
     "flush_bf16": dict(kind="flush", shape=(2, 2), sharding="zero3", m=2, opt="sgd", precision="bf16"),
+    # float16 with a loss scale that overflows at first: skipped updates agreed over the shards
+    "flush_fp16": dict(kind="flush", shape=(2, 2), sharding="zero2", m=2, opt="sgd", precision="fp16"),
     # the control: the same plan with replicas that replicate (PipeDream's all-reduce)
     "flush_replicate": dict(kind="flush", shape=(2, 2), sharding="replicate", m=4, opt="adam"),
 }
@@ -124,6 +129,7 @@ def _worker(rank: int, directory: str) -> dict:
         batches = data(sc.get("uneven", False))
         pipe = Pipeline(model(), plan_of(sc), loss_fn=nn.functional.cross_entropy, optimizer=optimizer(sc["opt"]),
                         sample=batches[0][0], microbatches=sc["m"], precision=sc.get("precision", "fp32"),
+                        loss_scaling=FP16_SCALING if sc.get("precision") == "fp16" else None,
                         clip_grad_norm=CLIP if sc.get("clip") else None,
                         lr_scheduler=LRSchedule("cosine", warmup=1, total=len(batches)) if sc.get("sched") else None,
                         timeout_s=60)
@@ -131,7 +137,8 @@ def _worker(rank: int, directory: str) -> dict:
         held = torch.tensor([_held_bytes(pipe), pipe.stage], dtype=torch.int64)
         gathered = [torch.zeros_like(held) for _ in range(N_PROCS)]
         torch.distributed.all_gather(gathered, held)
-        result = {"state": pipe.state_dict(), "norms": pipe.grad_norms, "held": [t.tolist() for t in gathered]}
+        result = {"state": pipe.state_dict(), "norms": pipe.grad_norms, "held": [t.tolist() for t in gathered],
+                  "scale": (pipe.loss_scale, pipe.skipped_updates) if sc.get("precision") == "fp16" else None}
         if sc.get("evaluate"):
             result["eval"] = pipe.evaluate(batches)
         out[name] = result
@@ -148,6 +155,11 @@ def reference(sc: dict) -> dict:
         total = len(batches)
         sched = LambdaLR(opt, lambda t: (t + 1) / 1 if t < 1 else 0.5 * (1 + math.cos(math.pi * (t - 1) / (total - 1))))
     norms = []
+    if sc.get("precision") == "fp16":  # torch's GradScaler over the microbatches' summed losses
+        from fp16_reference import grad_scaler_training
+        scale = grad_scaler_training(net, opt, batches, sc["m"], nn.functional.cross_entropy,
+                                     init_scale=FP16_SCALING.init_scale, growth_interval=FP16_SCALING.growth_interval)
+        return {"state": net.state_dict(), "norms": [], "scale": scale}
     for x, y in batches:
         opt.zero_grad()
         if sc.get("precision") == "bf16":  # bfloat16 forwards: the microbatches' gradients accumulated
@@ -196,6 +208,8 @@ def test_sharded_pipeline_equals_one_process(results: dict, name: str) -> None:
     assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
     if sc.get("clip"):
         assert max(want["norms"]) > CLIP  # clipping really clipped
+    if sc.get("precision") == "fp16":
+        assert got["scale"] == want["scale"] and want["scale"][1] > 0  # an update was skipped, as torch's
     if sc.get("evaluate"):
         assert got["eval"]["loss"] == pytest.approx(want["eval"]["loss"], rel=1e-5)
         assert got["eval"]["accuracy"] == pytest.approx(want["eval"]["accuracy"])
