@@ -41,6 +41,8 @@ SCENARIOS: dict[str, dict] = {
     "flush_3_1_uneven": dict(kind="flush", shape=(3, 1), sharding="zero3", m=3, opt="adam", uneven=True,
                              evaluate=True),
     "flush_bf16": dict(kind="flush", shape=(2, 2), sharding="zero3", m=2, opt="sgd", precision="bf16"),
+    # activation recomputation: the backward runs the forward again, gathering the weights again
+    "flush_recompute": dict(kind="flush", shape=(2, 2), sharding="zero3", m=4, opt="momentum", recompute=True),
     # float16 with a loss scale that overflows at first: skipped updates agreed over the shards
     "flush_fp16": dict(kind="flush", shape=(2, 2), sharding="zero2", m=2, opt="sgd", precision="fp16"),
     # the control: the same plan with replicas that replicate (PipeDream's all-reduce)
@@ -132,6 +134,7 @@ def _worker(rank: int, directory: str) -> dict:
                         loss_scaling=FP16_SCALING if sc.get("precision") == "fp16" else None,
                         clip_grad_norm=CLIP if sc.get("clip") else None,
                         lr_scheduler=LRSchedule("cosine", warmup=1, total=len(batches)) if sc.get("sched") else None,
+                        recompute=sc.get("recompute", False),
                         timeout_s=60)
         pipe.fit(batches, epochs=1)
         held = torch.tensor([_held_bytes(pipe), pipe.stage], dtype=torch.int64)
@@ -292,5 +295,3 @@ def test_plan_fields_sharding() -> None:
         Plan(stages=[Stage(["a"], ranks=[0], sharding="zero3")]).validate()
     with pytest.raises(PlanError, match="stage 0: sharding must be one of replicate, zero3, zero2, got 'zero1'"):
         Plan(stages=[Stage(["a"], replicas=2, ranks=[0, 1], sharding="zero1")]).validate()
-    with pytest.raises(PlanError, match="with recomputation is not supported yet"):
-        Plan(stages=[Stage(["a"], replicas=2, ranks=[0, 1], sharding="zero2", recompute=True)]).validate()

@@ -167,9 +167,6 @@ def _check_stage_values(s: int, stage: Stage) -> None:
     if stage.sharded and stage.replicas < 2:
         raise PlanError(f"stage {s}: sharding {stage.sharding!r} splits the stage over its replicas, and it has "
                         f"{stage.replicas}: give it two or more, or sharding 'replicate'")
-    if stage.sharded and stage.recompute:
-        raise PlanError(f"stage {s}: sharding {stage.sharding!r} with recomputation is not supported yet; "
-                        "recompute on stages with sharding 'replicate'")
     for attr in ("forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "parameter_bytes", "output_bytes",
                  "memory_bytes", "input_grad_ms", "weight_grad_ms"):
         v = getattr(stage, attr)

@@ -111,6 +111,7 @@ FEATURE_OPTIONS: dict[str, Options] = {
     "sharded stage with clip_grad_norm": Options(sharded=True, clip_grad_norm=1.0),
     "sharded stage with bf16": Options(sharded=True, precision="bf16"),
     "sharded stage with recomputation": Options(sharded=True, recompute=True),
+    "sharded stage with fp16": Options(sharded=True, precision="fp16"),
     "sharded stage, checkpoint resume onto another plan": Options(sharded=True, checkpoint=True),
 }
 

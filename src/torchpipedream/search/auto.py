@@ -253,8 +253,6 @@ class _Search:
                 if self.batch and m > self.batch:
                     continue
                 for recompute, sharding in itertools.product(recomputes, self.shardings(kind)):
-                    if recompute and sharding != "replicate":
-                        continue  # not supported together (Plan.validate)
                     cand, plan = self._candidate(name, m, recompute, topo, dict(options, sharding=sharding))
                     tried.append((cand, plan))
                     if self.progress is not None and report:

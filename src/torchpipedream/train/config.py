@@ -235,11 +235,8 @@ def _check_shard(cfg: TrainConfig) -> None:
     if cfg.schedule != AUTO and not schedule_kind(cfg.schedule).can_shard:
         raise TrainError(f"--shard {cfg.shard} splits replicated stages with FSDP2, which runs under flush and gpipe "
                          f"(one weight version, whole backwards), not --schedule {cfg.schedule}")
-    for given, flag_name in ((cfg.straight, "--straight"), (cfg.recompute, "--recompute")):
-        if given:
-            raise TrainError(f"--shard {cfg.shard} with {flag_name}: "
-                             + ("a straight plan has no replicas to shard over" if flag_name == "--straight"
-                                else "recomputation on sharded stages is not supported yet"))
+    if cfg.straight:
+        raise TrainError(f"--shard {cfg.shard} with --straight: a straight plan has no replicas to shard over")
 
 
 def check_options(cfg: TrainConfig) -> None:
