@@ -295,3 +295,28 @@ def test_plan_fields_sharding() -> None:
         Plan(stages=[Stage(["a"], ranks=[0], sharding="zero3")]).validate()
     with pytest.raises(PlanError, match="stage 0: sharding must be one of replicate, zero3, zero2, got 'zero1'"):
         Plan(stages=[Stage(["a"], replicas=2, ranks=[0, 1], sharding="zero1")]).validate()
+
+
+def test_train_and_plan_take_shard(tmp_path, capsys) -> None:
+    """`train --shard` trains the default model on sharded stages (its report says so, its
+    exported weights are whole tensors) and resumes; `plan --shard` prices sharded stages; a
+    kind that cannot shard is refused by name before anything starts."""
+    import json
+
+    from torchpipedream.cli import main
+
+    out = tmp_path / "sharded"
+    common = ["train", "--workers", "4", "--stages", "2", "--schedule", "flush", "--no-progress",
+              "--max-minibatches", "4", "--timeout", "60", "--out", str(out)]
+    assert main(common + ["--epochs", "1", "--shard"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "sharded zero3" in report["plan"] and report["final_test_loss"] > 0
+    state = torch.load(out / "checkpoint.pt", weights_only=True)["state_dict"]
+    assert state and all(type(v) is torch.Tensor for v in state.values())
+    assert main(common + ["--epochs", "2", "--shard", "--resume"]) == 0
+    assert main(["plan", "vgg16", "-t", "4:1GB/s", "--schedule", "flush", "--microbatches", "4", "--stages", "1",
+                 "--shard", "zero2"]) == 0
+    assert "4 zero2" in capsys.readouterr().out
+    assert main(["train", "--schedule", "2bw", "--shard", "--out", str(tmp_path / "no")]) == 2
+    assert "--shard zero3 splits replicated stages with FSDP2, which runs under flush and gpipe" in \
+        capsys.readouterr().err

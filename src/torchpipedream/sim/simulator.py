@@ -340,15 +340,16 @@ class _Charges:
             r = st.replicas
             if r < 2:
                 continue
+            measured = costs.allreduce_s[s] if costs.allreduce_s is not None else None
             if st.sharded:  # FSDP2's collectives run inside F and B; AR sums the sample count
-                one = _allreduce_among_s(costs, list(st.ranks), params[s]) / 2  # a gather or reduce-scatter
+                # a gather or a reduce-scatter: half an all-reduce of the stage's weights (measured on the host where given)
+                one = (measured if measured is not None else _allreduce_among_s(costs, list(st.ranks), params[s])) / 2
                 in_forward, in_backward = sharded_passes(st.sharding)
                 forward[s] += in_forward * one
                 backward[s] += in_backward * one
                 allreduce[s], moved[s] = _allreduce_among_s(costs, list(st.ranks), 8.0), 8
                 continue
             moved[s] = int(ring_allreduce_share(r) * params[s])
-            measured = costs.allreduce_s[s] if costs.allreduce_s is not None else None
             if measured is not None:
                 allreduce[s] = float(measured)
                 continue

@@ -129,6 +129,13 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
         raise TrainError(f"--memory {cfg.memory}: {exc}") from None
 
 
+def _warn_if_nothing_sharded(cfg: TrainConfig, plan: Plan) -> None:
+    """``--shard`` on a plan without a replicated stage shards nothing: say so (the planner found
+    no replicated stage worth its workers)."""
+    if cfg.shard != "replicate" and not any(st.sharded for st in plan.stages):
+        log.warning("--shard %s: the plan (%s) has no replicated stage, so nothing is sharded", cfg.shard, plan.summary)
+
+
 def _sharded(cfg: TrainConfig, plan: Plan) -> Plan:
     """``--plan`` with ``--shard``: the file's replicated stages sharded (TrainError when it has none)."""
     if cfg.shard == "replicate":
@@ -268,6 +275,7 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
         laid_out = saved is not None and isinstance(saved.meta, dict) and "threads_per_worker" in saved.meta
         plan = _choose_plan(cfg, profiled(m, threads_per_worker(saved) if laid_out else 1),
                             saved.num_workers if laid_out else workers, saved)
+    _warn_if_nothing_sharded(cfg, plan)
     kind, m = schedule_of(cfg, plan)
     graph = profiled(m, threads_per_worker(plan))
     changes = list(point.extra.get("plan_changes", [])) if point is not None else []

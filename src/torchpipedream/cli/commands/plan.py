@@ -52,6 +52,9 @@ def register(subparsers: Any) -> None:
                    help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage (each backward runs its forward again)")
+    p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
+                   help="shard every replicated stage over its replicas (FSDP2; flush and gpipe), priced with the "
+                        "shards' memory and collectives; --shard alone means zero3")
     p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
                    help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
     p.add_argument("--out", "-o", default=None, help="where to write the plan JSON")
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     f = DEFAULT_OPTIMIZER_STATE_FACTOR if args.optimizer_state is None else args.optimizer_state
     options = dict(straight=args.straight, num_stages=args.stages, allow_fewer_workers=args.allow_fewer_workers,
                    memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute,
-                   chunks=args.chunks)
+                   chunks=args.chunks, sharding=args.shard)
     if args.schedule == ALL:
         if args.microbatches != 1:
             raise CommandError("--schedule all tries 1, 2, 4 and 8 microbatches itself; drop --microbatches")
