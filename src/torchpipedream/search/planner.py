@@ -368,6 +368,8 @@ class _Problem:
         last block, replicas).
         """
         self.checks += 1
+        if self.memory is not None and self.shared:
+            return self._feasible_packed(T, workers, exact_end, record)
         N = self.N
         num_classes = len(self.classes)
         counts = 1 if self.num_stages is None else self.num_stages + 1  # the stage-count axis c
@@ -417,16 +419,129 @@ class _Problem:
                         last[ki][hit] = j1
         final_count = counts - 1 if self.num_stages is not None else 0
         ends = reach[N, final_count]
-        if exact_end:
-            s_end = workers if ends[workers] else -1
-        else:
-            hits = np.nonzero(ends)[0]
-            s_end = int(hits[0]) if len(hits) else -1
+        s_end = _end_rank(ends, workers, exact_end)
         if s_end < 0:
             return False, None
         if parent is None:
             return True, None
         return True, _trace_back(parent, N, final_count, s_end)
+
+    # ------------------------------------------------------------ packed test (budget, shared kinds)
+    # With a memory budget under 2bw, flush or gpipe, ``feasible`` runs here: the same DP, with
+    # the stage-count axis packed as bits of uint64 words (reach[j1, word, s]), each start block
+    # weighed only where its stage fits in T and in memory, and the parents found by a walk back
+    # over the stored reach (the choice ``_record`` would have made, recomputed at the path's
+    # boundaries only) instead of a (blocks, counts, ranks, 3) table filled at every boundary.
+    def _feasible_packed(self, T: float, workers: int, exact_end: bool, record: bool) -> tuple[bool, Any]:
+        """:meth:`feasible` for a memory budget and classes whose replicas share microbatches."""
+        N = self.N
+        counts = 1 if self.num_stages is None else self.num_stages + 1
+        reach = np.zeros((N + 1, (counts + 63) // 64, workers + 1), dtype=np.uint64)
+        reach[0, 0, 0] = 1
+        reached = np.zeros(N + 1, dtype=bool)
+        reached[0] = True
+        inok = np.stack([self._in_ok(k, np.arange(N), T) for k in self.classes])
+        cut_ok = self.a[:, None, None] <= self._out_thresholds(T, workers)[None]  # (j, ki, end rank)
+        for j in range(N):
+            options = self._packed_options(j + 1, T, workers, reached, inok)
+            hit = np.zeros(reach.shape[1:2] + (workers,), dtype=np.uint64)
+            for ki, k in enumerate(self.classes):
+                ends = self._packed_ends(options[ki], reach, self.sizes[k], workers)
+                if j < N - 1:
+                    ends[:, ~cut_ok[j, ki]] = 0
+                hit |= ends
+            reach[j + 1, :, 1:] = _next_count(hit, counts)
+            reached[j + 1] = reach[j + 1].any()
+        final = counts - 1 if self.num_stages is not None else 0
+        ends = ((reach[N, final // 64] >> np.uint64(final % 64)) & np.uint64(1)).astype(bool)
+        s_end = _end_rank(ends, workers, exact_end)
+        if s_end < 0:
+            return False, None
+        if not record:
+            return True, None
+        stages = []
+        jj, c, s = N, final, s_end
+        while jj > 0:
+            cp = c - 1 if counts > 1 else 0
+            i, r = self._packed_choice(self._packed_options(jj, T, workers, reached, inok), reach, cp, s - 1,
+                                       cut_ok[jj - 1] if jj < N else None)
+            stages.append((i, jj - 1, s - r))
+            jj, c, s = i, cp, r
+        stages.reverse()
+        return True, stages
+
+    def _packed_options(self, j1: int, T: float, workers: int, reached: np.ndarray, inok: np.ndarray
+                        ) -> list[list[tuple[int, np.ndarray, np.ndarray]]]:
+        """Per class, the stages ending at block j1 - 1 that fit in T and in memory from some
+        reachable start block: (replicas m, start blocks ascending, fits per start block and start
+        rank). Class 0 is one worker; the others take each of ``shared_sizes``."""
+        I = np.nonzero(reached[:j1])[0]
+        comp = self.compute_prefix[j1] - self.compute_prefix[I]
+        w = self.weight_prefix[j1] - self.weight_prefix[I]
+        togo = (workers - np.arange(workers))[None, :]  # workers from r to the end
+        acts = self.activations(I, j1)
+        dmax = self.max_depth(I, j1, acts, 1)
+        mmem1 = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
+        single = np.maximum(self.mmin(0, comp, w, T)[:, None], mmem1) <= 1  # (nI, workers)
+        ms = np.array([m for m in self.shared_sizes if m <= workers], dtype=np.int64)
+        fitting: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        out = []
+        for ki, k in enumerate(self.classes):
+            if k == 0:
+                rows = np.nonzero(inok[ki, I] & single.any(axis=1))[0]
+                out.append([(1, I[rows], single[rows])])
+                continue
+            fits = inok[ki, I][None] & (self._shared_stage_ms(k, comp[None], w[None], ms[:, None]) <= T)  # (M, nI)
+            options = []
+            for t, m in enumerate(ms.tolist()):
+                rows = np.nonzero(fits[t])[0]
+                if not len(rows):
+                    continue
+                if m not in fitting:
+                    base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m,
+                                                  self.scratch, self.sharding)
+                    fitting[m] = (np.broadcast_to(base, w.shape), np.broadcast_to(per, w.shape),
+                                  np.minimum(-(-togo // m), cap))  # d: (1, workers)
+                base, per, d = fitting[m]
+                mem_ok = base[rows][:, None] + per[rows][:, None] * d <= self.memory
+                keep = mem_ok.any(axis=1)
+                if keep.any():
+                    options.append((m, I[rows[keep]], mem_ok[keep]))
+            out.append(options)
+        return out
+
+    def _packed_ends(self, options: list[tuple[int, np.ndarray, np.ndarray]], reach: np.ndarray, S: int,
+                     workers: int) -> np.ndarray:
+        """(words, workers): the previous stage counts (bits) with which a stage of one class can
+        end at rank x, over ``options`` (:meth:`_packed_options`), inside one component of S."""
+        ends = np.zeros(reach.shape[1:2] + (workers,), dtype=np.uint64)
+        zero = np.uint64(0)
+        for m, rows, mem_ok in options:
+            got = np.bitwise_or.reduce(np.where(mem_ok[:, None, :], reach[rows, :, :workers], zero), axis=0)
+            n = workers - m + 1  # start ranks r with r + m - 1 < workers
+            if m > 1:
+                r = np.arange(n)
+                got = np.where((r // S) == ((r + m - 1) // S), got[:, :n], zero)
+            ends[:, m - 1:] |= got
+        return ends
+
+    def _packed_choice(self, options: list[list[tuple[int, np.ndarray, np.ndarray]]], reach: np.ndarray, c: int,
+                       x: int, cut_ok: np.ndarray | None) -> tuple[int, int]:
+        """(start block, start rank) of the stage that ``feasible``'s record keeps for an end at
+        rank x after c stages: the first class, its first size, its first start block."""
+        word, bit = c // 64, np.uint64(c % 64)
+        for ki, k in enumerate(self.classes):
+            if cut_ok is not None and not cut_ok[ki, x]:
+                continue
+            S = self.sizes[k]
+            for m, rows, mem_ok in options[ki]:
+                r = x - m + 1
+                if r < 0 or (m > 1 and r // S != x // S):
+                    continue
+                ok = mem_ok[:, r] & ((reach[rows, word, r] >> bit) & np.uint64(1)).astype(bool)
+                if ok.any():
+                    return int(rows[np.argmax(ok)]), r
+        raise AssertionError(f"no stage reaches rank {x} after {c} stages")  # reach said one does
 
     def _out_thresholds(self, T: float, workers: int) -> np.ndarray:
         """[ki, s-1]: the largest cut (bytes) a class-k stage ending before rank s may send in T."""
@@ -600,6 +715,28 @@ class _Problem:
         if k == 0 or math.isinf(T):
             return np.ones(len(I), dtype=bool)
         return (I == 0) | (2.0 * self.a_in[I] / self.beff[k] * MS_PER_S <= T)
+
+
+def _end_rank(ends: np.ndarray, workers: int, exact_end: bool) -> int:
+    """The rank bound where the last stage ends (``workers`` with ``exact_end``, else the
+    fewest reached), or -1 where ``ends`` reaches none."""
+    if exact_end:
+        return workers if ends[workers] else -1
+    hits = np.nonzero(ends)[0]
+    return int(hits[0]) if len(hits) else -1
+
+
+def _next_count(hit: np.ndarray, counts: int) -> np.ndarray:
+    """Stage-count bits one up (c → c + 1, dropping c = counts − 1), or as they are when the
+    count is not tracked (counts == 1): the packed form of ``new_any[1:] = hit_c[:-1]``."""
+    if counts == 1:
+        return hit
+    up = hit << np.uint64(1)
+    up[1:] |= hit[:-1] >> np.uint64(63)
+    top = counts % 64
+    if top:
+        up[-1] &= np.uint64((1 << top) - 1)
+    return up
 
 
 def _trace_back(parent: np.ndarray, N: int, c: int, s: int) -> list[tuple[int, int, int]]:
