@@ -320,3 +320,25 @@ def test_train_and_plan_take_shard(tmp_path, capsys) -> None:
     assert main(["train", "--schedule", "2bw", "--shard", "--out", str(tmp_path / "no")]) == 2
     assert "--shard zero3 splits replicated stages with FSDP2, which runs under flush and gpipe" in \
         capsys.readouterr().err
+
+
+def test_auto_shards_only_the_stages_that_need_it() -> None:
+    """A plan with every replicated stage sharded keeps sharding only where the stage's replicated
+    peak exceeds the budget (replicating is the faster of the two where both fit)."""
+    from torchpipedream.model.profiles import load_profile
+    from torchpipedream.search.auto import shard_where_needed
+    from torchpipedream.search.planner import plan as make_plan
+
+    sharded = make_plan(load_profile("vgg16"), "4:1GB/s", schedule="flush", microbatches=4, num_stages=2,
+                        sharding="zero3")
+    replicated = [s for s, st in enumerate(sharded.stages) if st.replicas > 1]
+    assert replicated
+    whole = {s: dataclasses.replace(sharded, stages=[dataclasses.replace(st, sharding="replicate")
+                                                     for st in sharded.stages]).stage_memory_bytes(s)
+             for s in replicated}
+    for s in replicated:  # a budget the replicated stage s fits in, and one it does not
+        for budget, kept in ((whole[s] + 1, "replicate"), (whole[s] - 1, "zero3")):
+            chosen = shard_where_needed(sharded, budget)
+            assert chosen.stages[s].sharding == kept
+            assert chosen.stages[s].memory_bytes == pytest.approx(whole[s] if kept == "replicate"
+                                                                  else sharded.stages[s].memory_bytes, abs=1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
@@ -41,7 +42,7 @@ from ..sim.simulator import Costs, simulate
 from ..util.units import human_bytes
 from .planner import plan as plan_one_kind
 
-__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "recompute_where_needed", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
+__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "recompute_where_needed", "shard_where_needed", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,8 @@ class _Search:
                 cand.recompute = bool(again)
                 if again and len(again) < plan.num_stages:
                     cand.recompute_stages = again
+            if cand.sharding != "replicate" and self.sharding == "replicate" and self.budget is not None:
+                plan = shard_where_needed(plan, self.budget)  # tried by auto, not asked for: only where needed
             extra = self.host_costs(plan, m) if self.host_costs is not None else {}
             sim = simulate(build_schedule(plan, name, minibatches=self.minibatches, microbatches=m),
                            Costs.from_plan(plan, microbatches=m, **extra))
@@ -311,6 +314,28 @@ def recompute_where_needed(plan: Plan, budget: float) -> Plan:
     plain = plan.with_recompute(False)
     need = [s for s, st in enumerate(plain.stages) if st.memory_bytes > budget]
     return plan if len(need) == plan.num_stages else plan.with_recompute(need)
+
+
+def shard_where_needed(plan: Plan, budget: float) -> Plan:
+    """``plan`` (planned with its replicated stages sharded) sharding only the stages whose
+    predicted memory replicated exceeds ``budget``: a replicating stage is faster (one
+    all-reduce per update, against gathers and reduce-scatters in every microbatch), and a
+    stage's memory depends on its own sharding only. Plans without the memory model's terms
+    are returned as they are."""
+    if any(st.activations is None for st in plan.stages):
+        return plan
+    out = copy.deepcopy(plan)
+    for s, st in enumerate(out.stages):
+        if not st.sharded:
+            continue
+        st.sharding = "replicate"
+        memory = out.stage_memory_bytes(s)
+        if memory is None or memory > budget:
+            st.sharding = plan.stages[s].sharding
+        else:
+            st.memory_bytes = int(math.ceil(memory))
+    out.predicted["peak_memory_bytes"] = max(st.memory_bytes for st in out.stages)
+    return out
 
 
 def local_layouts(workers: int, cores: int) -> list[tuple[int, int]]:
