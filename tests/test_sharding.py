@@ -342,3 +342,23 @@ def test_auto_shards_only_the_stages_that_need_it() -> None:
             assert chosen.stages[s].sharding == kept
             assert chosen.stages[s].memory_bytes == pytest.approx(whole[s] if kept == "replicate"
                                                                   else sharded.stages[s].memory_bytes, abs=1)
+
+
+def test_verify_takes_shard(tmp_path, capsys) -> None:
+    """`verify --shard` checks a plan with its replicated stages sharded against its one-process
+    reference; a kind that cannot shard is refused by name."""
+    from torchpipedream.cli import main
+    from torchpipedream.model.profiler import profile
+    from torchpipedream.train.inputs import seeded_model
+
+    names = profile(seeded_model("mlp", 0), torch.zeros(16, 1, 8, 8), warmup=0, iters=1).names
+    half = len(names) // 2
+    path = tmp_path / "plan.json"
+    Plan(stages=[Stage(names[:half], replicas=2, ranks=[0, 1]), Stage(names[half:], replicas=2, ranks=[2, 3])],
+         schedule="flush", microbatches=2).save(path)
+    assert main(["verify", "--model", "mlp", "--workers", "4", "--schedule", "flush", "--shard", "zero2",
+                 "--plan", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "2-2, stages 0, 1 sharded zero2" in text and text.count(": OK") == 1 and "MISMATCH" not in text
+    assert main(["verify", "--shard"]) == 2
+    assert "--shard zero3 runs under flush and gpipe, not --schedule pipedream" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import functools
 import logging
 from typing import Any
 
-from ...plans.kinds import KIND_NAMES
+from ...plans.kinds import KIND_NAMES, schedule_kind
 from ...plans.plan import Plan
 from ...plans.topology import Topology
 from ...train import OPTIMIZERS, TrainConfig, TrainError
@@ -50,6 +50,9 @@ def register(subparsers: Any) -> None:
                    help="clip every update by the norm over all the model's gradients; the reference uses "
                         "torch.nn.utils.clip_grad_norm_ on the whole model")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
+    p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
+                   help="shard the plan's replicated stages over their replicas (FSDP2; flush and gpipe); "
+                        "--shard alone means zero3")
     p.add_argument("--plan", dest="plan_file", default=None, help="check this plan.json instead of planning")
     p.add_argument("--seed", type=int, default=0, help="the model's initialisation seed (default: %(default)s)")
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: %(default)s)")
@@ -78,6 +81,9 @@ def _handle(args: argparse.Namespace) -> int:
     for flag, tolerance in (("--atol", args.atol), ("--rtol", args.rtol)):
         if not tolerance >= 0:  # also NaN: a negative bound reported "MISMATCH, max |diff| 0"
             raise CommandError(f"{flag} must be a number >= 0, got {tolerance}")
+    cannot = [k for k in kinds if args.shard != "replicate" and not schedule_kind(k).can_shard]
+    if cannot:
+        raise CommandError(f"--shard {args.shard} runs under flush and gpipe, not --schedule {cannot[0]}")
     if not 0 <= args.weight_decay < float("inf"):
         raise CommandError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     cfg = TrainConfig(model=args.model, schedule=kinds[0], workers=args.workers, batch_size=args.batch_size,
@@ -97,12 +103,15 @@ def _handle(args: argparse.Namespace) -> int:
         graph = profile(model(), x[: args.batch_size], loss_fn=loss_for(cfg), target=y[: args.batch_size],
                         warmup=1, iters=3)
         base = plan(graph, Topology.local(args.workers), schedule=kinds[0], microbatches=args.microbatches,
-                    straight=args.straight)
+                    straight=args.straight, sharding=args.shard)
         if "pipedream" in kinds and any(st.replicas > 1 for st in base.stages):
             print(f"the planner chose {base.summary}; pipedream is checked on plans without replicated stages, so "
                   "checking a straight pipeline")
             base = plan(graph, Topology.local(args.workers), schedule=kinds[0], microbatches=args.microbatches,
                         straight=True)
+    if args.shard != "replicate":  # a plan file's replicated stages too
+        base = dataclasses.replace(base, stages=[dataclasses.replace(st, sharding=args.shard) if st.replicas > 1
+                                                 else st for st in base.stages])
     plans = [dataclasses.replace(base, schedule=k, microbatches=args.microbatches) for k in kinds]
     print(f"verify {args.model}: {base.summary} ({base.config}), {len(batches)} minibatches of {args.batch_size}")
     reports = verify_plans(model, batches, plans, optimizer_factory(cfg), loss_fn=loss_for(cfg),
