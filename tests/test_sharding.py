@@ -362,3 +362,51 @@ def test_verify_takes_shard(tmp_path, capsys) -> None:
     assert "2-2, stages 0, 1 sharded zero2" in text and text.count(": OK") == 1 and "MISMATCH" not in text
     assert main(["verify", "--shard"]) == 2
     assert "--shard zero3 runs under flush and gpipe, not --schedule pipedream" in capsys.readouterr().err
+
+
+def test_sharded_checkpoints_are_dcp_folders_that_load_without_running_code(results: dict, checkpoints: str,
+                                                                           tmp_path) -> None:
+    """A sharded stage's tensors are saved by its replicas with torch.distributed.checkpoint into
+    stage<s>.dcp/ (listed in the manifest, nothing gathered in the stage file); the whole model
+    reads back from them; a .metadata rewritten to run code (its checksum rewritten too) is
+    refused by name, as a stage file that needs code is."""
+    import json
+    import pickle
+    import shutil
+
+    from torchpipedream.runtime.checkpoint import CheckpointError, read_stage_states, verify_checkpoint
+
+    saved = tmp_path / "saved"
+    shutil.copytree(f"{checkpoints}/sharded_to_straight", saved)
+    manifest = json.loads((saved / "manifest.json").read_text())
+    listed = {e["file"] for e in manifest["files"]}
+    assert {"stage0.dcp/.metadata", "stage1.dcp/.metadata"} <= listed
+    assert any(f.startswith("stage0.dcp/") and f.endswith(".distcp") for f in listed)
+    assert torch.load(saved / "stage0.pt", weights_only=True)["tensors"] == {}
+    whole = read_stage_states(saved)  # the two minibatches the first plan trained, in one process
+    net = model()
+    opt = optimizer("adam")(list(net.named_parameters()))
+    for x, y in data()[:2]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    assert set(whole) == set(net.state_dict())
+    for key, value in net.state_dict().items():
+        torch.testing.assert_close(whole[key], value, atol=2e-5, rtol=2e-5, msg=key)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("this ran",))
+
+    evil = pickle.dumps(Evil())
+    (saved / "stage0.dcp" / ".metadata").write_bytes(evil)
+    for entry in manifest["files"]:
+        if entry["file"] == "stage0.dcp/.metadata":
+            import hashlib
+            entry.update(sha256=hashlib.sha256(evil).hexdigest(), size=len(evil))
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="stage0.dcp/.metadata was not loaded \\(loading runs no code\\): "
+                                              "it names builtins.print"):
+        verify_checkpoint(saved, load=True)
+    with pytest.raises(CheckpointError, match="loading runs no code"):
+        read_stage_states(saved)

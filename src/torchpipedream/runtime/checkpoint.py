@@ -64,6 +64,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -86,7 +87,8 @@ from .agreement import Agreement
 from .buffers import ReplicaBuffers
 from .loss_scaling import LossScaler
 from .optimizer_state import OptimizerStateError, load_state_by_name, state_by_name
-from .sharding import shard_like, sharded_optimizer_entries, whole, whole_optimizer_entries
+from .dcp_files import UnsafeMetadataError, load_sharded, save_sharded, saved_tensor_specs
+from .sharding import shard_like, sharded_optimizer_entries
 from .weights import WeightVersions
 
 __all__ = ["CheckpointError", "CheckpointState", "Resumed", "Manifest", "save_checkpoint", "load_checkpoint",
@@ -99,6 +101,9 @@ MANIFEST = "manifest.json"
 EXTRA = "extra.json"
 FORMAT = "torchpipedream.Checkpoint"
 FORMAT_VERSION = 3
+#: The folder a sharded stage's tensors are saved into by DCP: ``stage<s>.dcp/`` (dcp_files.py).
+DCP_SUFFIX = ".dcp"
+_DCP_FILE = re.compile(r"stage\d+\.dcp/(\.metadata|[\w.-]+\.distcp)")
 _TMP_MARK = ".tmp-"
 
 
@@ -263,7 +268,8 @@ def read_manifest(directory: str | Path) -> Manifest:
             raise CheckpointError(f"checkpoint manifest {path}: files[{i}] must be an object")
         for key, types in (("file", str), ("sha256", str), ("size", int)):
             _need(entry, key, types, Path(f"{path} files[{i}]"))
-        if Path(entry["file"]).name != entry["file"] or entry["file"].startswith("."):
+        if (Path(entry["file"]).name != entry["file"] or entry["file"].startswith(".")) \
+                and not _DCP_FILE.fullmatch(entry["file"]):
             raise CheckpointError(f"checkpoint manifest {path}: files[{i}] names {entry['file']!r}, not a file "
                                   "of this directory")
     data_pos = _need(data, "data", dict, path)
@@ -296,6 +302,8 @@ def verify_checkpoint(directory: str | Path, load: bool = False) -> Manifest:
         data = _read_verified(directory, entry)
         if load and entry["file"].endswith(".pt"):
             _load_tensors(data, directory / entry["file"], manifest.save_id)
+        if load and entry["file"].endswith("/.metadata"):  # a DCP folder's: read without running code
+            _folder_specs((directory / entry["file"]).parent)
     return manifest
 
 
@@ -327,6 +335,13 @@ def read_stage_states(directory: str | Path) -> dict[str, torch.Tensor]:
         tensors = payload.get("tensors")
         if not isinstance(tensors, dict):
             raise CheckpointError(f"checkpoint file {directory / file} holds no tensors")
+        if payload.get("dcp"):  # a sharded stage's: its tensors whole, from its DCP folder
+            folder = directory / payload["dcp"]
+            specs = _folder_specs(folder)
+            whole = {name: torch.empty(specs[name][0], dtype=specs[name][1]) for name in payload.get("dcp_tensors", ())
+                     if name in specs}
+            load_sharded(whole, folder)
+            tensors = {**tensors, **whole}
         for name, holder in manifest.index.items():
             if holder == file:
                 if not isinstance(tensors.get(name), torch.Tensor):
@@ -424,6 +439,7 @@ class CheckpointState:
     epochs_done: int
     minibatches_done: int
     history: list[float]
+    group: Any = None  # a sharded stage's replicas' process group (their DCP save is a collective of it)
 
 
 @dataclass(frozen=True)
@@ -476,30 +492,70 @@ def _owners(plan: Plan, holdings: list[dict[str, list[str]]]) -> dict[str, int]:
     return owner
 
 
+def _base_payload(state: CheckpointState, save_id: str) -> dict[str, Any]:
+    """What every rank's file holds: who it is, its version, its random state, the data position."""
+    states = [w.boundary_state() for w in state.weights]  # asserts nothing is in flight
+    return {"save_id": save_id, "stage": state.stage, "replica": state.replica, "rank": state.rank,
+            "version": states[0]["version"], "rng": _rng_state(state.device),
+            "data": {"epoch": state.epochs_done, "minibatches": state.minibatches_done}}
+
+
 def _stage_file(state: CheckpointState, save_id: str, owner: dict[str, int]) -> tuple[str, dict[str, Any]]:
     """This rank's file name and content (tensors and plain values only)."""
-    states = [w.boundary_state() for w in state.weights]  # asserts nothing is in flight
-    payload: dict[str, Any] = {"save_id": save_id, "stage": state.stage, "replica": state.replica, "rank": state.rank,
-                               "version": states[0]["version"], "rng": _rng_state(state.device),
-                               "data": {"epoch": state.epochs_done, "minibatches": state.minibatches_done}}
-    # a sharded stage's replicas gather its tensors whole together (sharding.py); replica 0 writes them
-    sharded = any(w.sharded for w in state.weights)
-    if state.replica != 0 and not sharded:
+    payload = _base_payload(state, save_id)
+    if state.replica != 0:
         return f"stage{state.stage}_replica{state.replica}.pt", payload
     mine = {name for name, s in owner.items() if s == state.stage}
     names = state.state_names
-    tensors = {names[k]: whole(v) for k, v in state.module.state_dict().items() if k in names and names[k] in mine}
+    tensors = {names[k]: v.detach().cpu().clone() for k, v in state.module.state_dict().items()
+               if k in names and names[k] in mine}
     optimizer: dict[str, Any] = {}
     for weights in state.weights:
         if weights.optimizer is not None:
-            entries = state_by_name(weights.optimizer, _name_of_parameters(state, weights))
-            for name, entry in (whole_optimizer_entries(entries) if weights.sharded else entries).items():
+            for name, entry in state_by_name(weights.optimizer, _name_of_parameters(state, weights)).items():
                 if name in mine:
                     optimizer[name] = entry
-    if state.replica != 0:
-        return f"stage{state.stage}_replica{state.replica}.pt", payload
     payload.update(tensors=tensors, optimizer=optimizer)
     return f"stage{state.stage}.pt", payload
+
+
+def _dcp_folder(stage: int) -> str:
+    return f"stage{stage}{DCP_SUFFIX}"
+
+
+def _sharded_stage_file(state: CheckpointState, save_id: str, owner: dict[str, int],
+                        directory: Path) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """A sharded stage's save (dcp_files.py): its replicas write their shards of its tensors and of
+    its optimizer state of its weights' shape into ``stage<s>.dcp/`` together (a collective of the
+    stage's group), and replica 0 a stage file with the rest; its name, content and, on replica 0,
+    the manifest entries of the DCP folder's files."""
+    payload = _base_payload(state, save_id)
+    mine = {name for name, s in owner.items() if s == state.stage}
+    names = state.state_names
+    shards = {names[k]: v for k, v in state.module.state_dict().items() if k in names and names[k] in mine}
+    optimizer: dict[str, Any] = {}
+    for weights in state.weights:
+        if weights.optimizer is None:
+            continue
+        params = {name: p for name, p in zip((state.state_names.get(n, n) for n in weights.names), weights.params)}
+        for name, entry in state_by_name(weights.optimizer, _name_of_parameters(state, weights)).items():
+            moved = [k for k, v in entry["state"].items()
+                     if isinstance(v, torch.Tensor) and v.shape == params[name].shape and v.dim() > 0]
+            shards.update({f"optimizer/{name}/{k}": entry["state"][k] for k in moved})
+            optimizer[name] = {**entry, "state": {k: v for k, v in entry["state"].items() if k not in moved},
+                               "dcp": moved}
+    folder = directory / _dcp_folder(state.stage)
+    save_sharded(shards, folder, state.group)
+    if state.replica != 0:
+        return f"stage{state.stage}_replica{state.replica}.pt", payload, []
+    payload.update(tensors={}, optimizer={n: e for n, e in optimizer.items() if n in mine},
+                   dcp=folder.name, dcp_tensors=sorted(n for n in shards if not n.startswith("optimizer/")))
+    entries = []
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        data = path.read_bytes()
+        entries.append({"file": f"{folder.name}/{path.name}", "sha256": _sha256(data), "size": len(data),
+                        "stage": state.stage})
+    return f"stage{state.stage}.pt", payload, entries
 
 
 def _prepare_directory(state: CheckpointState, directory: Path) -> str:
@@ -511,6 +567,8 @@ def _prepare_directory(state: CheckpointState, directory: Path) -> str:
         directory.mkdir(parents=True, exist_ok=True)
         if state.rank == 0:
             (directory / MANIFEST).unlink(missing_ok=True)
+            for folder in directory.glob(f"stage*{DCP_SUFFIX}"):  # a sharded stage's shards of an earlier save
+                shutil.rmtree(folder)
             _fsync_dir(directory)
     except OSError as exc:
         error = f"cannot prepare checkpoint directory {directory}: {exc.strerror or exc}"
@@ -524,7 +582,11 @@ def _write_files(state: CheckpointState, directory: Path, save_id: str, owner: d
     entries: list[dict[str, Any]] = []
     error = None
     try:
-        name, payload = _stage_file(state, save_id, owner)
+        if any(w.sharded for w in state.weights):
+            name, payload, folder_entries = _sharded_stage_file(state, save_id, owner, directory)
+            entries += folder_entries
+        else:
+            name, payload = _stage_file(state, save_id, owner)
         data = _serialize(payload)
         liveness.mark()
         write_atomic(directory / name, data)
@@ -629,6 +691,32 @@ class _StageFiles:
                                               self.directory / name, self.manifest.save_id)
         return self._files[name]
 
+    def from_folder(self, holder: str, likes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors ``likes`` names, from the DCP folder of the sharded stage whose file is
+        ``holder``, each in its like's layout (this rank's shard, or whole), shapes checked."""
+        folder = self.directory / self.payload(holder)["dcp"]
+        specs = _folder_specs(folder)
+        for name, like in likes.items():
+            if name not in specs:
+                raise CheckpointError(f"checkpoint folder {folder} holds no {name}, which the manifest says it holds")
+            if tuple(specs[name][0]) != tuple(like.shape):
+                raise CheckpointError(f"checkpoint folder {folder}: {name} is {tuple(specs[name][0])}, the model's is "
+                                      f"{tuple(like.shape)}: resume with the same model")
+        targets = {name: torch.empty_like(like) for name, like in likes.items()}
+        load_sharded(targets, folder)
+        return targets
+
+
+def _folder_specs(folder: Path) -> dict[str, tuple[Any, torch.dtype]]:
+    """A DCP folder's tensor names, shapes and dtypes, or CheckpointError (its metadata unreadable
+    or naming code to run)."""
+    try:
+        return saved_tensor_specs(folder)
+    except UnsafeMetadataError as exc:
+        raise CheckpointError(str(exc)) from None
+    except Exception as exc:  # a missing or malformed .metadata
+        raise CheckpointError(f"checkpoint folder {folder} cannot be read: {type(exc).__name__}: {exc}") from None
+
 
 def _read_tensors(state: CheckpointState, files: _StageFiles) -> dict[str, torch.Tensor]:
     """This stage's state dict (its own keys) from the files that hold it, shapes checked."""
@@ -640,14 +728,20 @@ def _read_tensors(state: CheckpointState, files: _StageFiles) -> dict[str, torch
         raise CheckpointError(f"checkpoint {directory} holds no {missing[:4]}{' ...' if len(missing) > 4 else ''} "
                               f"that stage {state.stage} needs: it is from another model")
     tensors: dict[str, torch.Tensor] = {}
+    in_folders: dict[str, dict[str, torch.Tensor]] = {}  # a sharded stage's file -> names its DCP folder holds
     for name, key in needed.items():
         holder = manifest.index[name]
+        if name in files.payload(holder).get("dcp_tensors", ()):
+            in_folders.setdefault(holder, {})[name] = local[key]
+            continue
         tensor = files.payload(holder).get("tensors", {}).get(name)
         if not isinstance(tensor, torch.Tensor) or tensor.shape != local[key].shape:
             got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise CheckpointError(f"checkpoint file {directory / holder}: {name} is {got}, the model's is "
                                   f"{tuple(local[key].shape)}: resume with the same model")
         tensors[key] = tensor
+    for holder, likes in in_folders.items():
+        tensors.update({needed[name]: t for name, t in files.from_folder(holder, likes).items()})
     return tensors
 
 
@@ -655,13 +749,22 @@ def _read_optimizer_states(state: CheckpointState, files: _StageFiles) -> dict[s
     """The optimizer state of each of this stage's trained parameters, by the model's names."""
     index = files.manifest.index
     optimizer: dict[str, dict[str, Any]] = {}
+    in_folders: dict[str, dict[str, torch.Tensor]] = {}  # as _read_tensors: state of the weights' shape
     for weights in state.weights:
-        for name in _name_of_parameters(state, weights).values():
+        names = _name_of_parameters(state, weights)
+        for p in weights.params:
+            name = names[id(p)]
             entry = files.payload(index[name]).get("optimizer", {}).get(name)
             if entry is None:
                 raise CheckpointError(f"checkpoint file {files.directory / index[name]} holds no optimizer state "
                                       f"for {name}")
             optimizer[name] = entry
+            for k in entry.get("dcp", ()):
+                in_folders.setdefault(index[name], {})[f"optimizer/{name}/{k}"] = p.detach()
+    for holder, likes in in_folders.items():
+        for key, t in files.from_folder(holder, likes).items():
+            _, name, k = key.split("/", 2)
+            optimizer[name] = {**optimizer[name], "state": {**optimizer[name]["state"], k: t}}
     return optimizer
 
 

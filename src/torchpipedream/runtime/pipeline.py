@@ -1187,6 +1187,7 @@ class Pipeline:
             weights=self._all_weights(), aliases=self._aliases, buffers=self.engine.buffers,
             scaler=self.engine.scaler, agreement=self.agreement,
             epochs_done=self.epochs_done, minibatches_done=self.minibatches_done, history=list(self.history),
+            group=self._ar_group if self._sharded else None,
         )
 
     def _refuse_virtual(self, what: str) -> None:

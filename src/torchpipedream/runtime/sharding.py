@@ -28,11 +28,12 @@ How a sharded stage runs:
   pre-multiplied sum) and the engine back-propagates summed losses, so an update multiplies
   the shards' gradient by replicas / samples — the mean over the update's samples, as
   everywhere else (weights.py, "Loss scaling by construction").
-* Checkpoints hold whole tensors, as every other stage's (checkpoint.py, layout-free): saving
-  gathers each sharded tensor (:func:`whole`, a collective of the replicas, in the state
-  dict's order on each), loading cuts each replica's shard from the whole tensor it read
-  (:func:`shard_like`, no communication). So a sharded run resumes on any other plan, and
-  any checkpoint resumes on a sharded one.
+* Checkpoints: a sharded stage's replicas save their shards with torch.distributed.checkpoint
+  (dcp_files.py: nothing is gathered whole on one worker), and loading reads any checkpoint's
+  tensors in this replica's layout (DCP for a sharded stage's folder; :func:`shard_like`, no
+  communication, for a whole tensor of another stage's file). So a sharded run resumes on any
+  other plan, and any checkpoint resumes on a sharded one. ``Pipeline.state_dict()`` gathers
+  the whole model (:func:`full_state_dict`).
 * A model torch.export split evaluates through graphs traced in evaluation mode, which read the
   weights the model had; on a sharded stage :class:`GatheredEvaluation` runs such a graph with
   the training stage's weights gathered whole for the call.
@@ -51,7 +52,7 @@ from .loss_scaling import has_nonfinite
 from .weights import OptimizerFactory, WeightVersions, wait_for
 
 __all__ = ["shard_stage", "ShardedWeights", "GatheredEvaluation", "full_state_dict", "local_tensor", "whole", "shard_like",
-           "whole_optimizer_entries", "sharded_optimizer_entries"]
+           "sharded_optimizer_entries"]
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ def shard_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` (a whole tensor) cut into ``like``'s layout where ``like`` is sharded: this
     replica's shard, taken locally (every replica holds ``t``); ``t`` itself otherwise."""
     mesh = getattr(like, "device_mesh", None)
-    if mesh is None:
+    if mesh is None or getattr(t, "device_mesh", None) is not None:  # like whole, or t a shard already
         return t
     # lazy: DTensor's machinery, needed only by sharded stages
     from torch.distributed.tensor import distribute_tensor
@@ -168,13 +169,6 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state with every sharded tensor gathered whole (on the CPU). Collective over
     the shards' replicas: every replica of the stage calls it."""
     return {k: whole(v) for k, v in module.state_dict().items()}
-
-
-def whole_optimizer_entries(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``optimizer_state.state_by_name``'s entries with their sharded state tensors gathered
-    whole (collective; every replica calls it, entries in the same order)."""
-    return {name: {**entry, "state": {k: whole(v) for k, v in entry["state"].items()}}
-            for name, entry in entries.items()}
 
 
 def sharded_optimizer_entries(entries: dict[str, dict[str, Any]],
