@@ -24,9 +24,10 @@ To regenerate the golden file (only from the code it must describe: a worktree o
 (check first that ``torchpipedream.__file__`` is under /tmp/golden_wt with that PYTHONPATH).
 A change of the planner or the simulator that is meant to change results needs a new golden
 file from the new code (``python tests/golden_plans.py --write``), in the same commit. Rewritten
-so since d47f816: by the sharded stages' commit (issue 36), for two intended differences only —
-the "no plan fits" message of a flush plan suggests sharding, and ``schedule="auto"``'s
-candidates record their ``sharding``.
+so since d47f816: by the sharded stages' commits (issue 36), for intended differences only —
+the "no plan fits" message of a flush plan suggests sharding, ``schedule="auto"``'s candidates
+record their ``sharding``, and auto's sharded candidates shard only the stages that need it
+(their simulated times and labels).
 """
 
 from __future__ import annotations

@@ -274,6 +274,8 @@ class _Search:
                     cand.recompute_stages = again
             if cand.sharding != "replicate" and self.sharding == "replicate" and self.budget is not None:
                 plan = shard_where_needed(plan, self.budget)  # tried by auto, not asked for: only where needed
+                if not any(st.sharded for st in plan.stages):
+                    cand.sharding = "replicate"  # every stage fits replicated: the label says what runs
             extra = self.host_costs(plan, m) if self.host_costs is not None else {}
             sim = simulate(build_schedule(plan, name, minibatches=self.minibatches, microbatches=m),
                            Costs.from_plan(plan, microbatches=m, **extra))

@@ -254,12 +254,54 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
 
 
 # ------------------------------------------------------------------ the exact fast search
+class _ChainTerms:
+    """The memory model's terms of one chain's stages, over every start block, per end block:
+    computed once and reused by every probe and depth of the packed test (they depend on neither
+    T nor the depth, only on what the problems of one chain share: blocks, kind, microbatches,
+    optimizer factor, recompute, scratch, sharding). The single-worker depths depend on the
+    budget too, so they are kept for one budget at a time (``_nothing_fits`` bisects it)."""
+
+    def __init__(self) -> None:
+        self._acts: dict[int, StageActivations] = {}
+        self._terms: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._depths: dict[int, np.ndarray] = {}
+        self._depths_budget: float | None = None
+
+    def activations(self, prob: _Problem, j1: int) -> StageActivations:
+        """``prob.activations`` of the stages i..j1-1 for every i < j1."""
+        if j1 not in self._acts:
+            self._acts[j1] = prob.activations(np.arange(j1), j1)
+        return self._acts[j1]
+
+    def shared_terms(self, prob: _Problem, j1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``memory_terms`` of the stages i..j1-1 of m replicas, every i < j1 and m in
+        ``prob.shared_sizes``: base and per as (sizes, j1), cap as (sizes,)."""
+        if j1 not in self._terms:
+            w = prob.weight_prefix[j1] - prob.weight_prefix[:j1]
+            acts = self.activations(prob, j1)
+            got = [memory_terms(prob.kind, w, acts, prob.mu, prob.f, prob.recompute, m, prob.scratch, prob.sharding)
+                   for m in prob.shared_sizes]
+            self._terms[j1] = (np.array([np.broadcast_to(g[0], w.shape) for g in got]).reshape(len(got), j1),
+                               np.array([np.broadcast_to(g[1], w.shape) for g in got]).reshape(len(got), j1),
+                               np.array([g[2] for g in got], dtype=np.float64))
+        return self._terms[j1]
+
+    def single_depths(self, prob: _Problem, j1: int) -> np.ndarray:
+        """``prob.max_depth`` of the single-worker stages i..j1-1, every i < j1, at prob's budget."""
+        if self._depths_budget != prob.memory:
+            self._depths, self._depths_budget = {}, prob.memory
+        if j1 not in self._depths:
+            self._depths[j1] = prob.max_depth(np.arange(j1), j1, self.activations(prob, j1), 1)
+        return self._depths[j1]
+
+
 class _Problem:
     """Arrays of one planning problem, shared by every feasibility test."""
 
     def __init__(self, blocks: Sequence[Block], topology: Topology, schedule: str, microbatches: int,
                  memory: float | None, f: float, num_stages: int | None, straight: bool,
-                 recompute: bool = False, scratch: tuple[float, float] = NO_SCRATCH, sharding: str = "replicate") -> None:
+                 recompute: bool = False, scratch: tuple[float, float] = NO_SCRATCH, sharding: str = "replicate",
+                 cache: _ChainTerms | None = None) -> None:
         self.blocks = list(blocks)
         self.sharding = sharding  # what replicated stages do with their weights (Stage.sharding)
         self.N = len(blocks)
@@ -297,6 +339,8 @@ class _Problem:
         for s in range(1, self.W):
             self.lev_adj[s] = next(k for k in range(len(self.sizes)) if (s - 1) // self.sizes[k] == s // self.sizes[k])
         self.checks = 0
+        # the memory terms of the packed test, shared by the problems of one chain (every depth)
+        self._cache = cache if cache is not None else _ChainTerms()
 
     # minimal replicas of class k (k = 0: a single worker) for stages (i.., j) at bottleneck T
     def mmin(self, k: int | np.ndarray, comp: np.ndarray, w: np.ndarray, T: float) -> np.ndarray:
@@ -479,12 +523,10 @@ class _Problem:
         comp = self.compute_prefix[j1] - self.compute_prefix[I]
         w = self.weight_prefix[j1] - self.weight_prefix[I]
         togo = (workers - np.arange(workers))[None, :]  # workers from r to the end
-        acts = self.activations(I, j1)
-        dmax = self.max_depth(I, j1, acts, 1)
+        dmax = self._cache.single_depths(self, j1)[I]
         mmem1 = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
         single = np.maximum(self.mmin(0, comp, w, T)[:, None], mmem1) <= 1  # (nI, workers)
         ms = np.array([m for m in self.shared_sizes if m <= workers], dtype=np.int64)
-        fitting: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         out = []
         for ki, k in enumerate(self.classes):
             if k == 0:
@@ -492,23 +534,26 @@ class _Problem:
                 out.append([(1, I[rows], single[rows])])
                 continue
             fits = inok[ki, I][None] & (self._shared_stage_ms(k, comp[None], w[None], ms[:, None]) <= T)  # (M, nI)
-            options = []
-            for t, m in enumerate(ms.tolist()):
-                rows = np.nonzero(fits[t])[0]
-                if not len(rows):
-                    continue
-                if m not in fitting:
-                    base, per, cap = memory_terms(self.kind, w, acts, self.mu, self.f, self.recompute, m,
-                                                  self.scratch, self.sharding)
-                    fitting[m] = (np.broadcast_to(base, w.shape), np.broadcast_to(per, w.shape),
-                                  np.minimum(-(-togo // m), cap))  # d: (1, workers)
-                base, per, d = fitting[m]
-                mem_ok = base[rows][:, None] + per[rows][:, None] * d <= self.memory
-                keep = mem_ok.any(axis=1)
-                if keep.any():
-                    options.append((m, I[rows[keep]], mem_ok[keep]))
+            options = self._shared_options(j1, I, fits, ms, togo)
             out.append(options)
         return out
+
+    def _shared_options(self, j1: int, I: np.ndarray, fits: np.ndarray, ms: np.ndarray, togo: np.ndarray
+                        ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """The replicated stages ending at block j1 - 1 that fit in memory, of the (size, start
+        block) pairs that ``fits`` in time: (m, start blocks ascending, fits per start rank), by m."""
+        M = len(ms)
+        if not M:
+            return []
+        base, per, caps = self._cache.shared_terms(self, j1)
+        depths = np.minimum(-(-togo // ms[:, None]), caps[:M, None])  # (M, workers): in flight per start rank
+        t_idx, r_idx = np.nonzero(fits)  # by size, then start block ascending
+        starts = I[r_idx]
+        mem_ok = base[t_idx, starts][:, None] + per[t_idx, starts][:, None] * depths[t_idx] <= self.memory
+        keep = np.nonzero(mem_ok.any(axis=1))[0]
+        bounds = np.searchsorted(t_idx[keep], np.arange(M + 1)).tolist()
+        return [(m, starts[keep[a:b]], mem_ok[keep[a:b]])
+                for m, a, b in zip(ms.tolist(), bounds[:-1], bounds[1:]) if b > a]
 
     def _packed_ends(self, options: list[tuple[int, np.ndarray, np.ndarray]], reach: np.ndarray, S: int,
                      workers: int) -> np.ndarray:
@@ -1078,9 +1123,11 @@ def _search_chain(chain: list[Block], straight_only: bool, *, topo: Topology, sc
     if method == "hierarchical" and not straight_only:
         return _hierarchical(chain, topo, allow_fewer), 0
 
+    cache = _ChainTerms()  # one per chain: its problems differ only in depth (and, bisected, in budget)
+
     def problem(depth: int | None) -> _Problem:
         return _Problem(chain, topo, schedule, microbatches, memory, f, depth, straight_only, recompute, scratch,
-                        sharding)
+                        sharding, cache)
 
     return _search_depths(problem, chain, topo.num_workers, num_stages, straight_only, allow_fewer,
                           memory is not None, rtol)
