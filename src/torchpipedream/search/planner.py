@@ -549,11 +549,37 @@ class _Problem:
         depths = np.minimum(-(-togo // ms[:, None]), caps[:M, None])  # (M, workers): in flight per start rank
         t_idx, r_idx = np.nonzero(fits)  # by size, then start block ascending
         starts = I[r_idx]
-        mem_ok = base[t_idx, starts][:, None] + per[t_idx, starts][:, None] * depths[t_idx] <= self.memory
+        pair_base, pair_per = base[t_idx, starts], per[t_idx, starts]
+        if np.isfinite(pair_per).all() and (pair_per >= 0).all():
+            # depths fall as the start rank grows, so each pair fits from its first fitting rank on:
+            # that rank by bisection, with the same arithmetic at the ranks it tests
+            first = self._first_fit(pair_base, pair_per, depths, t_idx)
+            keep = np.nonzero(first < togo.shape[1])[0]
+            mem_ok = np.arange(togo.shape[1])[None, :] >= first[keep][:, None]
+            bounds = np.searchsorted(t_idx[keep], np.arange(M + 1)).tolist()
+            return [(m, starts[keep[a:b]], mem_ok[a:b])
+                    for m, a, b in zip(ms.tolist(), bounds[:-1], bounds[1:]) if b > a]
+        mem_ok = pair_base[:, None] + pair_per[:, None] * depths[t_idx] <= self.memory
         keep = np.nonzero(mem_ok.any(axis=1))[0]
         bounds = np.searchsorted(t_idx[keep], np.arange(M + 1)).tolist()
         return [(m, starts[keep[a:b]], mem_ok[keep[a:b]])
                 for m, a, b in zip(ms.tolist(), bounds[:-1], bounds[1:]) if b > a]
+
+    def _first_fit(self, b: np.ndarray, p: np.ndarray, depths: np.ndarray, t_idx: np.ndarray) -> np.ndarray:
+        """Per (size, start block) pair, the first start rank where ``b + p * depth <= memory``
+        (the number of ranks where none does); depths (sizes, ranks) must not rise along ranks."""
+        last = depths.shape[1] - 1
+        fits_last = b + p * depths[t_idx, last] <= self.memory  # most pairs fit nowhere: settled at once
+        lo = np.where(fits_last, 0, last + 1)
+        hi = np.full(len(b), last, dtype=np.int64)
+        open_ = np.nonzero(fits_last)[0]
+        while len(open_):
+            mid = (lo[open_] + hi[open_]) // 2
+            ok = b[open_] + p[open_] * depths[t_idx[open_], mid] <= self.memory
+            hi[open_[ok]] = mid[ok]
+            lo[open_[~ok]] = mid[~ok] + 1
+            open_ = open_[lo[open_] < hi[open_]]
+        return lo
 
     def _packed_ends(self, options: list[tuple[int, np.ndarray, np.ndarray]], reach: np.ndarray, S: int,
                      workers: int) -> np.ndarray:
@@ -562,7 +588,9 @@ class _Problem:
         ends = np.zeros(reach.shape[1:2] + (workers,), dtype=np.uint64)
         zero = np.uint64(0)
         for m, rows, mem_ok in options:
-            got = np.bitwise_or.reduce(np.where(mem_ok[:, None, :], reach[rows, :, :workers], zero), axis=0)
+            got = reach[rows, :, :workers]
+            got *= mem_ok[:, None, :]  # by 0 or 1: the bits kept where the stage fits in memory
+            got = np.bitwise_or.reduce(got, axis=0)
             n = workers - m + 1  # start ranks r with r + m - 1 < workers
             if m > 1:
                 r = np.arange(n)
