@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -530,6 +530,11 @@ class Plan:
         if plan.stages and all(st.activations is not None for st in plan.stages):
             plan.predicted["peak_memory_bytes"] = max(st.memory_bytes for st in plan.stages)
         return plan
+
+    def with_sharding(self, sharding: str) -> "Plan":
+        """A copy of the plan whose replicated stages are ``sharding`` (``Stage.sharding``)."""
+        stages = [replace(st, sharding=sharding) if st.replicas > 1 else st for st in self.stages]
+        return replace(self, stages=stages)
 
     def stage_memory_bytes(self, s: int, schedule: str | None = None, microbatches: int | None = None) -> float | None:
         """The memory model's peak for one worker of stage ``s`` under ``schedule`` and

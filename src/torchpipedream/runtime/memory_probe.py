@@ -20,6 +20,8 @@ from typing import Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from .sharding import local_tensor
+
 __all__ = ["AllocationPeak", "allocation_peak", "held_bytes"]
 
 
@@ -65,15 +67,9 @@ def held_bytes(*groups: object) -> int:
 
     def visit(x: object) -> None:
         if isinstance(x, torch.Tensor):
-            to_local = getattr(x, "to_local", None)  # a sharded tensor (DTensor): this rank's shard
-            if callable(to_local):
-                grad = x.grad if x.is_leaf and x.requires_grad else None
-                visit(to_local())
-                if grad is not None:
-                    visit(grad)
-                return
-            if x.device.type != "meta":
-                s = x.untyped_storage()
+            local = local_tensor(x)  # of a sharded tensor (DTensor), this rank's shard
+            if local.device.type != "meta":
+                s = local.untyped_storage()
                 if s.data_ptr():
                     seen[s.data_ptr()] = s.nbytes()
             grad = x.grad if x.is_leaf and x.requires_grad else None

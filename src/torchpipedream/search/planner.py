@@ -131,10 +131,18 @@ def stage_time_ms(compute_ms: float, parameter_bytes: float, replicas: int, band
     """
     if replicas_share_microbatches(schedule):
         local = math.ceil(microbatches / replicas)
-        sync = sharded_sync_ms(parameter_bytes, replicas, bandwidth_Bps, sharding, local) if sharding != "replicate" \
-            else allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)
-        return compute_ms * local / microbatches + sync
+        return compute_ms * local / microbatches + shared_sync_ms(parameter_bytes, replicas, bandwidth_Bps, sharding,
+                                                                  microbatches)
     return (compute_ms + allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)) / replicas
+
+
+def shared_sync_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float, sharding: str,
+                   microbatches: int) -> float:
+    """The replicas' synchronisation per minibatch of a stage whose replicas share its
+    microbatches: one all-reduce, or sharded, the collectives of :func:`sharded_sync_ms`."""
+    if sharding == "replicate":
+        return allreduce_ms(parameter_bytes, replicas, bandwidth_Bps)
+    return sharded_sync_ms(parameter_bytes, replicas, bandwidth_Bps, sharding, math.ceil(microbatches / replicas))
 
 
 def sharded_sync_ms(parameter_bytes: Any, replicas: Any, bandwidth_Bps: float, sharding: str, local: Any) -> Any:
@@ -235,9 +243,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         params = own + copies[s]
         bw = topology.allreduce_bandwidth(ranks[s])
         stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches, sharding) + exchange[s])
-        share = -(-microbatches // m)
-        sync = sharded_sync_ms(own, m, bw, sharding, share) if sharding != "replicate" and m > 1 else allreduce_ms(own, m, bw)
-        ar_ms.append(sync + exchange[s])
+        ar_ms.append(shared_sync_ms(own, m, bw, sharding, microbatches) + exchange[s])
         depth = kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth, microbatches)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
                                       optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch,
@@ -1076,7 +1082,7 @@ def _check_sharding(sharding: str, kind: ScheduleKind, method: str) -> None:
         raise PlanError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r:.40}")
     if sharding == "replicate":
         return
-    if kind.asynchronous or kind.split_backward or kind.virtual_stages:
+    if not kind.can_shard:
         raise PlanError(f"sharding {sharding!r} runs under flush and gpipe (one weight version, whole backwards, "
                         f"replicated stages), not {kind.name}")
     if method != "fast":

@@ -3,7 +3,6 @@ checked) and its time predicted."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import asdict, dataclass, field
@@ -143,8 +142,7 @@ def _sharded(cfg: TrainConfig, plan: Plan) -> Plan:
     if all(st.replicas == 1 for st in plan.stages):
         raise TrainError(f"--plan {cfg.plan_file} with --shard {cfg.shard}: the plan ({plan.summary}) has no replicated "
                          "stage to shard")
-    stages = [dataclasses.replace(st, sharding=cfg.shard) if st.replicas > 1 else st for st in plan.stages]
-    return dataclasses.replace(plan, stages=stages)
+    return plan.with_sharding(cfg.shard)
 
 
 def _recipe_counts_updates(cfg: TrainConfig) -> bool:

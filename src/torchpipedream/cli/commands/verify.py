@@ -110,8 +110,7 @@ def _handle(args: argparse.Namespace) -> int:
             base = plan(graph, Topology.local(args.workers), schedule=kinds[0], microbatches=args.microbatches,
                         straight=True)
     if args.shard != "replicate":  # a plan file's replicated stages too
-        base = dataclasses.replace(base, stages=[dataclasses.replace(st, sharding=args.shard) if st.replicas > 1
-                                                 else st for st in base.stages])
+        base = base.with_sharding(args.shard)
     plans = [dataclasses.replace(base, schedule=k, microbatches=args.microbatches) for k in kinds]
     print(f"verify {args.model}: {base.summary} ({base.config}), {len(batches)} minibatches of {args.batch_size}")
     reports = verify_plans(model, batches, plans, optimizer_factory(cfg), loss_fn=loss_for(cfg),
