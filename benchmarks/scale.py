@@ -3,16 +3,17 @@
 Each model gets the GPU it was published on (model/analytic_profiles.py: GPT-3 on A100-80GB at
 140 TFLOP/s, Llama 3 70B on H100-80GB at 400 TFLOP/s) in servers of 8 joined by NVLink, the
 servers by InfiniBand (one network port per GPU). The planner is today's: pipeline stages ×
-replicated data parallelism, schedule ``flush`` (synchronous 1F1B, Megatron's), mixed-precision
-Adam (16 bytes per parameter: ``optimizer_state_factor`` 7 over the bf16 weights), with and
-without activation recomputation. A case the planner has not finished in ``--limit-s`` seconds
+replicated data parallelism × tensor parallelism inside a server (``--tensor``: 1 and 8, all of
+1, 2, 4, 8 at ``--tensor-sweep-at`` GPUs; search/tensor_parallel.py prices it), schedule
+``flush`` (synchronous 1F1B, Megatron's), mixed-precision Adam (16 bytes per parameter:
+``optimizer_state_factor`` 7 over the bf16 weights), with and without activation recomputation. A case the planner has not finished in ``--limit-s`` seconds
 is cut (it runs in a child process) and recorded as cut. Per case: planning time, the plan,
 predicted samples/s and TFLOP/s per GPU, predicted peak memory per GPU against the GPU's.
 
 Prints a table and writes benchmarks/results/scale.json, with the published configurations
 beside it (``PUBLISHED``). docs/scale.md shows both.
 
-    .venv/bin/python benchmarks/scale.py [--gpus 8,64,512,1024] [--limit-s 60]
+    .venv/bin/python benchmarks/scale.py [--gpus 8,64,512,1024] [--tensor 1,8] [--limit-s 60]
 """
 
 from __future__ import annotations
@@ -108,14 +109,14 @@ def flops_per_sequence(shape: TransformerShape) -> tuple[float, float]:
 
 
 def _plan_case(shape: TransformerShape, gpu: GPUSpec, gpus: int, batch: int, flash: bool,
-               recompute: bool) -> dict[str, Any]:
+               recompute: bool, tensor: int) -> dict[str, Any]:
     """Plan one case (in the child process); the row's planner fields."""
     graph = transformer_graph(shape, 1, gpu, microbatches=batch, flash_attention=flash)
     topo = cluster(gpu, gpus)
     t0 = time.perf_counter()
     try:
         p = plan(graph, topo, schedule="flush", microbatches=batch, optimizer_state_factor=OPTIMIZER_STATE_FACTOR,
-                 recompute=recompute)
+                 recompute=recompute, tensor_parallel=tensor)
     except PlanError as exc:
         needed = re.search(r"fits in is [^(]*\((\d+) bytes\)", str(exc))
         return {"planning_s": time.perf_counter() - t0, "status": "does not fit", "fits": False,
@@ -139,17 +140,17 @@ def _child(conn: Any, *args: Any) -> None:
 
 
 def run_case(shape: TransformerShape, gpu: GPUSpec, gpus: int, batch: int, flash: bool, recompute: bool,
-             limit_s: float) -> dict[str, Any]:
+             tensor: int, limit_s: float) -> dict[str, Any]:
     """One row: the case, and the plan or the cut after ``limit_s`` seconds."""
     topo = cluster(gpu, gpus)
     row: dict[str, Any] = {"model": shape.name, "gpu": gpu.name, "gpus": gpus, "topology": topo.to_spec(),
                            "links": [f"{lv.name} {format_bandwidth(lv.bandwidth_Bps)}" for lv in topo.levels],
                            "memory_per_gpu_bytes": gpu.memory_bytes, "batch": batch, "microbatch_size": 1,
-                           "microbatches": batch, "flash_attention": flash, "recompute": recompute,
+                           "microbatches": batch, "flash_attention": flash, "recompute": recompute, "tensor": tensor,
                            "state_bytes_per_gpu": 2 * (1 + OPTIMIZER_STATE_FACTOR) * shape.parameters / gpus}
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, shape, gpu, gpus, batch, flash, recompute))
+    proc = ctx.Process(target=_child, args=(child, shape, gpu, gpus, batch, flash, recompute, tensor))
     t0 = time.perf_counter()
     proc.start()
     if parent.poll(limit_s):
@@ -163,7 +164,8 @@ def run_case(shape: TransformerShape, gpu: GPUSpec, gpus: int, batch: int, flash
 
 
 def _row_text(r: Data) -> str:
-    head = f"{r['model']:<11} {r['gpus']:>5} {'yes' if r['recompute'] else 'no':>4} {r['planning_s']:>9.1f}"
+    head = (f"{r['model']:<11} {r['gpus']:>5} {r.get('tensor', 1):>3} {'yes' if r['recompute'] else 'no':>4} "
+            f"{r['planning_s']:>9.1f}")
     if r["status"] == "cut":
         return f"{head}  cut after {r['limit_s']:.0f} s"
     if r["status"] == "does not fit":
@@ -199,12 +201,13 @@ def _tflops_cell(r: Data) -> str:
 
 def scale(data: Data) -> str:
     """scale.json → one row per case: planning time, plan, predicted throughput and memory."""
-    head = ["model", "GPUs", "recompute", "planning s", "plan (pipeline stages × data replicas)", "samples/s",
+    head = ["model", "GPUs", "tensor", "recompute", "planning s", "plan (pipeline stages × data replicas)", "samples/s",
             "TFLOP/s per GPU, model (hardware)", "peak memory per GPU, GB", "fits in 80 GB"]
     body = []
     for r in data["rows"]:
         planned = r["status"] == "planned"
-        body.append([r["model"], f"{r['gpus']:,}", "yes" if r["recompute"] else "no", f"{r['planning_s']:.1f}",
+        body.append([r["model"], f"{r['gpus']:,}", str(r.get("tensor", 1)), "yes" if r["recompute"] else "no",
+                     f"{r['planning_s']:.1f}",
                      _plan_cell(r), num(r.get("samples_per_s")), _tflops_cell(r),
                      num(gb(r.get("peak_memory_bytes")), ".1f"),
                      ("yes" if r["fits"] else "no") if planned else ("no" if r["status"] == "does not fit" else "-")])
@@ -231,10 +234,25 @@ def _slowest_finished(data: Data) -> str:
     return f"{r['planning_s']:.1f} s ({r['model']} on {r['gpus']:,} GPUs)"
 
 
+def _tensor_ranking(data: Data) -> str:
+    """Per model, at the GPU count with the most tensor degrees: model TFLOP/s per GPU by degree."""
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["model"] == model and r["status"] == "planned" and r["recompute"]]
+        if not rows:
+            continue
+        gpus = max({r["gpus"] for r in rows}, key=lambda g: (sum(r["gpus"] == g for r in rows), -g))
+        cells = [f"tensor {r.get('tensor', 1)}: {r['model_tflops_per_gpu']:.0f}"
+                 for r in sorted((r for r in rows if r["gpus"] == gpus), key=lambda r: r.get("tensor", 1))]
+        parts.append(f"{model} on {gpus:,} GPUs, {', '.join(cells)}")
+    return "; ".join(parts)
+
+
 TABLES = {"scale": Table(("scale.json",), scale), "scale_published": Table(("scale.json",), scale_published)}
 VALUES = {"scale_limit_s": Table(("scale.json",), lambda d: f"{d['limit_s']:.0f} s"),
           "scale_cut_cases": Table(("scale.json",), _cut_cases),
-          "scale_slowest_finished": Table(("scale.json",), _slowest_finished)}
+          "scale_slowest_finished": Table(("scale.json",), _slowest_finished),
+          "scale_tensor_ranking": Table(("scale.json",), _tensor_ranking)}
 
 
 def main() -> int:
@@ -243,17 +261,22 @@ def main() -> int:
     ap.add_argument("--limit-s", type=float, default=60.0, help="cut a case planning longer (default: %(default)s)")
     ap.add_argument("--no-recompute-up-to", type=int, default=8,
                     help="also plan without recomputation up to this many GPUs (default: %(default)s)")
+    ap.add_argument("--tensor", default="1,8", help="tensor-parallel degrees of every case (default: %(default)s)")
+    ap.add_argument("--tensor-sweep-at", type=int, default=64,
+                    help="at this many GPUs also the degrees 2 and 4 (default: %(default)s)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "scale.json"))
     args = ap.parse_args()
     counts = [int(c) for c in args.gpus.split(",")]
+    degrees = [int(t) for t in args.tensor.split(",")]
     rows = []
-    print(f"{'model':<11} {'GPUs':>5} {'rec':>4} {'plan s':>9}  {'plan':<20} {'samples/s':>8} {'TFLOPs':>6} "
+    print(f"{'model':<11} {'GPUs':>5} {'TP':>3} {'rec':>4} {'plan s':>9}  {'plan':<20} {'samples/s':>8} {'TFLOPs':>6} "
           f"{'memory':>9}")
     for shape, gpu, batch, flash, _ in MODELS:
         for gpus in counts:
-            for recompute in ([False, True] if gpus <= args.no_recompute_up_to else [True]):
-                rows.append(run_case(shape, gpu, gpus, batch, flash, recompute, args.limit_s))
-                print(_row_text(rows[-1]), flush=True)
+            for tensor in sorted(set(degrees) | ({2, 4} if gpus == args.tensor_sweep_at else set())):
+                for recompute in ([False, True] if gpus <= args.no_recompute_up_to else [True]):
+                    rows.append(run_case(shape, gpu, gpus, batch, flash, recompute, tensor, args.limit_s))
+                    print(_row_text(rows[-1]), flush=True)
     models = [{"model": s.name, "parameters": s.parameters, "gpu": g.name, "sustained_tflops": g.sustained_tflops,
                "batch": b, "flash_attention": f, "why": why} for s, g, b, f, why in MODELS]
     out = Path(args.out)

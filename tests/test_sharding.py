@@ -11,13 +11,12 @@ gradient accumulated over microbatches and replicas.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
+from scenario_reference import assert_equals_one_process, one_process_training, optimizer
 from torchpipedream.plans.plan import Plan, PlanError, Stage
 from torchpipedream.runtime import Pipeline, PipelineError, launch
 from torchpipedream.runtime.loss_scaling import LossScaling
@@ -61,20 +60,6 @@ def data(uneven: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     sizes = [12, 12, 12, 2] if uneven else [12, 12, 12]
     return [(torch.randn(b, 6, generator=g), torch.randint(0, 3, (b,), generator=g)) for b in sizes]
-
-
-def optimizer(name: str):
-    def make(named):
-        if name == "momentum":
-            return torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
-        if name == "adamw":  # groups by the model's names: no decay on biases
-            return torch.optim.AdamW([{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
-                                      {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}],
-                                     lr=0.02)
-        if name == "sgd":
-            return torch.optim.SGD([p for _, p in named], lr=0.1)
-        return torch.optim.Adam([p for _, p in named], lr=0.02)
-    return make
 
 
 def plan_of(sc: dict) -> Plan:
@@ -149,42 +134,8 @@ def _worker(rank: int, directory: str) -> dict:
 
 
 def reference(sc: dict) -> dict:
-    """One process, one step per minibatch on its mean loss (plain PyTorch; under bfloat16
-    autocast, its microbatches' gradients accumulated)."""
-    net, batches = model(), data(sc.get("uneven", False))
-    opt = optimizer(sc["opt"])(list(net.named_parameters()))
-    sched = None
-    if sc.get("sched"):
-        total = len(batches)
-        sched = LambdaLR(opt, lambda t: (t + 1) / 1 if t < 1 else 0.5 * (1 + math.cos(math.pi * (t - 1) / (total - 1))))
-    norms = []
-    if sc.get("precision") == "fp16":  # torch's GradScaler over the microbatches' summed losses
-        from fp16_reference import grad_scaler_training
-        scale = grad_scaler_training(net, opt, batches, sc["m"], nn.functional.cross_entropy,
-                                     init_scale=FP16_SCALING.init_scale, growth_interval=FP16_SCALING.growth_interval)
-        return {"state": net.state_dict(), "norms": [], "scale": scale}
-    for x, y in batches:
-        opt.zero_grad()
-        if sc.get("precision") == "bf16":  # bfloat16 forwards: the microbatches' gradients accumulated
-            for xs, ys in zip(x.chunk(sc["m"]), y.chunk(sc["m"])):
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = nn.functional.cross_entropy(net(xs), ys)
-                (loss * len(ys) / len(y)).backward()
-        else:
-            nn.functional.cross_entropy(net(x), y).backward()
-        if sc.get("clip"):
-            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        opt.step()
-        if sched is not None:
-            sched.step()
-    result = {"state": net.state_dict(), "norms": norms}
-    if sc.get("evaluate"):
-        with torch.no_grad():
-            xs, ys = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
-            logits = net(xs)
-            result["eval"] = {"loss": float(nn.functional.cross_entropy(logits, ys)),
-                              "accuracy": float((logits.argmax(1) == ys).float().mean())}
-    return result
+    """One process, one step per minibatch on its mean loss (plain PyTorch: scenario_reference.py)."""
+    return one_process_training(model(), data(sc.get("uneven", False)), optimizer(sc["opt"]), sc, CLIP, FP16_SCALING)
 
 
 @pytest.fixture(scope="module")
@@ -200,22 +151,7 @@ def results(checkpoints: str) -> dict:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_sharded_pipeline_equals_one_process(results: dict, name: str) -> None:
     sc, got = SCENARIOS[name], results[name]
-    want = reference(sc)
-    # bfloat16: the pipeline back-propagates each microbatch's summed loss, the reference its share
-    # of the mean, and bfloat16 rounds the two gradients differently (7e-5 here, replicating or not)
-    tol = 3e-4 if sc.get("precision") == "bf16" else 2e-5
-    assert set(got["state"]) == set(want["state"])
-    for key, value in want["state"].items():
-        assert isinstance(got["state"][key], torch.Tensor) and type(got["state"][key]) is torch.Tensor
-        torch.testing.assert_close(got["state"][key], value, atol=tol, rtol=tol, msg=f"{name}: {key}")
-    assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
-    if sc.get("clip"):
-        assert max(want["norms"]) > CLIP  # clipping really clipped
-    if sc.get("precision") == "fp16":
-        assert got["scale"] == want["scale"] and want["scale"][1] > 0  # an update was skipped, as torch's
-    if sc.get("evaluate"):
-        assert got["eval"]["loss"] == pytest.approx(want["eval"]["loss"], rel=1e-5)
-        assert got["eval"]["accuracy"] == pytest.approx(want["eval"]["accuracy"])
+    assert_equals_one_process(name, sc, got, reference(sc), CLIP)
 
 
 @pytest.mark.parametrize("name", list(RESUMES))

@@ -216,6 +216,11 @@ class Plan:
         predicted: at least ``time_per_minibatch_s`` and ``samples_per_s``.
         meta: provenance (graph source, model name, planner options, planning time).
         tied: parameters shared by layers of several stages (:class:`TiedParameter`).
+        tensor_parallel: the tensor-parallel degree t (the DeviceMesh's innermost dimension): every
+            worker of the plan is t ranks that split its stage's layers with torch's
+            ``parallelize_module`` (runtime/tensor_parallel.py). The stages' ``ranks`` name
+            workers; worker w runs on global ranks w·t … w·t + t − 1 (:meth:`ranks_of_worker`),
+            so a launch has ``num_ranks`` = workers × t processes. 1: none (files as before).
     """
 
     stages: list[Stage]
@@ -226,6 +231,7 @@ class Plan:
     predicted: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     tied: list[TiedParameter] = field(default_factory=list)
+    tensor_parallel: int = 1
 
     # ------------------------------------------------------------- derived
     @property
@@ -235,6 +241,20 @@ class Plan:
     @property
     def num_workers(self) -> int:
         return len({r for s in self.stages for r in s.ranks}) if self.virtual else sum(s.replicas for s in self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes a launch of the plan has: its workers times the tensor-parallel degree."""
+        return self.num_workers * self.tensor_parallel
+
+    def worker_of_rank(self, rank: int) -> tuple[int, int]:
+        """(worker, tensor rank) of a global rank: worker w runs on ranks w·t … w·t + t − 1."""
+        return divmod(rank, self.tensor_parallel)
+
+    def ranks_of_worker(self, worker: int) -> list[int]:
+        """The global ranks of worker ``worker`` (its tensor-parallel group; one rank when t = 1)."""
+        t = self.tensor_parallel
+        return list(range(worker * t, worker * t + t))
 
     @property
     def virtual(self) -> bool:
@@ -257,11 +277,12 @@ class Plan:
         """A human name for the plan's shape: "data parallel ×4", "straight ×4" or "15-1", with
         its sharded stages ("2-2, stages 0, 1 sharded zero3")."""
         sharded = [s for s, st in enumerate(self.stages) if st.sharded]
+        tensor = f", tensor parallel ×{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         if not sharded:
-            return self._shape_name()
+            return self._shape_name() + tensor
         modes = sorted({self.stages[s].sharding for s in sharded})
         which = "" if self.num_stages == 1 else f"{'stage' if len(sharded) == 1 else 'stages'} {', '.join(map(str, sharded))} "
-        return f"{self._shape_name()}, {which}sharded {'/'.join(modes)}"
+        return f"{self._shape_name()}, {which}sharded {'/'.join(modes)}{tensor}"
 
     def _shape_name(self) -> str:
         if self.num_stages == 1:
@@ -317,6 +338,7 @@ class Plan:
             raise PlanError(str(exc)) from None
         _check_count("batch_size", self.batch_size, optional=True)
         _check_count("microbatches", self.microbatches)
+        _check_count("tensor_parallel", self.tensor_parallel)
         seen_layers: dict[str, int] = {}
         seen_ranks: set[int] = set()
         for s, stage in enumerate(self.stages):
@@ -340,9 +362,11 @@ class Plan:
                     raise PlanError(
                         f"layer {a!r} (stage {seen_layers[a]}) feeds layer {b!r} of an earlier stage "
                         f"({seen_layers[b]}): stages must follow the model's data flow, stage 0 first")
-        if world_size is not None and world_size != self.num_workers:
+        if world_size is not None and world_size != self.num_ranks:
+            each = f" of {self.tensor_parallel} tensor-parallel ranks each: {self.num_ranks} processes" \
+                if self.tensor_parallel > 1 else ""
             raise PlanError(
-                f"the plan is for {self.num_workers} workers ({self.summary}) but {world_size} were launched"
+                f"the plan is for {self.num_workers} workers{each} ({self.summary}) but {world_size} were launched"
             )
 
     def _validate_virtual(self) -> None:
@@ -398,7 +422,7 @@ class Plan:
             "stages": [_stage_dict(s) for s in self.stages],
             "tied": [asdict(t) for t in self.tied],
             "meta": self.meta,
-        }
+        } | ({"tensor_parallel": self.tensor_parallel} if self.tensor_parallel != 1 else {})
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
@@ -429,7 +453,7 @@ class Plan:
             stages.append(Stage(**fields))
         for key, types in (("schedule", str), ("batch_size", (int, type(None))), ("microbatches", int),
                            ("topology", str), ("predicted", (dict, type(None))), ("meta", (dict, type(None))),
-                           ("tied", list)):
+                           ("tied", list), ("tensor_parallel", int)):
             if key in data and (isinstance(data[key], bool) or not isinstance(data[key], types)):
                 raise PlanError(f"{source}: field {key!r} has the wrong type ({type(data[key]).__name__})")
         tied = []
@@ -446,6 +470,7 @@ class Plan:
             predicted=dict(data.get("predicted") or {}),
             meta=dict(data.get("meta") or {}),
             tied=tied,
+            tensor_parallel=data.get("tensor_parallel", 1),
         )
         try:
             plan.validate()
@@ -505,7 +530,7 @@ class Plan:
     def same_layout(self, other: "Plan") -> bool:
         """Whether both plans put the same layers on the same ranks with the same replicas."""
         def shape(p: "Plan") -> list[Any]:
-            return [[st.layers, st.replicas, st.ranks, st.sharding] for st in p.stages]
+            return [[st.layers, st.replicas, st.ranks, st.sharding] for st in p.stages] + [p.tensor_parallel]
 
         return shape(self) == shape(other)
 
@@ -535,6 +560,12 @@ class Plan:
         """A copy of the plan whose replicated stages are ``sharding`` (``Stage.sharding``)."""
         stages = [replace(st, sharding=sharding) if st.replicas > 1 else st for st in self.stages]
         return replace(self, stages=stages)
+
+    def with_tensor_parallel(self, degree: int) -> "Plan":
+        """A copy of the plan whose every worker is ``degree`` tensor-parallel ranks."""
+        plan = replace(self, tensor_parallel=degree)
+        plan.validate()
+        return plan
 
     def stage_memory_bytes(self, s: int, schedule: str | None = None, microbatches: int | None = None) -> float | None:
         """The memory model's peak for one worker of stage ``s`` under ``schedule`` and

@@ -6,7 +6,11 @@ Layout of a checkpoint directory (format 3)::
     stage1.pt             the first stage to hold, by the model's names, and their optimizer
                           state by name (``optimizer_state.py``); its version and RNG state
     stage1_replica1.pt    other replicas: their own RNG state only (their weights and optimizer
-                          state equal replica 0's by construction: same all-reduced update)
+                          state equal replica 0's by construction: same all-reduced update);
+                          with tensor parallelism (t ranks a worker) each tensor rank is one:
+                          replica q's tensor rank i writes stage<s>_replica<q·t+i>.pt
+    stage1.dcp/           a sharded or tensor-parallel stage: its tensors and optimizer state
+                          of its weights' shape, saved by its ranks with DCP (dcp_files.py)
     extra.json            the caller's ``**extra`` (JSON), written by rank 0
     manifest.json         written LAST by rank 0: the save's identifier, every file with its
                           sha256 and size, the index (model name -> the file that holds it),
@@ -439,7 +443,7 @@ class CheckpointState:
     epochs_done: int
     minibatches_done: int
     history: list[float]
-    group: Any = None  # a sharded stage's replicas' process group (their DCP save is a collective of it)
+    group: Any = None  # a sharded or tensor-parallel stage's ranks' process group (their DCP save is a collective of it)
 
 
 @dataclass(frozen=True)
@@ -486,9 +490,12 @@ def _owners(plan: Plan, holdings: list[dict[str, list[str]]]) -> dict[str, int]:
     """Name -> the stage that writes it: the first stage holding it (a shared parameter and a
     constant buffer used by several stages are written once)."""
     owner: dict[str, int] = {}
-    for rank in sorted(range(len(holdings)), key=lambda r: plan.stage_of_rank(r)):
+    def stage_of(rank: int) -> tuple[int, int]:  # a global rank's (stage, replica): its worker's
+        return plan.stage_of_rank(plan.worker_of_rank(rank)[0])
+
+    for rank in sorted(range(len(holdings)), key=stage_of):
         for name in holdings[rank]["tensors"]:
-            owner.setdefault(name, plan.stage_of_rank(rank)[0])
+            owner.setdefault(name, stage_of(rank)[0])
     return owner
 
 

@@ -340,6 +340,8 @@ class P2P:
         max_sends: sends kept outstanding at most (see ``pump``); None = no bound.
         drain_at_update: wait for every outstanding send after each optimizer step
             (:meth:`drain`; synchronous kinds, whose update ends a minibatch).
+        global_rank: a peer (the schedule's worker) -> its process's global rank (a worker of
+            a tensor-parallel plan is several processes: each talks to its counterpart).
     """
 
     def __init__(
@@ -353,8 +355,10 @@ class P2P:
         sizes: dict[tuple[str, int], int] | None = None,
         max_sends: int | None = None,
         drain_at_update: bool = False,
+        global_rank: Callable[[int], int] | None = None,
     ) -> None:
         self.rank = rank
+        self._global = global_rank or (lambda peer: peer)
         self.max_sends = max_sends
         self.drain_at_update = drain_at_update
         self.describe = describe
@@ -424,7 +428,7 @@ class P2P:
                 microbatch = queue.popleft()
                 metas = self._grad_meta.pop(microbatch)
                 tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
-                works = [post_recv(t, peer, _TAG_GRAD) for t in tensors]
+                works = [post_recv(t, self._global(peer), _TAG_GRAD) for t in tensors]
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
                 self._grad_posted[peer].append(_GradRecv(microbatch, works, tensors, nbytes))
         if self._sends:
@@ -442,13 +446,13 @@ class P2P:
             return False
         self._sizes[("recv", *_channel(peer, rec.microbatch))] = value
         buf = torch.empty(value, dtype=torch.uint8, device=self.device)
-        posted[0] = _ActRecv(rec.microbatch, buf, post_recv(buf, peer, _TAG_ACT))
+        posted[0] = _ActRecv(rec.microbatch, buf, post_recv(buf, self._global(peer), _TAG_ACT))
         return True
 
     def _post_act(self, peer: int, microbatch: Any) -> None:
         size = self._sizes.get(("recv", *_channel(peer, microbatch)), INITIAL_BYTES)
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._act_posted[peer].append(_ActRecv(microbatch, buf, post_recv(buf, peer, _TAG_ACT)))
+        self._act_posted[peer].append(_ActRecv(microbatch, buf, post_recv(buf, self._global(peer), _TAG_ACT)))
 
     # ------------------------------------------------------------------ activations
     def send_acts(self, peer: int, microbatch: Any, samples: int, tensors: list[Any], passengers: list[Any]) -> int:
@@ -465,10 +469,10 @@ class P2P:
         expected = self._sizes.get(channel, INITIAL_BYTES)
         if buf.numel() != expected:
             note = _resize_message(expected, buf.numel(), self.device)
-            self._sends.append((post_send(note, peer, _TAG_ACT), note, "a shape message", peer))
+            self._sends.append((post_send(note, self._global(peer), _TAG_ACT), note, "a shape message", peer))
             self._sizes[channel] = buf.numel()
             self.resizes += 1
-        self._sends.append((post_send(buf, peer, _TAG_ACT), buf, f"activations of {_named(microbatch)}", peer))
+        self._sends.append((post_send(buf, self._global(peer), _TAG_ACT), buf, f"activations of {_named(microbatch)}", peer))
         self._grad_meta[microbatch] = [  # one gradient per leaf tensor that requires grad, in leaf order
             TensorMeta(tuple(t.shape), t.dtype, True) for t in pytree.tree_leaves(list(tensors))
             if isinstance(t, torch.Tensor) and t.requires_grad
@@ -505,7 +509,7 @@ class P2P:
         nbytes = 0
         for g in grads:
             data = g.detach().contiguous()
-            self._sends.append((post_send(data, peer, _TAG_GRAD), data, f"gradients of {_named(microbatch)}", peer))
+            self._sends.append((post_send(data, self._global(peer), _TAG_GRAD), data, f"gradients of {_named(microbatch)}", peer))
             nbytes += data.numel() * data.element_size()
         return nbytes
 

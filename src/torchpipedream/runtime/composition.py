@@ -71,6 +71,7 @@ class Options:
     replicated: bool = False
     sharded: bool = False
     checkpoint: bool = False
+    tensor_parallel: int = 1
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         """The ``Pipeline`` keyword arguments these options are (the plan's shape aside)."""
@@ -113,6 +114,14 @@ FEATURE_OPTIONS: dict[str, Options] = {
     "sharded stage with recomputation": Options(sharded=True, recompute=True),
     "sharded stage with fp16": Options(sharded=True, precision="fp16"),
     "sharded stage, checkpoint resume onto another plan": Options(sharded=True, checkpoint=True),
+    "tensor parallel (×2)": Options(tensor_parallel=2),
+    "tensor parallel with a replicated stage": Options(tensor_parallel=2, replicated=True),
+    "tensor parallel with clip_grad_norm": Options(tensor_parallel=2, clip_grad_norm=1.0),
+    "tensor parallel with bf16": Options(tensor_parallel=2, precision="bf16"),
+    "tensor parallel with recomputation": Options(tensor_parallel=2, recompute=True),
+    "tensor parallel with fp16": Options(tensor_parallel=2, precision="fp16"),
+    "tensor parallel, checkpoint resume onto another plan": Options(tensor_parallel=2, checkpoint=True),
+    "tensor parallel with a sharded stage": Options(tensor_parallel=2, sharded=True),
 }
 
 FEATURES: tuple[str, ...] = tuple(FEATURE_OPTIONS)
@@ -123,12 +132,17 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def kind_plan(kind: str, workers: int = 2, layers: list[str] | None = None, replicated: bool = False,
-              sharded: bool = False) -> Plan:
+              sharded: bool = False, tensor_parallel: int = 1) -> Plan:
     """A small plan of ``kind``'s shape: a straight pipeline of ``workers`` stages, interleaved's
     looped placement or zb-v's V (two stages per worker); with ``replicated``, stage 0 on two
     replicas and stage 1 on a third worker (``workers`` aside), with ``sharded`` too, stage 0
-    sharded over its replicas (FSDP2, "zero3"). ``layers`` (default ``layer0`` ...) are split
-    evenly over the stages."""
+    sharded over its replicas (FSDP2, "zero3"); every worker ``tensor_parallel`` ranks. ``layers``
+    (default ``layer0`` ...) are split evenly over the stages."""
+    return dataclasses.replace(_kind_plan(kind, workers, layers, replicated, sharded), tensor_parallel=tensor_parallel)
+
+
+def _kind_plan(kind: str, workers: int, layers: list[str] | None, replicated: bool, sharded: bool) -> Plan:
+    """:func:`kind_plan` with one rank a worker."""
     replicated = replicated or sharded
     info = schedule_kind(kind)
     stages = 2 if replicated else (2 * workers if info.virtual_stages else workers)
@@ -152,9 +166,9 @@ def kind_plan(kind: str, workers: int = 2, layers: list[str] | None = None, repl
 def _one_worker(plan: Plan) -> Plan:
     """``plan`` on one worker, virtual stages or not: what ``Pipeline._join_processes`` is asked
     about here (it refuses by whether the plan has virtual stages, and in one process it needs
-    a plan of one worker)."""
+    a plan of one worker, one rank: without tensor parallelism)."""
     if plan.num_workers == 1:
-        return plan
+        return dataclasses.replace(plan, tensor_parallel=1)
     if plan.virtual:
         stages = [Stage(list(st.layers), ranks=[0]) for st in plan.stages]
     else:
@@ -171,7 +185,7 @@ def _construct(plan: Plan, kind: str, o: Options) -> tuple[Plan, Any]:
     Pipeline._check_accumulate(o.accumulate, kind)
     Pipeline._check_loss_scaling(o.precision, None, kind)
     plan = _with_recompute(plan, o.recompute)
-    plan.validate(world_size=plan.num_workers)
+    plan.validate(world_size=plan.num_ranks)
     Pipeline._join_processes(SimpleNamespace(plan=_one_worker(plan),  # type: ignore[arg-type]
                                              _ensure_process_group=lambda n: False), o.precision)
     if o.shared:  # as Pipeline._with_shared_parameters, once the split has found the parameter
@@ -199,7 +213,8 @@ def ask(kind: str, options: Options, plan: Plan | None = None) -> None:
     """Run the checks a ``Pipeline`` of ``kind`` with ``options`` runs on ``plan`` (default
     :func:`kind_plan`); raises the library's error where it refuses."""
     if plan is None:
-        plan = kind_plan(kind, replicated=options.replicated, sharded=options.sharded)
+        plan = kind_plan(kind, replicated=options.replicated, sharded=options.sharded,
+                         tensor_parallel=options.tensor_parallel)
     plan, factory = _construct(plan, kind, options)
     if options.checkpoint:  # Pipeline.save_checkpoint and load_checkpoint
         Pipeline._refuse_virtual(SimpleNamespace(plan=plan), "load_checkpoint")  # type: ignore[arg-type]

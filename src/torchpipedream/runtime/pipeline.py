@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,8 @@ from .lr_schedule import LRScheduleError, SchedulerArgument, as_scheduler_factor
 from .memory_probe import allocation_peak, held_bytes
 from .sharding import GatheredEvaluation, ShardedWeights, full_state_dict, shard_stage
 from .stage_split import model_state_names, split_stages
+from .tensor_parallel import (TensorLayoutError, TensorParallelWeights, check_layout_names, parallelize_stage,
+                              stage_layout, stage_meshes)
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means, wait_for
 
 __all__ = ["Pipeline", "PipelineError", "PipelineFailure", "forward_only"]
@@ -238,6 +240,10 @@ class Pipeline:
             schedule whose updates each cover ``accumulate`` × ``microbatches`` microbatches.
             For the kinds that split minibatches (all but pipedream and naive, whose rule is
             one update per minibatch). A last group of fewer minibatches makes one update of its own.
+        tensor_layout: with ``plan.tensor_parallel`` > 1, which layers each stage splits over its
+            worker's tensor ranks: the model's module names -> "colwise", "rowwise" or a torch
+            ``ParallelStyle`` (it must leave each stage's outputs whole). Default: every pair of
+            Linear layers with only element-wise work between them (runtime/tensor_parallel.py).
 
     Example, in one process (the same code runs on every rank under ``torchrun`` or
     :func:`~torchpipedream.launch` with a plan of more workers, e.g.
@@ -283,6 +289,7 @@ class Pipeline:
         clip_grad_norm: float | None = None,
         loss_normalizer: Callable[[Any], Any] | None = None,
         accumulate: int = 1,
+        tensor_layout: Mapping[str, Any] | None = None,
     ) -> None:
         _check_arguments(optimizer, loss_reduction, precision)
         self._scheduler_factory = _check_recipe_arguments(lr_scheduler, clip_grad_norm, loss_normalizer, loss_reduction)
@@ -306,8 +313,11 @@ class Pipeline:
         self._join_processes(precision)
         self._choose_device(device, tune_allocator)
         self.loss_fn = loss_fn
+        self._tensor_layout = None if tensor_layout is None else check_layout_names(
+            tensor_layout, module_or_stages if isinstance(module_or_stages, nn.Module) else None)
         modules, local_tied = self._split_model(module_or_stages, sample)
         self._ar_group = self._make_replica_groups()
+        self._split_tensors(modules)  # tensor parallelism first, then FSDP2 over it (torch's order)
         self._shard(modules)
         weights = self._make_weights(modules, local_tied, optimizer)
         scaler = self._make_loss_scaler(precision, loss_scaling)
@@ -326,12 +336,14 @@ class Pipeline:
         """Join (or make) the process group; this rank's place in the plan: the stages it runs
         (one, or several of one worker each: virtual stages) and its replica."""
         plan = self.plan
-        self.distributed = self._ensure_process_group(plan.num_workers)
+        self.distributed = self._ensure_process_group(plan.num_ranks)
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         plan.validate(world_size=self.world_size)
-        self.stages_held = plan.stages_of_rank(self.rank)
-        self.stage, self.replica = (self.stages_held[0], 0) if plan.virtual else plan.stage_of_rank(self.rank)
+        # the plan's worker this process is part of, and its rank among the worker's tensor ranks
+        self.worker, self.tensor_rank = plan.worker_of_rank(self.rank)
+        self.stages_held = plan.stages_of_rank(self.worker)
+        self.stage, self.replica = (self.stages_held[0], 0) if plan.virtual else plan.stage_of_rank(self.worker)
         if plan.virtual and precision == "fp16":
             raise PipelineError("precision='fp16' is not supported with virtual stages (a rank holding several "
                                 "stages) yet: use precision='bf16'")
@@ -372,7 +384,7 @@ class Pipeline:
         # The model's name of each entry of each held stage's state (checkpoints are keyed by it).
         self._state_names = {s: model_state_names(split.modules[s], model) for s in self.stages_held}
         modules = {s: split.modules[s].to(self.device) for s in self.stages_held}
-        self._stage_inputs, self._finish = split.inputs, split.finish
+        self._stage_inputs, self._finish, self._split_method = split.inputs, split.finish, split.method
         # torch.export fixes dropout's mode in the graph: evaluation runs a graph traced for it.
         self._eval_modules = self._evaluation_stages(module_or_stages, plan, call, split, modules) \
             if split.method == "export" else {}
@@ -382,12 +394,54 @@ class Pipeline:
         """One process group per replicated stage, created in the same order on every rank;
         returns this rank's stage's (None when it is not replicated)."""
         mine = None
-        for s, st in enumerate(self.plan.stages):
+        for st in self.plan.stages:
             if st.replicas > 1:
-                group = dist.new_group(st.ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
-                if s == self.stage:
-                    mine = group
+                mine = self._workers_group(st.ranks) or mine
         return mine
+
+    def _workers_group(self, workers: list[int]) -> Any:
+        """A process group of the plan's ``workers``, made on every rank in the same order; with
+        tensor parallelism one per tensor rank (each rank joins its counterparts on the other
+        workers). Returns this rank's, or None when it is not among them."""
+        t, mine = self.plan.tensor_parallel, None
+        for i in range(t):
+            ranks = [w * t + i for w in workers]
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def _split_tensors(self, modules: dict[int, nn.Module]) -> None:
+        """With ``plan.tensor_parallel`` t > 1: the process groups of every worker (its t ranks)
+        and of every stage (all its ranks), made on every rank in the same order, and this
+        rank's stage split over its worker's ranks (runtime/tensor_parallel.py)."""
+        t = self.plan.tensor_parallel
+        self._stage_group = None  # every rank of this rank's stage (their DCP checkpoint is a collective of it)
+        self._data_mesh = None  # FSDP2's mesh where the stage is sharded too: the (data, tensor) mesh's first dimension
+        if t == 1:
+            return
+        if self._split_method == "export":
+            raise PipelineError(f"tensor_parallel {t}: torch.export traced this model, so its layers are no longer "
+                                "modules torch's parallelize_module can split; give the stages as modules "
+                                "(Pipeline([stage0, stage1, ...], plan, ...)) or a model torch.fx traces")
+        tensor_group = None
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        for w in range(self.plan.num_workers):
+            group = dist.new_group(self.plan.ranks_of_worker(w), timeout=timeout)
+            tensor_group = group if w == self.worker else tensor_group
+        for s, st in enumerate(self.plan.stages):
+            group = dist.new_group([r for w in st.ranks for r in self.plan.ranks_of_worker(w)], timeout=timeout)
+            self._stage_group = group if s == self.stage else self._stage_group
+        st = self.plan.stages[self.stage]
+        grid = [self.plan.ranks_of_worker(w) for w in st.ranks]  # replicas × tensor ranks
+        tensor_mesh, self._data_mesh = stage_meshes(grid, self._ar_group if st.sharded else None, tensor_group,
+                                                    self.device)
+        for s in self.stages_held:
+            try:
+                layout = stage_layout(modules[s], t, self._tensor_layout, self._state_names[s])
+            except TensorLayoutError as exc:
+                raise PipelineError(f"stage {s}: {exc}") from None
+            parallelize_stage(modules[s], tensor_mesh, layout)
 
     @property
     def _sharded(self) -> bool:
@@ -400,9 +454,10 @@ class Pipeline:
         if not self._sharded:
             return
         st = self.plan.stages[self.stage]
-        if self.stage in self._eval_modules:  # torch.export's evaluation graph: the gathered weights
+        evaluation = self._eval_modules.get(self.stage)
+        if evaluation is not None and not isinstance(evaluation, GatheredEvaluation):  # torch.export's: gathered weights
             self._eval_modules[self.stage] = GatheredEvaluation(self._eval_modules[self.stage], modules[self.stage])
-        shard_stage(modules[self.stage], self._ar_group, self.device, st.sharding)
+        shard_stage(modules[self.stage], self._ar_group, self.device, st.sharding, mesh=self._data_mesh)
 
     def _make_tied_copies(self, module: nn.Module, factory: OptimizerFactory,
                           local_tied: dict[int, str]) -> dict[int, TiedCopy]:
@@ -412,7 +467,7 @@ class Pipeline:
         plan, tied = self.plan, {}
         for k, t in enumerate(plan.tied):
             ranks = sorted(r for ts in t.stages for r in plan.stages[ts].ranks)
-            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+            group = self._workers_group(ranks)
             if k in local_tied:
                 weights = WeightVersions(module, factory, self.loss_reduction, replicated=True, only={local_tied[k]},
                                          **self._weights_options(self.stage))
@@ -437,6 +492,11 @@ class Pipeline:
         weights: dict[int, WeightVersions] = {}
         try:
             for s in self.stages_held:
+                if self.plan.tensor_parallel > 1:
+                    st = self.plan.stages[s]
+                    weights[s] = TensorParallelWeights(modules[s], factory, self.loss_reduction, self.plan.tensor_parallel,
+                                                       st.replicas, st.sharded, **self._weights_options(s))
+                    continue
                 if self.plan.stages[s].sharded:
                     weights[s] = ShardedWeights(modules[s], factory, self.loss_reduction,
                                                 self.plan.stages[s].replicas, **self._weights_options(s))
@@ -463,7 +523,9 @@ class Pipeline:
         if self.clip_grad_norm is None:
             return None
         # a replica's part of a replicated stage's norm is 1/replicas of it; a shard's, its own
-        parts = [NormPart(w, 1.0 if w.sharded else 1.0 / self.plan.stages[s].replicas) for s, w in weights.items()]
+        stages = self.plan.stages
+        parts = [NormPart(w, 1.0 if stages[s].sharded or self.plan.tensor_parallel > 1 else 1.0 / stages[s].replicas)
+                 for s, w in weights.items()]
         for k, copy in self.tied.items():
             copies = sum(self.plan.stages[ts].replicas for ts in self.plan.tied[k].stages)
             parts.append(NormPart(copy.weights, 1.0 / copies, posted=True))
@@ -503,7 +565,7 @@ class Pipeline:
                                   draws_random=draws_random_numbers(module), recompute=self.plan.stages[s].recompute,
                                   compute_dtype=PRECISIONS[precision], rng_seed=rng_seed)
             engines[s] = Engine(
-                self.rank, s, self.replica, module,
+                self.worker, s, self.replica, module,
                 is_first=s == 0, is_last=s == self.plan.num_stages - 1, weights=weights[s],
                 loss_fn=self._loss_of_output, ar_group=self._ar_group, tied=self.tied if own else {},
                 # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
@@ -615,10 +677,13 @@ class Pipeline:
         return build
 
     def _describe(self, rank: int) -> str:
+        """A global rank in words, with the stage(s) it runs ("rank 2 (stage 1 replica 0)")."""
+        worker, i = self.plan.worker_of_rank(rank)
+        tensor = f" tensor rank {i}" if self.plan.tensor_parallel > 1 else ""
         if self.plan.virtual:
-            return f"rank {rank} (stages {', '.join(map(str, self.plan.stages_of_rank(rank)))})"
-        s, q = self.plan.stage_of_rank(rank)
-        return f"rank {rank} (stage {s}{f' replica {q}' if self.plan.stages[s].replicas > 1 else ''})"
+            return f"rank {rank} (stages {', '.join(map(str, self.plan.stages_of_rank(worker)))}{tensor})"
+        s, q = self.plan.stage_of_rank(worker)
+        return f"rank {rank} (stage {s}{f' replica {q}' if self.plan.stages[s].replicas > 1 else ''}{tensor})"
 
     @contextlib.contextmanager
     def _failure_guard(self, what: str, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
@@ -871,7 +936,7 @@ class Pipeline:
     def _run_schedule(self, sched: Schedule, batches: Iterator[Any] | None, train: bool,
                       group: int = 1) -> list[tuple[float, int, int]]:
         n_minibatches, m = sched.minibatches * group, sched.microbatches // group
-        actions = sched.actions[self.rank] if train else forward_only(sched)[self.rank]
+        actions = sched.actions[self.worker] if train else forward_only(sched)[self.worker]
         base = self.weights.version
         means = train and updates_are_minibatch_means(sched, any(st.replicas > 1 for st in self.plan.stages),
                                                       self.loss_reduction)
@@ -888,15 +953,16 @@ class Pipeline:
             act_order: dict[int, list[tuple[int, int]]] = {}
             grad_order: dict[int, list[tuple[int, int]]] = {}
             for a in actions:
-                if a.peer == self.rank:  # between two stages of this rank: handed over in memory
+                if a.peer == self.worker:  # between two stages of this rank: handed over in memory
                     continue
                 if a.kind == Kind.RECV_ACT:
                     act_order.setdefault(a.peer, []).append(message_key(a))
                 elif a.kind == Kind.RECV_GRAD:
                     grad_order.setdefault(a.peer, []).append(message_key(a))
-            comm = P2P(self.rank, self._describe, act_order, grad_order, self.device, self.timeout_s,
-                       sizes=self._message_sizes, max_sends=outstanding_sends(actions),
-                       drain_at_update=not schedule_kind(sched.kind).asynchronous)
+            t, i = self.plan.tensor_parallel, self.tensor_rank
+            comm = P2P(self.worker, lambda w: self._describe(w * t + i), act_order, grad_order, self.device,
+                       self.timeout_s, sizes=self._message_sizes, max_sends=outstanding_sends(actions),
+                       drain_at_update=not schedule_kind(sched.kind).asynchronous, global_rank=lambda w: w * t + i)
             self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(batches, m) if (0 in self.engines and batches is not None) else None
         t0 = time.perf_counter()
@@ -924,11 +990,15 @@ class Pipeline:
         self.memory_peak_bytes = max(self.memory_peak_bytes or 0, held + peak.peak_bytes)
 
     def memory_peaks(self) -> list[int | None]:
-        """Every rank's ``memory_peak_bytes`` (None where not measured), on every rank; a
-        collective when distributed (a deadline-bounded exchange through the store)."""
+        """Every worker's ``memory_peak_bytes`` (the largest of its tensor ranks'; None where not
+        measured), on every rank, indexed as the plan's ranks; a collective when distributed (a
+        deadline-bounded exchange through the store)."""
         if not self.distributed:
             return [self.memory_peak_bytes]
-        return self.agreement.exchange("the measured memory peaks", self.memory_peak_bytes)  # type: ignore[union-attr]
+        peaks = self.agreement.exchange("the measured memory peaks", self.memory_peak_bytes)  # type: ignore[union-attr]
+        t = self.plan.tensor_parallel
+        return [max((p for p in peaks[w * t:(w + 1) * t] if p is not None), default=None)
+                for w in range(self.plan.num_workers)]
 
     @staticmethod
     def _check_loss_scaling(precision: str, loss_scaling: Any, kind: str) -> None:
@@ -1023,6 +1093,8 @@ class Pipeline:
 
     def _reduce_results(self, results: dict[int, MicrobatchResult], n_minibatches: int, m: int) -> list[tuple[float, int, int]]:
         table = torch.zeros(n_minibatches, 4, dtype=torch.float64)
+        if self.tensor_rank:  # a worker's losses once: its first tensor rank's
+            results = {}
         for microbatch, r in results.items():
             t = microbatch // m
             weight = r.samples if self.loss_reduction == "mean" else 1
@@ -1101,7 +1173,7 @@ class Pipeline:
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stage parameters and buffers (of every stage it holds), under the original
         model's key names."""
-        if self._sharded:  # gathered whole: every replica of the stage calls this
+        if self._sharded or self.plan.tensor_parallel > 1:  # gathered whole: every rank of the stage calls this
             return full_state_dict(self.module)
         return {k: v.detach().cpu().clone() for engine in self.engines.values()
                 for k, v in engine.module.state_dict().items()}
@@ -1112,8 +1184,9 @@ class Pipeline:
         Keys match the original module's ``state_dict`` (for user-given stages,
         ``"<stage>.<key>"``). Collective: call on every rank. Other ranks get None.
         """
-        mine = self.stage_state_dict() if self.replica == 0 or self._sharded else {}
-        mine = mine if self.replica == 0 else {}
+        gathered = self._sharded or self.plan.tensor_parallel > 1  # a collective of the stage's ranks
+        mine = self.stage_state_dict() if self.replica == 0 or gathered else {}
+        mine = mine if self.replica == 0 and self.tensor_rank == 0 else {}
         if not self.distributed:
             return with_aliases(mine, self._aliases.values())
         buf = io.BytesIO()
@@ -1180,14 +1253,18 @@ class Pipeline:
             return resumed.extra
 
     def _checkpoint_state(self) -> CheckpointState:
-        """This rank's stage as checkpointing reads and restores it (``runtime/checkpoint.py``)."""
+        """This rank's stage as checkpointing reads and restores it (``runtime/checkpoint.py``): each
+        tensor rank of a replica is a replica of its own there (its own file of random state), and
+        a tensor-parallel stage saves its parts with DCP over all of its ranks, as a sharded one."""
+        t = self.plan.tensor_parallel
         return CheckpointState(
-            rank=self.rank, world_size=self.world_size, stage=self.stage, replica=self.replica, device=self.device,
+            rank=self.rank, world_size=self.world_size, stage=self.stage, replica=self.replica * t + self.tensor_rank,
+            device=self.device,
             plan=self.plan, kind=self.kind, module=self.module, state_names=self.state_names,
             weights=self._all_weights(), aliases=self._aliases, buffers=self.engine.buffers,
             scaler=self.engine.scaler, agreement=self.agreement,
             epochs_done=self.epochs_done, minibatches_done=self.minibatches_done, history=list(self.history),
-            group=self._ar_group if self._sharded else None,
+            group=self._stage_group or (self._ar_group if self._sharded else None),
         )
 
     def _refuse_virtual(self, what: str) -> None:
@@ -1202,7 +1279,8 @@ class Pipeline:
             meta.update(minibatches=self.last_schedule.minibatches, microbatches=self.last_schedule.microbatches)
         if not self.distributed:
             return Trace(list(self._events), meta=meta)
-        mine = json.dumps([dataclasses.asdict(e) for e in self._events]).encode()
+        events = self._events if self.tensor_rank == 0 else []  # a worker's events once
+        mine = json.dumps([dataclasses.asdict(e) for e in events]).encode()
         with self._failure_guard("gathering the trace"):
             parts = self._gather_bytes(mine, dst, "the gathering of the trace")
         if parts is None:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from .loss_scaling import has_nonfinite
-from .weights import OptimizerFactory, WeightVersions, wait_for
+from .weights import OptimizerFactory, WeightVersions, local_tensor, wait_for
 
 __all__ = ["shard_stage", "ShardedWeights", "GatheredEvaluation", "full_state_dict", "local_tensor", "whole", "shard_like",
            "sharded_optimizer_entries"]
@@ -82,16 +82,18 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
     return [b for b in blocks if all(owners[id(p)] == 1 for p in b.parameters())]
 
 
-def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.device, sharding: str) -> nn.Module:
+def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.device, sharding: str,
+                mesh: Any = None) -> nn.Module:
     """Shard ``module`` (a stage, on ``device``) over the ranks of ``group`` with FSDP2, block
-    by block and then as a whole; ``sharding`` "zero3" or "zero2". Returns the module (FSDP2
-    shards in place)."""
+    by block and then as a whole; ``sharding`` "zero3" or "zero2". ``mesh``: FSDP2's DeviceMesh
+    when given (a tensor-parallel stage's: its (data, tensor) mesh's data dimension), else one
+    of ``group``. Returns the module (FSDP2 shards in place)."""
     # lazy: the FSDP2 and DeviceMesh imports load torch.distributed's tensor machinery, which
     # plans and schedules never need
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = mesh if mesh is not None else DeviceMesh.from_group(group, device.type)
     keep = sharding == "zero2"
     blocks = _blocks(module)
     for block in blocks:
@@ -137,12 +139,6 @@ class GatheredEvaluation(nn.Module):
                 mod._parameters[attr] = p
             for unit in units:
                 unit.reshard()
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a DTensor's local shard); ``t`` itself otherwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def whole(t: Any) -> Any:

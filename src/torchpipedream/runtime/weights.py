@@ -74,7 +74,7 @@ from ..schedule.versions import copies_on_update, keeps_gradient_buffers
 from .loss_scaling import has_nonfinite
 from .lr_schedule import SchedulerFactory, build_scheduler, fast_forward, step_quietly
 
-__all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means", "wait_for"]
+__all__ = ["WeightVersions", "OptimizerFactory", "updates_are_minibatch_means", "wait_for", "local_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,13 @@ def updates_are_minibatch_means(schedule: Schedule, replicated: bool, loss_reduc
                     return False
                 backwards = 0
     return True
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded or tensor-parallel tensor (a DTensor's local part; under
+    ``torch.no_grad`` its own storage, so writing it writes the DTensor); ``t`` itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 class WeightVersions:
@@ -446,8 +453,8 @@ class WeightVersions:
             present = [g for g in grads if g is not None]
             if apply:
                 with torch.no_grad():
-                    if present and scale != 1.0:
-                        torch._foreach_mul_(present, scale)
+                    if present and scale != 1.0:  # the local parts: DTensor and whole gradients may mix
+                        torch._foreach_mul_([local_tensor(g) for g in present], scale)
                 for p, g in zip(self.params, grads):
                     p.grad = g
                 self.optimizer.step()

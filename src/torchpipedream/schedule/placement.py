@@ -14,7 +14,8 @@ from ..plans.kinds import SCHEDULE_KINDS, ScheduleKind, VersionRule, schedule_ki
 from ..plans.plan import Plan
 
 __all__ = ["replica_of", "update_of", "num_updates", "warmup_depth", "interleaved_warmup", "v_shape_inflight",
-           "tied_support_problem", "virtual_support_problem", "sharding_support_problem"]
+           "tied_support_problem", "virtual_support_problem", "sharding_support_problem",
+           "tensor_parallel_support_problem"]
 
 
 def replica_of(plan: Plan, stage: int, microbatch: int) -> int:
@@ -107,17 +108,42 @@ def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bo
     return None
 
 
+def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None:
+    """Why this kind cannot run the plan's tensor parallelism (``Plan.tensor_parallel``), or
+    None. A tensor-parallel stage runs torch's DTensor layers: one weight version (the kinds
+    that stash several are refused, as for sharding), one whole backward (the zero-bubble
+    kinds split it: DTensor's weight gradients are not computed apart), one stage per worker
+    (interleaved and zb-v not yet), no parameter shared across stages (their TR steps run
+    outside the tensor layout: not yet). Its replicas may replicate or shard (FSDP2 over the
+    (data, tensor) mesh)."""
+    info = schedule_kind(kind)
+    t = plan.tensor_parallel
+    if t == 1:
+        return None
+    if info.asynchronous or info.split_backward:
+        return (f"tensor_parallel {t}: {info.name} is not supported with tensor parallelism yet (it "
+                f"{'keeps several weight versions' if info.asynchronous else 'splits the backward'}); use flush or gpipe")
+    if plan.virtual:
+        return f"tensor_parallel {t}: plans whose workers hold several stages ({plan.summary}) are not supported yet"
+    if plan.tied:
+        return (f"tensor_parallel {t}: parameter {plan.tied[0].name!r} is shared by stages {plan.tied[0].stages}; "
+                "shared parameters are not supported with tensor parallelism yet")
+    return None
+
+
 def sharding_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None:
     """Why this kind cannot run the plan's sharded stages (``Stage.sharding``: FSDP2 over a
     stage's replicas), naming the stage, or None. Sharding needs one weight version per stage
     (FSDP2 shards the module's parameters, not stashes of older ones: pipedream, 2bw and naive
     keep several) and one whole backward per microbatch (FSDP2 reduces the weights' gradients
     when the backward ends; the zero-bubble kinds split it, and run straight pipelines anyway);
-    a parameter shared by stages is stepped by the TR actions, outside FSDP2: refused too."""
+    a parameter shared by stages is stepped by the TR actions, outside FSDP2: refused too.
+    Asks :func:`tensor_parallel_support_problem` first (the plan's third dimension)."""
     info = schedule_kind(kind)
+    problem = tensor_parallel_support_problem(plan, info)
     sharded = [s for s, st in enumerate(plan.stages) if st.sharded]
-    if not sharded:
-        return None
+    if problem or not sharded:
+        return problem
     first = plan.stages[sharded[0]]
     if info.asynchronous:
         return (f"stage {sharded[0]} is sharded ({first.sharding}): {info.name} keeps several weight versions of a "

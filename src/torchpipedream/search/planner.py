@@ -68,6 +68,7 @@ from ..plans.topology import Level, Topology, format_bytes
 from ..schedule.build import build_schedule
 from ..sim.costs import MS_PER_S, paper_allreduce, paper_transfer, ring_allreduce_share, sharded_passes
 from ..sim.simulator import Costs, simulate
+from .tensor_parallel import tensor_parallel_graph, worker_topology
 
 __all__ = [
     "plan",
@@ -992,13 +993,13 @@ def plan(
     recompute: bool = False,
     chunks: int = 2,
     sharding: str = "replicate",
+    tensor_parallel: int = 1,
 ) -> Plan:
     """Choose stages, replica counts and ranks that minimise the predicted time per minibatch.
 
     Args:
         graph: the profiled layer graph (a DAG is planned over ``graph.linearize()``).
-        topology: a :class:`Topology`, a compact spec such as ``"4x4:10GB/s,1.25GB/s"``, a
-            preset name (``"A"``) or a JSON file path.
+        topology: a :class:`Topology`, a spec (``"4x4:10GB/s,1.25GB/s"``), a preset or a JSON file.
         schedule: the schedule kind (a name in ``plans.kinds.SCHEDULE_KINDS``): decides the
             memory model, how replicas share a minibatch and whether fill and drain are paid
             (``torchpipedream.plan``, in search/auto.py, also takes "auto").
@@ -1014,21 +1015,23 @@ def plan(
             ``foreach`` form (CUDA's default).
         method: "fast" (exact bisection, default) or "hierarchical" (the paper's DP).
         rtol: the bisection stops when the bracket is within this relative width.
-        recompute: activation recomputation on every stage (``Stage.recompute``): each backward
-            is charged its stage's forward again; the memory model counts what such a stage
-            keeps, its stashed inputs.
+        recompute: activation recomputation on every stage (``Stage.recompute``): each backward is
+            charged its stage's forward again; the memory model counts its stashed inputs.
         chunks: for kinds with virtual stages (interleaved): stages per worker, v. The model
             is cut into workers × v stages of balanced time (a straight plan of that depth),
             stage k on worker k mod workers (``Plan.looped``).
         sharding: what replicated stages do with their weights (``Stage.sharding``): "replicate",
             or "zero3"/"zero2" (FSDP2; flush, gpipe), priced with the shards' memory and collectives.
+        tensor_parallel: processes per worker (``Plan.tensor_parallel``; flush, gpipe), grouped on
+            the innermost level; each runs the model as search/tensor_parallel.py prices it.
 
     Raises:
-        PlanError: impossible requests (more stages than blocks or workers, nothing fits in
-            memory — the message names the smallest budget that would fit).
+        PlanError: impossible requests (more stages than blocks or workers, nothing fits in memory).
     """
-    t0 = time.perf_counter()
-    topo, kind = _topology_and_kind(graph, topology, schedule)
+    t0, (topo, kind) = time.perf_counter(), _topology_and_kind(graph, topology, schedule)
+    if tensor_parallel != 1:  # with every other argument as given
+        given = locals()
+        return _plan_tensor_parallel(graph, topo, kind, t0, **{k: given[k] for k in _PLAN_ARGUMENTS})
     schedule = kind.name
     straight = True if kind.split_backward else straight  # zero-bubble kinds run one worker per stage
     if kind.virtual_stages:
@@ -1053,6 +1056,29 @@ def plan(
                               optimizer_scratch=optimizer_scratch, sharding=sharding)
     return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
                        time.perf_counter() - t0, checks, options)
+
+
+#: :func:`plan`'s keyword arguments.
+_PLAN_ARGUMENTS = ("schedule", "straight", "num_stages", "allow_fewer_workers", "memory_bytes", "microbatches",
+                   "optimizer_state_factor", "optimizer_scratch", "method", "rtol", "recompute", "chunks", "sharding",
+                   "tensor_parallel")
+
+
+def _plan_tensor_parallel(graph: LayerGraph, topo: Topology, kind: ScheduleKind, t0: float, **options: Any) -> Plan:
+    """:func:`plan` of workers of ``tensor_parallel`` processes: the model as one process of a
+    worker runs it, planned on the workers' topology (search/tensor_parallel.py)."""
+    degree = options.pop("tensor_parallel")
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise PlanError(f"tensor_parallel must be a positive whole number, got {degree!r}")
+    if kind.asynchronous or kind.split_backward or kind.virtual_stages:
+        raise PlanError(f"tensor_parallel {degree}: {kind.name} is not supported with tensor parallelism yet; "
+                        "use flush or gpipe")
+    inner = tensor_parallel_graph(graph, degree, topo, options["microbatches"])
+    made = plan(inner, worker_topology(topo, degree), **options).with_tensor_parallel(degree)
+    made.topology = topo.to_spec()
+    made.meta["planner"] = {**made.meta.get("planner", {}), "tensor_parallel": degree}
+    made.meta["planning_time_s"] = time.perf_counter() - t0
+    return made
 
 
 def _place(graph: LayerGraph, blocks: list[Block], search: Any, straight: bool, topo: Topology, schedule: str,
@@ -1426,13 +1452,15 @@ def _nothing_fits(prob: _Problem, memory: float | None, W: int, allow_fewer: boo
             peaks.append(max(ev.memory_bytes))
     hi = min(peaks)
     prob.memory = memory
-    return PlanError(
+    error = PlanError(
         f"no plan fits in {format_bytes(memory)} per worker ({int(memory)} bytes); the smallest budget any "
         f"plan of this model fits in is {format_bytes(math.ceil(hi))} ({math.ceil(hi)} bytes) "
         f"with schedule {prob.schedule!r}: raise --memory, add workers, or pick a schedule that keeps fewer "
         "weight versions (2bw, flush)" + (", or shard the replicated stages (sharding 'zero3', train --shard)"
                                           if prob.shared and prob.sharding == "replicate" else "")
     )
+    error.smallest_budget = math.ceil(hi)  # type: ignore[attr-defined]  # _place_shared keeps the smaller of two
+    return error
 
 
 def _any_fit(prob: _Problem, W: int, allow_fewer: bool) -> bool:
@@ -1472,13 +1500,17 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
     merged = _merge_shared(blocks, graph.tied)
     errors = []
     for chain in (merged, blocks):
-        try:
-            stages, n = search(chain, straight)
+        try:  # the unmerged chain searched with each later holder's copy in its block's weights
+            stages, n = search(chain if chain is merged else _with_copies(chain, graph.tied), straight)
         except PlanError as exc:
             errors.append(exc)
             continue
         checks += n
         split = tied_holders(chain, stages, graph.tied)
+        if split and not _fits_with_copies(chain, stages, graph, topo, schedule, microbatches, f, search, sharding):
+            errors.append(PlanError(f"no plan fits: the best one that splits the shared parameters "
+                                    f"{[t.name for t in graph.tied]} does not fit once their copies are counted"))
+            continue
         if split and kind.version_rule is VersionRule.NEWEST:
             continue  # naive keeps no version rule for a copy
         if split and (kind.round_robin or sharding != "replicate") \
@@ -1486,14 +1518,14 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
             if straight:
                 continue
             try:
-                stages, n = search(chain, True)
+                stages, n = search(_with_copies(chain, graph.tied), True)
             except PlanError:
                 continue
             checks += n
         candidates.append((chain, stages))
     if not candidates:
-        if errors:
-            raise errors[-1]
+        if errors:  # the one naming the smaller budget that fits (the merged chain's or the split one's)
+            raise min(errors, key=lambda e: getattr(e, "smallest_budget", math.inf))
         raise PlanError(f"under {schedule} the shared parameters {[t.name for t in graph.tied]} must stay in one "
                         "stage, and no plan keeps them there with these options; use pipedream, 2bw, flush or gpipe")
 
@@ -1506,6 +1538,34 @@ def _place_shared(graph: LayerGraph, blocks: list[Block], search: Any, straight:
         if cost(other) < cost(best) * (1 - 1e-9):
             best = other
     return best[0], best[1], checks
+
+
+def _with_copies(blocks: list[Block], tied: Sequence[SharedParameter]) -> list[Block]:
+    """The chain with each shared parameter's bytes added to every block that uses it after its
+    first use (the profile counts it once, in its first layer): what a holder's copy weighs if
+    the stages split the tie, so that the search sees it (a plan that keeps the tie in one stage
+    is the merged chain's)."""
+    where = {name: k for k, b in enumerate(blocks) for name in b.layers}
+    extra = [0] * len(blocks)
+    for t in tied:
+        users = sorted({where[n] for n in t.layers if n in where})
+        for k in users[1:]:
+            extra[k] += t.bytes
+    return [dataclasses.replace(b, parameter_bytes=b.parameter_bytes + e) if e else b for b, e in zip(blocks, extra)]
+
+
+def _fits_with_copies(chain: list[Block], stages: list[tuple[int, int, int]], graph: LayerGraph, topo: Topology,
+                      schedule: str, microbatches: int, f: float, search: Any, sharding: str) -> bool:
+    """Whether every stage of a plan that splits shared parameters fits the search's memory budget
+    with the copies it holds counted (the search of a chain does not see the ties: a holder's
+    copy can push it over)."""
+    options = getattr(search, "keywords", {})  # the search's budget, recomputation and scratch
+    memory = options.get("memory")
+    if memory is None:
+        return True
+    ev = evaluate(chain, topo, stages, schedule, microbatches, f, graph.tied, options.get("recompute", False),
+                  options.get("scratch", NO_SCRATCH), sharding)
+    return max(ev.memory_bytes) <= memory
 
 
 def _build_plan(graph: LayerGraph, blocks: Sequence[Block], topo: Topology, stages: list[tuple[int, int, int]],

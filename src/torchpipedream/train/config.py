@@ -84,6 +84,7 @@ class TrainConfig:
     straight: bool = False  # planner: no replication
     recompute: bool = False  # activation recomputation on every stage (Stage.recompute)
     shard: str = "replicate"  # what replicated stages do with their weights: replicate, zero3, zero2 (Stage.sharding)
+    tensor_parallel: int = 1  # processes per worker splitting its stage's layers (Plan.tensor_parallel)
     memory: str | None = None  # per-worker memory budget for the planner ("512MB")
     measure_memory: bool = False  # record each worker's peak tensor memory (runtime/memory_probe.py)
     precision: str = "fp32"  # fp32, bf16 or fp16 (forwards under autocast; float32 master weights)
@@ -239,6 +240,35 @@ def _check_shard(cfg: TrainConfig) -> None:
         raise TrainError(f"--shard {cfg.shard} with --straight: a straight plan has no replicas to shard over")
 
 
+def tensor_degree(cfg: TrainConfig) -> int:
+    """Processes per worker: ``--tensor-parallel``, else the ``--plan`` file's (1 without one)."""
+    if cfg.tensor_parallel > 1 or not cfg.plan_file:
+        return cfg.tensor_parallel
+    try:
+        return Plan.load(cfg.plan_file).tensor_parallel
+    except PlanError:
+        return 1  # check_options names the file's problem
+
+
+def _check_tensor_parallel(cfg: TrainConfig) -> None:
+    """``--tensor-parallel`` (or a plan file's degree): whole workers of that many processes, a
+    kind that splits layers, a model whose layers torch.fx keeps as modules."""
+    _positive_int(cfg, "tensor_parallel")
+    t = tensor_degree(cfg)
+    if t == 1:
+        return
+    if cfg.schedule == AUTO or schedule_kind(cfg.schedule).asynchronous or schedule_kind(cfg.schedule).split_backward:
+        raise TrainError(f"--tensor-parallel {t} splits layers with torch's DTensor, which runs under flush and gpipe "
+                         f"(one weight version, whole backwards), not --schedule {cfg.schedule}")
+    if cfg.model == "gpt2":
+        raise TrainError(f"--tensor-parallel {t} with --model gpt2: torch.export traces GPT-2, so its layers are no "
+                         "longer modules torch's parallelize_module can split; train it without --tensor-parallel")
+    processes = cfg.resolved_workers()
+    if processes % t:
+        raise TrainError(f"--tensor-parallel {t}: --workers {processes} processes do not make whole workers of {t} "
+                         f"processes each; give a multiple of {t}")
+
+
 def check_options(cfg: TrainConfig) -> None:
     """TrainError for the first option that cannot work, before anything is started."""
     if cfg.schedule not in KIND_NAMES and cfg.schedule != AUTO:
@@ -268,6 +298,7 @@ def check_options(cfg: TrainConfig) -> None:
     _positive_int(cfg, "stages", allow_none=True)
     _positive_int(cfg, "keep_checkpoints", minimum=0)
     _positive_int(cfg, "workers", minimum=0)
+    _check_tensor_parallel(cfg)
     _positive_seconds(cfg, "timeout_s")
     _positive_seconds(cfg, "failure_timeout_s")
     _positive_seconds(cfg, "startup_timeout_s")

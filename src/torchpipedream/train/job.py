@@ -68,7 +68,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if prep.resume_from is not None:
             log.warning("resuming from %s", prep.resume_from)
         log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
-        result = launch(train_rank, prep.plan.num_workers, prep, stall_timeout_s=stall_timeout_s(cfg),
+        result = launch(train_rank, prep.plan.num_ranks, prep, stall_timeout_s=stall_timeout_s(cfg),
                         comm_timeout_s=cfg.timeout_s, startup_timeout_s=cfg.startup_timeout_s,
                         threads=threads_per_worker(prep.plan))
         return write_outputs(prep, result, Path(cfg.out))

@@ -23,7 +23,7 @@ from ..search.planner import plan as make_plan
 from ..sim.simulator import Costs, simulate
 from ..util.units import human_bytes
 from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
-                     optimizer_scratch_of, schedule_of)
+                     optimizer_scratch_of, schedule_of, tensor_degree)
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .resume import ResumePoint, plan_side_text, resume_point
 
@@ -89,16 +89,17 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
     """The checkpoint's plan on a resumption with the same plan options, ``--plan`` when given
     (checked against the model and the workers), else a new plan for ``--topology`` or this
     computer's workers."""
+    t = tensor_degree(cfg)
     if saved_plan is not None:  # resume on the checkpoint's plan (re-planning could pick another)
         try:
-            saved_plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
+            saved_plan.validate(layer_names=graph.names, world_size=workers * t, edges=graph.edges)
         except PlanError as exc:
             raise TrainError(f"--resume: the checkpoint's plan {exc}") from None
         return saved_plan
     if cfg.plan_file:
-        plan = Plan.load(cfg.plan_file)  # check_options has read it
+        plan = Plan.load(cfg.plan_file).with_tensor_parallel(t)  # check_options has read it
         try:
-            plan.validate(layer_names=graph.names, world_size=workers, edges=graph.edges)
+            plan.validate(layer_names=graph.names, world_size=workers * t, edges=graph.edges)
         except PlanError as exc:
             raise TrainError(f"--plan {cfg.plan_file}: {exc}") from None
         if plan.virtual:
@@ -118,10 +119,10 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
         _check_fits_memory(cfg, plan, f"--plan {cfg.plan_file}")
         return plan
     try:
-        return make_plan(graph, _topology(cfg, workers), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
+        return make_plan(graph, _topology(cfg, workers * t), schedule=cfg.schedule, microbatches=microbatches_of(cfg),
                          num_stages=cfg.stages, straight=_straight(cfg), recompute=cfg.recompute,
                          optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer],
-                         optimizer_scratch=_scratch(cfg), sharding=cfg.shard)
+                         optimizer_scratch=_scratch(cfg), sharding=cfg.shard, tensor_parallel=t)
     except PlanError as exc:
         if cfg.memory is None:
             raise
@@ -242,11 +243,12 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     """
     check_options(cfg)
     point: ResumePoint | None = resume_point(cfg) if cfg.resume else None
-    workers = cfg.resolved_workers()
+    processes = cfg.resolved_workers()
+    workers = processes // tensor_degree(cfg)  # the plan's; each of --tensor-parallel processes
     model = build_model(cfg)
     x, y, _, _ = load_data(cfg)
     if measure_host:  # a local run: its workers must fit in this machine's memory
-        check_workers_fit(workers, sum(p.numel() * p.element_size() for p in model.parameters()))
+        check_workers_fit(processes, sum(p.numel() * p.element_size() for p in model.parameters()))
     profiles: dict[tuple[int, int], LayerGraph] = {}
 
     def profiled(microbatches: int, threads: int = 1) -> LayerGraph:

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 #: Options that shape the plan: a resumption with other values plans anew and loads the
 #: checkpoint onto the new plan (checkpoints are keyed by the model's names, runtime/checkpoint.py).
 PLAN_OPTIONS = frozenset({"workers", "schedule", "microbatches", "stages", "straight", "topology", "vertical_sync",
-                          "plan_file", "recompute", "memory", "shard"})
+                          "plan_file", "recompute", "memory", "shard",
+                          "tensor_parallel"})
 #: Options that may change between a run and its resumption (everything else must match).
 RESUMABLE_CHANGES = frozenset({"epochs", "progress", "timeout_s", "startup_timeout_s", "resume", "out",
                                "failure_timeout_s", "keep_checkpoints", "overwrite", "init", "measure_memory"}) | PLAN_OPTIONS  # a checkpoint wins over --init

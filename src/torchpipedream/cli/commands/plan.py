@@ -55,6 +55,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
                    help="shard every replicated stage over its replicas (FSDP2; flush and gpipe), priced with the "
                         "shards' memory and collectives; --shard alone means zero3")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="every worker is T processes of the innermost level splitting its Linear pairs and "
+                        "transformer blocks (flush, gpipe); priced with their all-reduces (default: %(default)s)")
     p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
                    help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
     p.add_argument("--out", "-o", default=None, help="where to write the plan JSON")
@@ -78,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
     options = dict(straight=args.straight, num_stages=args.stages, allow_fewer_workers=args.allow_fewer_workers,
                    memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute,
                    chunks=args.chunks, sharding=args.shard)
+    if args.tensor_parallel != 1:
+        if args.schedule in (AUTO, ALL):
+            raise CommandError(f"--tensor-parallel runs under flush and gpipe; give --schedule flush or gpipe, not "
+                               f"{args.schedule}")
+        options["tensor_parallel"] = args.tensor_parallel
     if args.schedule == ALL:
         if args.microbatches != 1:
             raise CommandError("--schedule all tries 1, 2, 4 and 8 microbatches itself; drop --microbatches")

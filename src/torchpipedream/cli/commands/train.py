@@ -65,6 +65,10 @@ def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> N
                         "and optimizer state split; zero3 gathers the weights for each forward and backward, zero2 "
                         "keeps them from a forward to its backward); flush and gpipe; the planner prices it. "
                         "--shard alone means zero3 (default: replicate)")
+    p.add_argument("--tensor-parallel", type=int, default=d.tensor_parallel, metavar="T",
+                   help="every worker of the plan is T processes that split its stage's Linear pairs (an MLP's "
+                        "two layers, a Llama block's projections) with torch's DTensor; --workers counts "
+                        "processes, so the plan has workers / T workers; flush and gpipe (default: %(default)s)")
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage: keep only each stage's inputs between a forward "
                         "and its backward, and run the forward again in the backward (less memory, more compute)")
