@@ -13,6 +13,7 @@ gradients accumulated, or with torch's GradScaler, where the scenario says so).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import pytest
@@ -47,7 +48,11 @@ SCENARIOS: dict[str, dict] = {
     "pp2_fp16": dict(kind="flush", shape=(1, 1), m=2, opt="sgd", precision="fp16"),
     # a layout of the user's: the second pair only (the first runs whole on both tensor ranks)
     "pp2_user_layout": dict(kind="gpipe", shape=(1, 1), m=2, opt="sgd", layout={"fc3": "colwise", "fc4": "rowwise"}),
+    # four stages on two workers (Megatron's interleaving), a Linear pair in stages 0 and 2
+    "interleaved": dict(kind="interleaved", shape="looped", m=4, opt="momentum"),
 }
+#: the interleaved scenario's stages: stage k on worker k mod 2
+LOOPED = [["input_1", "fc1", "act1", "fc2"], ["norm"], ["fc3", "act2", "fc4"], ["head"]]
 
 
 def model() -> nn.Module:
@@ -64,6 +69,8 @@ def data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def plan_of(sc: dict) -> Plan:
     """The scenario's plan of 2 workers × 2 tensor ranks: two stages, or one stage on two replicas."""
+    if sc["shape"] == "looped":
+        return dataclasses.replace(Plan.looped(LOOPED, 2, schedule=sc["kind"], microbatches=sc["m"]), tensor_parallel=2)
     if sc["shape"] == (2,):
         stages = [Stage(LAYERS[0] + LAYERS[1], replicas=2, ranks=[0, 1], sharding=sc.get("sharding", "replicate"))]
     else:
@@ -310,7 +317,7 @@ def test_plan_files_carry_the_tensor_degree_and_old_files_load() -> None:
         plan.with_tensor_parallel(0)
 
 
-@pytest.mark.parametrize("kind", ["pipedream", "2bw", "zb-h1", "zb-v", "interleaved", "naive"])
+@pytest.mark.parametrize("kind", ["pipedream", "2bw", "zb-h1", "zb-v", "naive"])
 def test_kinds_that_cannot_split_tensors_are_refused_by_name(kind: str) -> None:
     refused = cell(kind, "tensor parallel (×2)")
     assert refused.status == "refused" and "tensor_parallel 2" in (refused.message or "")

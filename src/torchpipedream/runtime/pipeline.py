@@ -1174,7 +1174,7 @@ class Pipeline:
         """This rank's stage parameters and buffers (of every stage it holds), under the original
         model's key names."""
         if self._sharded or self.plan.tensor_parallel > 1:  # gathered whole: every rank of the stage calls this
-            return full_state_dict(self.module)
+            return {k: v for engine in self.engines.values() for k, v in full_state_dict(engine.module).items()}
         return {k: v.detach().cpu().clone() for engine in self.engines.values()
                 for k, v in engine.module.state_dict().items()}
 

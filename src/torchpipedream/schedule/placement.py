@@ -112,10 +112,10 @@ def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str
     """Why this kind cannot run the plan's tensor parallelism (``Plan.tensor_parallel``), or
     None. A tensor-parallel stage runs torch's DTensor layers: one weight version (the kinds
     that stash several are refused, as for sharding), one whole backward (the zero-bubble
-    kinds split it: DTensor's weight gradients are not computed apart), one stage per worker
-    (interleaved and zb-v not yet), no parameter shared across stages (their TR steps run
-    outside the tensor layout: not yet). Its replicas may replicate or shard (FSDP2 over the
-    (data, tensor) mesh)."""
+    kinds split it, zb-v too: the engine computes the weights' gradients apart from aliases a
+    DTensor stage does not have), no parameter shared across stages (their TR steps run outside
+    the tensor layout: not yet). Its replicas may replicate or shard (FSDP2 over the (data,
+    tensor) mesh); a worker may hold several stages (interleaved)."""
     info = schedule_kind(kind)
     t = plan.tensor_parallel
     if t == 1:
@@ -123,8 +123,6 @@ def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str
     if info.asynchronous or info.split_backward:
         return (f"tensor_parallel {t}: {info.name} is not supported with tensor parallelism yet (it "
                 f"{'keeps several weight versions' if info.asynchronous else 'splits the backward'}); use flush or gpipe")
-    if plan.virtual:
-        return f"tensor_parallel {t}: plans whose workers hold several stages ({plan.summary}) are not supported yet"
     if plan.tied:
         return (f"tensor_parallel {t}: parameter {plan.tied[0].name!r} is shared by stages {plan.tied[0].stages}; "
                 "shared parameters are not supported with tensor parallelism yet")

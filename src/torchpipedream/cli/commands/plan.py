@@ -57,7 +57,8 @@ def register(subparsers: Any) -> None:
                         "shards' memory and collectives; --shard alone means zero3")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                    help="every worker is T processes of the innermost level splitting its Linear pairs and "
-                        "transformer blocks (flush, gpipe); priced with their all-reduces (default: %(default)s)")
+                        "transformer blocks (flush, gpipe, interleaved); priced with their all-reduces "
+                        "(default: %(default)s)")
     p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
                    help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
     p.add_argument("--out", "-o", default=None, help="where to write the plan JSON")
@@ -83,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
                    chunks=args.chunks, sharding=args.shard)
     if args.tensor_parallel != 1:
         if args.schedule in (AUTO, ALL):
-            raise CommandError(f"--tensor-parallel runs under flush and gpipe; give --schedule flush or gpipe, not "
-                               f"{args.schedule}")
+            raise CommandError(f"--tensor-parallel is planned for one kind; give --schedule flush, gpipe or "
+                               f"interleaved, not {args.schedule}")
         options["tensor_parallel"] = args.tensor_parallel
     if args.schedule == ALL:
         if args.microbatches != 1:
