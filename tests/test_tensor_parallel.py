@@ -50,6 +50,9 @@ SCENARIOS: dict[str, dict] = {
     "pp2_user_layout": dict(kind="gpipe", shape=(1, 1), m=2, opt="sgd", layout={"fc3": "colwise", "fc4": "rowwise"}),
     # four stages on two workers (Megatron's interleaving), a Linear pair in stages 0 and 2
     "interleaved": dict(kind="interleaved", shape="looped", m=4, opt="momentum"),
+    # the zero-bubble kinds: the weights' gradients of DTensor parameters taken in their own pass
+    "pp2_zb_h1": dict(kind="zb-h1", shape=(1, 1), m=4, opt="momentum", clip=True),
+    "zb_v": dict(kind="zb-v", shape="v", m=4, opt="sgd"),
 }
 #: the interleaved scenario's stages: stage k on worker k mod 2
 LOOPED = [["input_1", "fc1", "act1", "fc2"], ["norm"], ["fc3", "act2", "fc4"], ["head"]]
@@ -69,8 +72,9 @@ def data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def plan_of(sc: dict) -> Plan:
     """The scenario's plan of 2 workers × 2 tensor ranks: two stages, or one stage on two replicas."""
-    if sc["shape"] == "looped":
-        return dataclasses.replace(Plan.looped(LOOPED, 2, schedule=sc["kind"], microbatches=sc["m"]), tensor_parallel=2)
+    if sc["shape"] in ("looped", "v"):  # four stages on two workers: k mod 2, or a V
+        make = Plan.looped if sc["shape"] == "looped" else Plan.v_shape
+        return dataclasses.replace(make(LOOPED, 2, schedule=sc["kind"], microbatches=sc["m"]), tensor_parallel=2)
     if sc["shape"] == (2,):
         stages = [Stage(LAYERS[0] + LAYERS[1], replicas=2, ranks=[0, 1], sharding=sc.get("sharding", "replicate"))]
     else:
@@ -317,7 +321,7 @@ def test_plan_files_carry_the_tensor_degree_and_old_files_load() -> None:
         plan.with_tensor_parallel(0)
 
 
-@pytest.mark.parametrize("kind", ["pipedream", "2bw", "zb-h1", "zb-v", "naive"])
+@pytest.mark.parametrize("kind", ["pipedream", "2bw", "zb-2bw", "naive"])
 def test_kinds_that_cannot_split_tensors_are_refused_by_name(kind: str) -> None:
     refused = cell(kind, "tensor parallel (×2)")
     assert refused.status == "refused" and "tensor_parallel 2" in (refused.message or "")
@@ -352,7 +356,7 @@ def test_train_takes_tensor_parallel(tmp_path, capsys) -> None:
     assert (out / "checkpoints" / "epoch_1" / "stage0.dcp").is_dir()
     assert main(common + ["--epochs", "2", "--resume"]) == 0
     capsys.readouterr()
-    for extra, message in ((["--schedule", "pipedream"], "runs under flush and gpipe"),
+    for extra, message in ((["--schedule", "pipedream"], "runs under the synchronous kinds"),
                            (["--workers", "3"], "--workers 3 processes do not make whole workers of 2"),
                            (["--model", "gpt2"], "torch.export traces GPT-2")):
         assert main(["train", "--tensor-parallel", "2", "--schedule", "flush", "--workers", "2", *extra,
@@ -413,6 +417,7 @@ def test_the_planner_plans_workers_of_several_processes() -> None:
     assert sum(st.forward_ms for st in two.stages) < sum(st.forward_ms for st in one.stages)
     with pytest.raises(PlanError, match="tensor_parallel 2: pipedream is not supported"):
         plan(graph, "8:100GB/s", schedule="pipedream", tensor_parallel=2)
+    assert plan(graph, "4:100GB/s", schedule="zb-h1", microbatches=2, tensor_parallel=2).tensor_parallel == 2
     no_pairs = profile(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)), torch.randn(8, 4),
                        warmup=0, iters=1)
     with pytest.raises(PlanError, match="no layer a tensor-parallel worker splits"):

@@ -268,6 +268,12 @@ class TensorParallelWeights(ShardedWeights):
         super().__init__(module, optimizer, loss_reduction, replicas=replicas if sharded else 1, **options)
         self.degree, self.stage_ranks, self.fsdp = degree, replicas * degree, sharded
 
+    def tensors(self, version: int) -> dict[str, torch.Tensor]:
+        """The stage's own (DTensor) parameters: nothing is installed in the module (no slots), but
+        a split backward differentiates with respect to them (its W); FSDP2's gather its own."""
+        super().tensors(version)  # one version: refuses any other
+        return {} if self.fsdp else dict(zip(self.names, self.params))
+
     def allreduce(self, group: dist.ProcessGroup | None, timeout_s: float) -> int:
         """Sum the update's sample count, and unless FSDP2 reduced them, the local parts of its
         gradients, over the stage's replicas (this tensor rank's counterparts); returns the

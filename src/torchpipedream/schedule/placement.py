@@ -110,19 +110,19 @@ def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bo
 
 def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None:
     """Why this kind cannot run the plan's tensor parallelism (``Plan.tensor_parallel``), or
-    None. A tensor-parallel stage runs torch's DTensor layers: one weight version (the kinds
-    that stash several are refused, as for sharding), one whole backward (the zero-bubble
-    kinds split it, zb-v too: the engine computes the weights' gradients apart from aliases a
-    DTensor stage does not have), no parameter shared across stages (their TR steps run outside
-    the tensor layout: not yet). Its replicas may replicate or shard (FSDP2 over the (data,
-    tensor) mesh); a worker may hold several stages (interleaved)."""
+    None. A tensor-parallel stage runs torch's DTensor layers with one weight version (the kinds
+    that stash several are refused, as for sharding) and no parameter shared across stages
+    (their TR steps run outside the tensor layout: not yet). Its replicas may replicate or shard
+    (FSDP2 over the (data, tensor) mesh: flush and gpipe, ``sharding_support_problem``); a worker
+    may hold several stages (interleaved, zb-v); the zero-bubble kinds' weight pass
+    differentiates the DTensor parameters themselves (``TensorParallelWeights.tensors``)."""
     info = schedule_kind(kind)
     t = plan.tensor_parallel
     if t == 1:
         return None
-    if info.asynchronous or info.split_backward:
-        return (f"tensor_parallel {t}: {info.name} is not supported with tensor parallelism yet (it "
-                f"{'keeps several weight versions' if info.asynchronous else 'splits the backward'}); use flush or gpipe")
+    if info.asynchronous:
+        return (f"tensor_parallel {t}: {info.name} is not supported with tensor parallelism yet (it keeps several "
+                "weight versions); use flush, gpipe, interleaved or a zero-bubble kind")
     if plan.tied:
         return (f"tensor_parallel {t}: parameter {plan.tied[0].name!r} is shared by stages {plan.tied[0].stages}; "
                 "shared parameters are not supported with tensor parallelism yet")

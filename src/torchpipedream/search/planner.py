@@ -1070,9 +1070,9 @@ def _plan_tensor_parallel(graph: LayerGraph, topo: Topology, kind: ScheduleKind,
     degree = options.pop("tensor_parallel")
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
         raise PlanError(f"tensor_parallel must be a positive whole number, got {degree!r}")
-    if kind.asynchronous or kind.split_backward:
+    if kind.asynchronous:
         raise PlanError(f"tensor_parallel {degree}: {kind.name} is not supported with tensor parallelism yet; "
-                        "use flush, gpipe or interleaved")
+                        "use a synchronous kind")
     inner = tensor_parallel_graph(graph, degree, topo, options["microbatches"])
     made = plan(inner, worker_topology(topo, degree), **options).with_tensor_parallel(degree)
     made.topology = topo.to_spec()

@@ -257,9 +257,9 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
     t = tensor_degree(cfg)
     if t == 1:
         return
-    if cfg.schedule == AUTO or schedule_kind(cfg.schedule).asynchronous or schedule_kind(cfg.schedule).split_backward:
-        raise TrainError(f"--tensor-parallel {t} splits layers with torch's DTensor, which runs under flush and gpipe "
-                         f"(one weight version, whole backwards), not --schedule {cfg.schedule}")
+    if cfg.schedule == AUTO or schedule_kind(cfg.schedule).asynchronous:
+        raise TrainError(f"--tensor-parallel {t} splits layers with torch's DTensor, which runs under the synchronous "
+                         f"kinds (one weight version: flush, gpipe, zb-h1, zb-h2), not --schedule {cfg.schedule}")
     if cfg.model == "gpt2":
         raise TrainError(f"--tensor-parallel {t} with --model gpt2: torch.export traces GPT-2, so its layers are no "
                          "longer modules torch's parallelize_module can split; train it without --tensor-parallel")

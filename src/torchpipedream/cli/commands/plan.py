@@ -57,7 +57,7 @@ def register(subparsers: Any) -> None:
                         "shards' memory and collectives; --shard alone means zero3")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                    help="every worker is T processes of the innermost level splitting its Linear pairs and "
-                        "transformer blocks (flush, gpipe, interleaved); priced with their all-reduces "
+                        "transformer blocks (the synchronous kinds); priced with their all-reduces "
                         "(default: %(default)s)")
     p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
                    help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
                    chunks=args.chunks, sharding=args.shard)
     if args.tensor_parallel != 1:
         if args.schedule in (AUTO, ALL):
-            raise CommandError(f"--tensor-parallel is planned for one kind; give --schedule flush, gpipe or "
-                               f"interleaved, not {args.schedule}")
+            raise CommandError(f"--tensor-parallel is planned for one kind; give --schedule flush, gpipe, zb-h1, "
+                               f"zb-h2, interleaved or zb-v, not {args.schedule}")
         options["tensor_parallel"] = args.tensor_parallel
     if args.schedule == ALL:
         if args.microbatches != 1:
