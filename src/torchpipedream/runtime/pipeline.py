@@ -403,9 +403,9 @@ class Pipeline:
         """A process group of the plan's ``workers``, made on every rank in the same order; with
         tensor parallelism one per tensor rank (each rank joins its counterparts on the other
         workers). Returns this rank's, or None when it is not among them."""
-        t, mine = self.plan.tensor_parallel, None
-        for i in range(t):
-            ranks = [w * t + i for w in workers]
+        mine = None
+        for i in range(self.plan.tensor_parallel):
+            ranks = [self.plan.ranks_of_worker(w)[i] for w in workers]
             group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
             if self.rank in ranks:
                 mine = group
@@ -454,8 +454,7 @@ class Pipeline:
         if not self._sharded:
             return
         st = self.plan.stages[self.stage]
-        evaluation = self._eval_modules.get(self.stage)
-        if evaluation is not None and not isinstance(evaluation, GatheredEvaluation):  # torch.export's: gathered weights
+        if self.stage in self._eval_modules:  # torch.export's evaluation graph: the gathered weights
             self._eval_modules[self.stage] = GatheredEvaluation(self._eval_modules[self.stage], modules[self.stage])
         shard_stage(modules[self.stage], self._ar_group, self.device, st.sharding, mesh=self._data_mesh)
 
@@ -959,10 +958,11 @@ class Pipeline:
                     act_order.setdefault(a.peer, []).append(message_key(a))
                 elif a.kind == Kind.RECV_GRAD:
                     grad_order.setdefault(a.peer, []).append(message_key(a))
-            t, i = self.plan.tensor_parallel, self.tensor_rank
-            comm = P2P(self.worker, lambda w: self._describe(w * t + i), act_order, grad_order, self.device,
+            # this tensor rank's counterpart on each worker (looked up per message)
+            counterpart = [self.plan.ranks_of_worker(w)[self.tensor_rank] for w in range(self.plan.num_workers)]
+            comm = P2P(self.worker, lambda w: self._describe(counterpart[w]), act_order, grad_order, self.device,
                        self.timeout_s, sizes=self._message_sizes, max_sends=outstanding_sends(actions),
-                       drain_at_update=not schedule_kind(sched.kind).asynchronous, global_rank=lambda w: w * t + i)
+                       drain_at_update=not schedule_kind(sched.kind).asynchronous, global_rank=counterpart.__getitem__)
             self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(batches, m) if (0 in self.engines and batches is not None) else None
         t0 = time.perf_counter()
