@@ -10,11 +10,13 @@ Standard library only: doc_tables.py imports the scripts, and importing them mus
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Data", "Table", "listing", "num", "span", "table", "yes"]
+__all__ = ["Data", "Table", "listing", "num", "span", "table", "yes", "print_and_write", "write_json"]
 
 Data = dict[str, Any]
 
@@ -55,3 +57,17 @@ def listing(items: Sequence[str]) -> str:
 
 def yes(ok: bool) -> str:
     return "met" if ok else "**missed**"
+
+
+def write_json(data: Data, out: str | Path) -> Path:
+    """Write a benchmark's results (``data``) as JSON to ``out`` (its folder made)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def print_and_write(table_text: str, data: Data, out: str | Path) -> None:
+    """Print a benchmark's table and write its results (``data``) as JSON to ``out``."""
+    print(table_text)
+    print(f"wrote {write_json(data, out)}")

@@ -23,7 +23,6 @@ Prints a table and writes benchmarks/results/tensor_parallel_sends.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from table_format import Data, Table, table  # noqa: E402
+from table_format import Data, Table, print_and_write, table  # noqa: E402
 
 WAYS = ("counterparts", "send + broadcast")
 
@@ -112,11 +111,7 @@ def main() -> int:
     rows, probes, agree = probed(lambda: launch(_worker, 4, sizes, args.repeats, timeout_s=600))
     data = {"machine": platform.platform(), "python": platform.python_version(), "processes": 4, "tensor_parallel": 2,
             "repeats": args.repeats, "cpu_probes": probes, "probes_agree": agree, "rows": rows}
-    print(render(data))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {out}")
+    print_and_write(render(data), data, args.out)
     return 0
 
 

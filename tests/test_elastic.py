@@ -66,8 +66,9 @@ def _elastic_run(out: Path, schedule: str) -> dict:
         first = out / "checkpoints" / f"epoch_0_plus_{EVERY}_minibatches" / "manifest.json"
         t0 = time.monotonic()
         while not first.exists():
-            assert time.monotonic() - t0 < 180, "no checkpoint within 3 minutes"
-            assert all(a.poll() is None for a in agents), "an agent ended before the first checkpoint"
+            assert time.monotonic() - t0 < 180, f"no checkpoint within 3 minutes:\n{_agent_logs(out)}"
+            assert all(a.poll() is None for a in agents), \
+                f"an agent ended before the first checkpoint:\n{_agent_logs(out)}"
             time.sleep(0.05)
         for pid in _descendants(agents[2].pid) + [agents[2].pid]:  # the worker, then its agent: gone for good
             os.kill(pid, signal.SIGKILL)
@@ -78,7 +79,7 @@ def _elastic_run(out: Path, schedule: str) -> dict:
         for a in agents:
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
-    assert codes == [0, 0], (out.parent / f"{out.name}_agent0.err").read_text()[-3000:]
+    assert codes == [0, 0], f"agents ended with {codes}:\n{_agent_logs(out)}"
     report = json.loads((out / "report.json").read_text())
     # Recovery: from the kill to the first checkpoint the job wrote after it (failure seen by
     # every worker, the agents' new rendezvous, re-profile and re-plan, reload, 5 minibatches).
@@ -86,6 +87,17 @@ def _elastic_run(out: Path, schedule: str) -> dict:
     print(f"{schedule}: one of 3 workers killed {killed - t0:.1f} s into the run; first checkpoint on 2 workers "
           f"{min(after) - killed_wall:.1f} s after the kill; the job finished {finished - killed:.1f} s after it")
     return report
+
+
+def _agent_logs(out: Path, chars: int = 2500) -> str:
+    """The end of every agent's stderr (pytest's temporary folders do not outlive CI: a failure's
+    message must carry what explains it)."""
+    parts = []
+    for i in range(3):
+        path = out.parent / f"{out.name}_agent{i}.err"
+        text = path.read_text(errors="replace") if path.exists() else "(no log)"
+        parts.append(f"--- agent {i}{' (killed)' if i == 2 else ''}, last {chars} characters of stderr:\n{text[-chars:]}")
+    return "\n".join(parts)
 
 
 def _config() -> TrainConfig:

@@ -111,6 +111,7 @@ def test_get_model_accepts_module_function_specs():
         ("math:pi", "is not callable"),
         ("collections:OrderedDict", "returned OrderedDict, not a torch.nn.Module"),
         ("torch.nn:Linear", "calling Linear() failed"),
+        ("sys:exit", "calling exit() failed: SystemExit"),  # a sys.exit(0) inside a user's builder
         (":build", "expected 'module:function'"),
     ],
 )

@@ -260,3 +260,35 @@ def test_a_manifest_nested_too_deeply_is_a_checkpoint_error(tmp_path: Path) -> N
     (tmp_path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CheckpointError, match="nested too deeply"):
         read_manifest(tmp_path)
+
+
+def test_extra_json_is_streamed_with_a_small_peak_and_nothing_left_on_failure(tmp_path: Path) -> None:
+    """A long run's extra (a row per epoch) is written piece by piece: the same bytes and digest
+    as ``json.dumps``, without holding the whole text transiently several times over (rank 0's
+    memory rose in steps in the soak, docs/architecture.md "Checkpoints")."""
+    import hashlib
+    import tracemalloc
+
+    from torchpipedream.runtime.checkpoint import write_json_atomic
+
+    row = {"epoch": 1, "train_loss": 0.1234567, "test_loss": 0.1670123, "test_accuracy": 0.98888888,
+           "seconds": 0.3456789, "minibatches": 23, "samples_per_s": 5996.123456}
+    extra = {"save_id": "s", "extra": {"history": [dict(row, epoch=i) for i in range(8000)]}}
+    want = json.dumps(extra, indent=1).encode()
+    tracemalloc.start()
+    try:
+        json.dumps(extra, indent=1).encode()
+        _, at_once = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        digest, size = write_json_atomic(tmp_path / "extra.json", extra)
+        _, peak = tracemalloc.get_traced_memory()
+        streamed = peak - base
+    finally:
+        tracemalloc.stop()
+    assert (tmp_path / "extra.json").read_bytes() == want
+    assert (digest, size) == (hashlib.sha256(want).hexdigest(), len(want))
+    assert at_once > 3 * len(want) and streamed < len(want) / 4, (at_once, streamed, len(want))
+    with pytest.raises(TypeError):
+        write_json_atomic(tmp_path / "bad.json", {"x": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra.json"]  # no temporary file left behind

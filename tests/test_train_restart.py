@@ -47,6 +47,9 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
     assert "exitcode: -9" in log  # it really died, and torchrun restarted the group
     assert "resuming from" in log and "epoch_1_plus_4_minibatches" in log
     assert "resuming from" not in straight.stdout + straight.stderr
+    # the survivor of the first attempt said in one line why it stopped, and where it stood
+    assert "training failed: rank 0 (stage 0) stopped because the pipeline failed" in log
+    assert "Where the ranks stood: rank 0 (stage 0) was in s0" in log and "Traceback" not in log
 
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["state_dict"]
     b = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["state_dict"]

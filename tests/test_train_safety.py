@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -114,9 +115,71 @@ def test_a_worker_stopped_during_a_checkpoint_save_ends_the_run_within_the_timeo
         os.kill(pid, 0)  # the stopped worker was killed, not left behind
     assert "rank 1 (stage 1) did not" in proc.stderr and "checkpoint" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # where every rank stood (runtime/flight_recorder.py): the waiting rank's record, the stopped one's absence
+    assert "Where every rank stood" in proc.stderr
+    assert "rank 1: no report" in proc.stderr
+    record = json.loads((tmp_path / "run" / "flight_record" / "rank0.json").read_text())
+    assert record["current"]["what"] == "saving a checkpoint" and "PipelineFailure" in record["error"]
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s launched workers (multiprocessing's spawned children, not its tracker)."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    found = []
+    for child in children:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            found.append(child)
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_to_train_stops_the_run_and_its_workers_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*CLI, *QUICK, "--epochs", "100000", "--out", str(out)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (out / "checkpoints").is_dir() or not any((out / "checkpoints").iterdir()):
+            assert proc.poll() is None and time.monotonic() - t0 < 120, "no checkpoint within 2 minutes"
+            time.sleep(0.1)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    lines = err.strip().splitlines()
+    assert lines[0] == "torchpipedream train: stopped by SIGTERM; its workers were stopped.", err
+    assert len(lines) == 2 and "continue from it with --resume" in lines[1], err  # no C++ stacks, no traceback
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 # ------------------------------------------------------------------------------- --out
+def test_a_checkpoints_folder_that_cannot_take_checkpoints_is_refused_before_training(tmp_path: Path,
+                                                                                    capsys) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a folder")  # found at once, not after the first epoch
+    t0 = time.monotonic()
+    assert main(["train", "--model", "mlp", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "checkpoints" in err and "is a file" in err and len(err.strip().splitlines()) == 1
+    assert time.monotonic() - t0 < 10
+    assert (out / "checkpoints").read_text() == "not a folder"
+
+
 def test_an_out_that_is_a_file_or_under_a_file_is_refused_at_once(tmp_path: Path, capsys) -> None:
     a_file = tmp_path / "f"
     a_file.write_text("x")
@@ -194,7 +257,8 @@ def test_overwrite_reads_init_from_the_earlier_run_before_deleting_anything(two_
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     assert main(["train", *common, "--epochs", "1", "--init", str(out / "checkpoint.pt"), "--overwrite",
                  "--out", str(out)]) == 2
-    assert f"--init {out / 'checkpoint.pt'}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--init {out / 'checkpoint.pt'}" in err and "torchpipedream export" in err  # what to run instead
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
     # a state dict among the earlier run's outputs is read, then the run replaces them
     torch.save(torch.load(out / "checkpoint.pt", weights_only=False)["state_dict"], out / "checkpoint.pt")
@@ -313,6 +377,27 @@ def test_resume_refuses_an_option_outside_the_plan_and_names_it(two_runs, tmp_pa
     err = capsys.readouterr().err
     assert "no checkpoint" in err and "--lr 0.05 (now 0.2)" in err and "Traceback" not in err
     assert not (out / "checkpoints" / "epoch_3").exists()
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_before_any_worker_starts(two_runs, tmp_path: Path,
+                                                                               monkeypatch, capsys) -> None:
+    """The model's code changed since the checkpoint was written (a wider hidden layer): the
+    run says which tensor differs, in one line, before it launches anything."""
+    import torchpipedream.train.job as job
+    from torchpipedream.models.vision import mlp
+    from torchpipedream.train import inputs
+
+    root, common = two_runs
+    out = tmp_path / "a"
+    shutil.copytree(root / "a", out)
+    monkeypatch.setattr(inputs, "get_model", lambda name: mlp(hidden=(256, 300)))
+    monkeypatch.setattr(job, "launch", lambda *a, **k: pytest.fail("launched workers for a checkpoint of another model"))
+    assert main(["train", *common, "--epochs", "3", "--lr", "0.05", "--checkpoint-every", "3",
+                 "--keep-checkpoints", "0", "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: the checkpoint" in err and "written for another model" in err, err
+    assert "3.bias is (256,) in the checkpoint and (300,) in this model" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------- bounds
@@ -504,7 +589,9 @@ def test_a_killed_rank_0_ends_in_the_projects_message_not_cpp_frames(tmp_path: P
     assert proc.returncode == 1
     assert "worker rank 0 exited with code -9" in proc.stderr
     assert "frame #" not in proc.stderr and "Exception raised from" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) <= 5, proc.stderr
+    # the message, a heading and one line per rank of where it stood, the resume hint
+    assert len(proc.stderr.strip().splitlines()) <= 5 + 3, proc.stderr
+    assert "  rank 0: no report" in proc.stderr and "  rank 1 (stage 1) was " in proc.stderr
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ same whatever was imported before (``tests/test_public_api.py``).
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -60,6 +61,12 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+if "torch" in sys.modules:  # a script's usual order: imports, then init_process_group
+    try:  # before any process group exists: see runtime/process_exit.py (an abort at exit)
+        importlib.import_module("torch.distributed.nn")
+    except ImportError:  # a torch built without distributed support
+        pass
 
 
 def __getattr__(name: str) -> Any:

@@ -65,5 +65,8 @@ def load_state_file(path: str | Path) -> dict[str, torch.Tensor]:
         raise StateFileError(f"{path} is not a state file of plain tensors (loading runs no code): {first}") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
+        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):  # train's OUT/checkpoint.pt
+            raise StateFileError(f"{path} is a `torchpipedream train` run's checkpoint, not a state dict: "
+                                 f"`torchpipedream export {path.parent} --out model.pt` writes one")
         raise StateFileError(f"{path} does not hold a state dict (a mapping of names to tensors)")
     return state

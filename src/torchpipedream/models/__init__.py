@@ -70,7 +70,7 @@ def get_model(name_or_spec: str, **kwargs: Any) -> nn.Module:
         raise ModelError(f"model spec {spec!r}: expected 'module:function', e.g. mypkg.models:build")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or an error raised while importing the user's code
+    except (Exception, SystemExit) as exc:  # ImportError, or what the user's code raised (sys.exit too)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(
             f"model spec {spec!r}: cannot import module {module_name!r} ({first}); "
@@ -85,7 +85,7 @@ def get_model(name_or_spec: str, **kwargs: Any) -> nn.Module:
         raise ModelError(f"model spec {spec!r}: {func_name!r} is not callable")
     try:
         model = obj(**kwargs)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a sys.exit() in the user's code must not end the run silently
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(f"model spec {spec!r}: calling {func_name}() failed: {type(exc).__name__}: {first}") from None
     if not isinstance(model, nn.Module):

@@ -74,7 +74,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -97,7 +97,8 @@ from .weights import WeightVersions
 
 __all__ = ["CheckpointError", "CheckpointState", "Resumed", "Manifest", "save_checkpoint", "load_checkpoint",
            "verify_checkpoint", "latest_checkpoint", "checkpoints_newest_first", "read_manifest", "read_extra",
-           "read_stage_states", "remove_temporary_files", "MANIFEST", "EXTRA"]
+           "read_stage_states", "remove_temporary_files", "saved_shapes", "shape_mismatch", "write_json_atomic",
+           "MANIFEST", "EXTRA"]
 
 log = logging.getLogger(__name__)
 
@@ -139,20 +140,56 @@ def _disk_error(path: Path, exc: OSError) -> str:
     return f"cannot write {path}: {exc.strerror or exc}"
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is either the old file or all of the new; a
-    failed write leaves no temporary file behind. OSError carries a one-line reason."""
+def write_atomic(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Write ``data`` (bytes, or chunks of them) to ``path`` so that ``path`` is either the old
+    file or all of the new; a failed write leaves no temporary file behind. OSError carries a
+    one-line reason."""
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for chunk in ([data] if isinstance(data, bytes) else data):
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OSError(exc.errno, _disk_error(path, exc)) from None
+    except BaseException:  # the chunks failed (a value that is not JSON): nothing left behind either
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any, chunk_bytes: int = 1 << 13) -> tuple[str, int]:
+    """:func:`write_atomic` of ``obj`` as JSON (indented), streamed: returns its sha256 and size.
+
+    A run's ``extra`` grows with it (``train`` keeps a row per epoch), and ``json.dumps`` with an
+    indent builds the text from many small pieces at once: several times the output transiently,
+    which the workers' allocator keeps (host/freed_memory.py), so rank 0's resident memory rose
+    in steps over a long run. Encoded piece by piece into ``chunk_bytes`` buffers, the peak stays
+    near a few buffers."""
+    digest, size = hashlib.sha256(), 0
+
+    def chunks() -> Iterator[bytes]:
+        nonlocal size
+        buffer = io.StringIO()  # one growing text buffer, not a list of the encoder's small pieces
+        pieces = json.JSONEncoder(indent=1).iterencode(obj)
+        while True:
+            piece = next(pieces, None)
+            if piece is not None:
+                buffer.write(piece)
+            if piece is None or buffer.tell() >= chunk_bytes:
+                data = buffer.getvalue().encode()
+                buffer = io.StringIO()
+                digest.update(data)
+                size += len(data)
+                yield data
+            if piece is None:
+                return
+
+    write_atomic(path, chunks())
+    return digest.hexdigest(), size
 
 
 def remove_temporary_files(root: str | Path) -> int:
@@ -353,6 +390,42 @@ def read_stage_states(directory: str | Path) -> dict[str, torch.Tensor]:
                                           "says it holds")
                 state[name] = tensors[name]
     return with_aliases(state, manifest.aliases.values())
+
+
+def saved_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a checkpoint holds, by the model's names, read cheaply (stage
+    files memory-mapped, DCP folders' metadata; nothing verified: loading does that), so a run can
+    refuse a checkpoint of another model before it starts its workers."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(manifest.index.values())):
+        try:
+            payload = torch.load(directory / file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # a pickle that needs code, or not a torch file at all
+            raise CheckpointError(f"checkpoint file {directory / file} cannot be read: {type(exc).__name__}") from None
+        tensors = payload.get("tensors") if isinstance(payload, dict) else None
+        if not isinstance(tensors, dict):
+            raise CheckpointError(f"checkpoint file {directory / file} holds no tensors")
+        shapes.update({k: tuple(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+        if payload.get("dcp"):
+            specs = _folder_specs(directory / payload["dcp"])
+            shapes.update({k: tuple(specs[k][0]) for k in payload.get("dcp_tensors", ()) if k in specs})
+    return shapes
+
+
+def shape_mismatch(saved: dict[str, tuple[int, ...]], model: nn.Module) -> str | None:
+    """The first difference between a checkpoint's tensors (:func:`saved_shapes`) and ``model``'s
+    state, in words; None when every name and shape agrees."""
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name in sorted(set(mine) | set(saved)):
+        if name not in saved:
+            return f"{name} is not in the checkpoint"
+        if name not in mine:
+            return f"the checkpoint holds {name}, which this model does not have"
+        if saved[name] != mine[name]:
+            return f"{name} is {saved[name]} in the checkpoint and {mine[name]} in this model"
+    return None
 
 
 def checkpoints_newest_first(root: str | Path) -> list[Manifest]:
@@ -600,9 +673,8 @@ def _write_files(state: CheckpointState, directory: Path, save_id: str, owner: d
         entries.append({"file": name, "sha256": _sha256(data), "size": len(data), "stage": state.stage,
                         "replica": state.replica, "rank": state.rank})
         if state.rank == 0:
-            data = json.dumps({"save_id": save_id, "extra": extra}, indent=1).encode()
-            write_atomic(directory / EXTRA, data)
-            entries.append({"file": EXTRA, "sha256": _sha256(data), "size": len(data)})
+            digest, size = write_json_atomic(directory / EXTRA, {"save_id": save_id, "extra": extra})
+            entries.append({"file": EXTRA, "sha256": digest, "size": size})
     except OSError as exc:
         error = f"rank {state.rank}: {exc.strerror or exc}"
     except Exception as exc:  # mid-schedule, an extra that is not JSON: must reach every rank

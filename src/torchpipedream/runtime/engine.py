@@ -49,6 +49,7 @@ from . import liveness
 from .buffers import ReplicaBuffers
 from .clipping import GradientClipper
 from .comm import P2P
+from .flight_recorder import FlightRecorder
 from .loss_scaling import LossScaler
 from ..model.split_backward import WeightGradients, backward_inputs
 from .weights import WeightVersions
@@ -566,22 +567,26 @@ def run_actions(
     train: bool,
     version_base: int,
     t0: float,
+    recorder: FlightRecorder | None = None,
 ) -> tuple[dict[int, MicrobatchResult], list[Event]]:
     """Execute one rank's ``actions`` in order, each by the engine of its stage (``engines``:
     stage -> Engine; several where the rank holds virtual stages). A transfer between two of
     them (peer = this rank) is a hand-over in memory; its receive only checks that it came.
     ``get_microbatch(i)`` gives (inputs, targets, samples) of microbatch ``i`` (the first
     stage's rank); ``version_base`` is the number of updates before this schedule (schedule
-    versions are relative to its start); times are relative to ``t0``.
+    versions are relative to its start); times are relative to ``t0``. ``recorder`` notes each
+    action as it starts and ends (where the rank stood, should the run fail).
     Returns the last stage's per-microbatch results and one event per action."""
     any_engine = next(iter(engines.values()))
     rank = any_engine.rank
+    recorder = recorder or FlightRecorder(rank, str)
     for stage, engine in engines.items():
         engine.begin([a for a in actions if a.stage == stage], train)
     results: dict[int, MicrobatchResult] = {}
     events: list[Event] = []
     for action in actions:
         engine = engines[action.stage]
+        recorder.start(action)
         start = time.perf_counter()
         if action.kind.is_transfer and action.peer == rank:
             nbytes, version = 0, None
@@ -591,9 +596,11 @@ def run_actions(
             nbytes, version = engine.execute(action, comm, get_microbatch, train, version_base, results)
         end = time.perf_counter()
         liveness.mark()
+        recorder.finish()
         if comm is not None:
             if action.kind is Kind.OPTIMIZER_STEP and comm.drain_at_update:
-                comm.drain()
+                with recorder.phase("waiting for its sends to complete before the next minibatch"):
+                    comm.drain()
             comm.pump()  # post the receives that became possible (outside the timed action)
         events.append(Event(
             rank=rank, stage=action.stage, kind=action.kind.value, id=action.id,
@@ -601,7 +608,8 @@ def run_actions(
             replica=engine.replica, version=version,
         ))
     if comm is not None:
-        comm.finish()
+        with recorder.phase("waiting for its last sends of the schedule to complete"):
+            comm.finish()
     leftover = sorted({what for engine in engines.values() for what in engine.leftovers()})
     if leftover and train:
         log.warning("rank %d: schedule ended with %s still held", rank, ", ".join(leftover))

@@ -134,6 +134,19 @@ class FailureBoard:
 
         return _bounded(go, self.timeout_s)
 
+    def post_standing(self, rank: int, standing: str) -> None:
+        """Note where ``rank`` stood when it failed (a line of its flight recorder)."""
+        _bounded(lambda: self.store.set(f"{self.prefix}standing/{rank}", standing), self.timeout_s)
+
+    def standings(self, world_size: int) -> dict[int, str]:
+        """The lines ranks have noted so far (:meth:`post_standing`), by rank; waits for none."""
+        def go() -> dict[int, str]:
+            keys = {r: f"{self.prefix}standing/{r}" for r in range(world_size)}
+            return {r: bytes(self.store.get(k)).decode(errors="replace")
+                    for r, k in keys.items() if self.store.check([k])}
+
+        return _bounded(go, self.timeout_s) or {}
+
 
 def close_connections(world_size: int, rank: int, timeout_s: float) -> None:
     """Close this rank's gloo connections to every other rank, so no peer waits on it.

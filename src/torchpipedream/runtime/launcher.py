@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before any process group is formed: see process_exit.py
 import torch.multiprocessing as mp
 
 from ..host.tuning import tune_own_process

@@ -66,10 +66,12 @@ from .clipping import GradientClipper, NormPart, check_max_norm
 from .comm import P2P
 from .engine import Engine, EngineConfig, MicrobatchResult, TiedCopy, as_tuple, run_actions
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
+from .flight_recorder import FlightRecorder, standings_text
 from .launcher import init_from_env
 from .loss_scaling import LossScaler, LossScaling
 from .lr_schedule import LRScheduleError, SchedulerArgument, as_scheduler_factory
 from .memory_probe import allocation_peak, held_bytes
+from .process_exit import warn_if_default_group_pinned
 from .sharding import GatheredEvaluation, ShardedWeights, full_state_dict, shard_stage
 from .stage_split import model_state_names, split_stages
 from .tensor_parallel import (TensorLayoutError, TensorParallelWeights, check_layout_names, parallelize_stage,
@@ -328,6 +330,8 @@ class Pipeline:
         self.module, self.weights = self.engine.module, self.engine.weights
         self.state_names = self._state_names[self.stage]
         self._start_bookkeeping()
+        if self.distributed:
+            warn_if_default_group_pinned()  # the optimizers just built import what pins it
         if self.clipper is not None or self._scheduler_factory is not None:
             self.schedule_for(2 * self.world_size)  # refuses what the recipe cannot follow, here (_check_recipe)
 
@@ -588,6 +592,10 @@ class Pipeline:
         self.epochs_done = 0  # data position, saved in checkpoints: epochs finished by fit
         self.minibatches_done = 0  # minibatches trained in total (train_step and fit)
         self._board: FailureBoard | None = None
+        # this tensor rank's counterpart on each worker (whom its point-to-point messages go to)
+        self._counterpart = [self.plan.ranks_of_worker(w)[self.tensor_rank] for w in range(self.plan.num_workers)]
+        #: The last actions of this rank, with times: where it stood should a run fail.
+        self.flight_recorder = FlightRecorder(self.rank, self._describe, peer_rank=self._counterpart.__getitem__)
         self.agreement: Agreement | None = None  # deadline-bounded JSON collectives (runtime/agreement.py)
         if self.distributed:
             store, prefix = new_store_prefix()
@@ -694,7 +702,8 @@ class Pipeline:
         ``agreed`` errors are raised on every rank alike (a refused checkpoint) and pass through.
         """
         try:
-            yield
+            with self.flight_recorder.phase(what):
+                yield
         except BaseException as exc:
             if (isinstance(exc, (PipelineFailure, GeneratorExit) + agreed) or not self.distributed
                     or self.world_size == 1):
@@ -707,10 +716,13 @@ class Pipeline:
     def _on_failure(self, exc: BaseException, what: str) -> PipelineFailure | None:
         me = self._describe(self.rank)
         text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        standing = self.flight_recorder.summary()
+        if self._board is not None:
+            self._board.post_standing(self.rank, standing)
         if not is_comm_failure(exc):
             if self._board is not None:
                 self._board.post(f"{me} failed during {what}: {type(exc).__name__}: {text}")
-            log.error("%s failed during %s: %s: %s", me, what, type(exc).__name__, text)
+            log.error("%s failed during %s: %s: %s (where it stood: %s)", me, what, type(exc).__name__, text, standing)
             close_connections(self.world_size, self.rank, self.failure_timeout_s)
             return None
         first = self._board.first() if self._board is not None else None
@@ -723,8 +735,10 @@ class Pipeline:
             first = f"{who} {how} (seen by {me} during {what})"
             if self._board is not None:
                 self._board.post(first)
+        stood = self._board.standings(self.world_size) if self._board is not None else {self.rank: standing}
         close_connections(self.world_size, self.rank, self.failure_timeout_s)
-        return PipelineFailure(f"{me} stopped because the pipeline failed: {first}. This rank saw: {text}")
+        return PipelineFailure(f"{me} stopped because the pipeline failed: {first}. This rank saw: {text}. "
+                               f"Where the ranks stood: {standings_text(stood, self.world_size, self._describe)}")
 
     def use_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` for every run of its number of minibatches, instead of the one
@@ -958,16 +972,17 @@ class Pipeline:
                     act_order.setdefault(a.peer, []).append(message_key(a))
                 elif a.kind == Kind.RECV_GRAD:
                     grad_order.setdefault(a.peer, []).append(message_key(a))
-            # this tensor rank's counterpart on each worker (looked up per message)
-            counterpart = [self.plan.ranks_of_worker(w)[self.tensor_rank] for w in range(self.plan.num_workers)]
+            counterpart = self._counterpart
             comm = P2P(self.worker, lambda w: self._describe(counterpart[w]), act_order, grad_order, self.device,
                        self.timeout_s, sizes=self._message_sizes, max_sends=outstanding_sends(actions),
                        drain_at_update=not schedule_kind(sched.kind).asynchronous, global_rank=counterpart.__getitem__)
-            self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
+            with self.flight_recorder.phase("the barrier at the start of the schedule"):
+                self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(batches, m) if (0 in self.engines and batches is not None) else None
         t0 = time.perf_counter()
         with self._mode(train), self._memory_measured(train):
-            results, events = run_actions(self.engines, actions, comm, source, train=train, version_base=base, t0=t0)
+            results, events = run_actions(self.engines, actions, comm, source, train=train, version_base=base, t0=t0,
+                                          recorder=self.flight_recorder)
         for weights in self._all_weights():
             weights.apply_deferred()  # updates still waiting for their first use (clipping defers them)
             weights.reset_versions()

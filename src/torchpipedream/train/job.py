@@ -28,10 +28,11 @@ import torch.distributed as dist
 from ..runtime import launch
 from ..runtime.agreement import Agreement
 from ..runtime.failures import new_store_prefix
-from ..runtime.launcher import init_from_env
+from ..runtime.flight_recorder import read_reports
+from ..runtime.launcher import LaunchError, init_from_env
 from ..search.auto import threads_per_worker
 from .config import TrainConfig, TrainError, check_options
-from .out_dir import OutDirLock, check_out_dir, clear_out_dir, lock_out_dir
+from .out_dir import OutDirLock, check_out_dir, clear_out_dir, flight_record_dir, lock_out_dir
 from .outputs import outputs_from_checkpoint, write_outputs
 from .preparation import Prepared, prepare
 from .resume import resume_after_restart
@@ -68,10 +69,22 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if prep.resume_from is not None:
             log.warning("resuming from %s", prep.resume_from)
         log.info("plan %s for %d workers: %s", prep.plan.summary, prep.plan.num_workers, prep.why)
-        result = launch(train_rank, prep.plan.num_ranks, prep, stall_timeout_s=stall_timeout_s(cfg),
-                        comm_timeout_s=cfg.timeout_s, startup_timeout_s=cfg.startup_timeout_s,
-                        threads=threads_per_worker(prep.plan))
+        try:
+            result = launch(train_rank, prep.plan.num_ranks, prep, stall_timeout_s=stall_timeout_s(cfg),
+                            comm_timeout_s=cfg.timeout_s, startup_timeout_s=cfg.startup_timeout_s,
+                            threads=threads_per_worker(prep.plan))
+        except LaunchError as exc:
+            raise LaunchError(f"{exc}{_where_ranks_stood(cfg.out, prep.plan.num_ranks)}") from None
         return write_outputs(prep, result, Path(cfg.out))
+
+
+def _where_ranks_stood(out: str, ranks: int) -> str:
+    """The lines the failed run's ranks wrote into OUT/flight_record (empty when none wrote)."""
+    folder = flight_record_dir(out)
+    if not folder.is_dir():
+        return ""
+    lines = "\n".join(f"  {line}" for line in read_reports(folder, ranks))
+    return f"\nWhere every rank stood (their last actions are in {folder}):\n{lines}"
 
 
 def _prepare_in_out_dir(cfg: TrainConfig, measure_host: bool = False) -> Prepared:

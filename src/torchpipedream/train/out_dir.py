@@ -29,8 +29,8 @@ from ..runtime.checkpoint import checkpoints_newest_first, remove_temporary_file
 from .config import TrainConfig, TrainError, flag
 from .resume import is_epoch_end
 
-__all__ = ["OUTPUT_FILES", "LOCK_FILE", "OutDirLock", "check_out_dir", "clear_out_dir", "lock_out_dir", "prepare_out_dir",
-           "prune_checkpoints", "checkpoints_root"]
+__all__ = ["OUTPUT_FILES", "LOCK_FILE", "OutDirLock", "check_out_dir", "clear_out_dir", "flight_record_dir",
+           "lock_out_dir", "prepare_out_dir", "prune_checkpoints", "checkpoints_root"]
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ def _check_writable(out: Path) -> None:
     """TrainError unless ``out`` is (or can be created as) a directory this process may write;
     nothing is created here (a run refused later leaves no trace)."""
     if out.is_dir():
-        probe = out / f".write-probe-{uuid.uuid4().hex}"
-        try:
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise TrainError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
+        _probe(out, f"--out {out}: cannot write there")
+        root = checkpoints_root(out)  # found now, not when the first epoch's checkpoint is written
+        if root.exists() and not root.is_dir():
+            raise TrainError(f"--out {out}: {root} is a file, and the run writes its checkpoints into that directory")
+        if root.is_dir():
+            _probe(root, f"--out {out}: cannot write checkpoints into {root}")
         return
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
@@ -73,6 +73,16 @@ def _check_writable(out: Path) -> None:
         raise TrainError(f"--out {out}: {parent} is a file, so the directory cannot be created")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise TrainError(f"--out {out}: cannot create the directory: {parent} is not writable")
+
+
+def _probe(folder: Path, error: str) -> None:
+    """TrainError (``error``: the reason) unless a file can be created and removed in ``folder``."""
+    probe = folder / f".write-probe-{uuid.uuid4().hex}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise TrainError(f"{error}: {exc.strerror or exc}") from None
 
 
 def _inputs_to_keep(cfg: TrainConfig, out: Path) -> set[str]:
@@ -114,6 +124,11 @@ def check_out_dir(cfg: TrainConfig) -> None:
         _inputs_to_keep(cfg, out)
 
 
+def flight_record_dir(out: str | Path) -> Path:
+    """Where the ranks of a failed run write where they stood (runtime/flight_recorder.py)."""
+    return Path(out) / "flight_record"
+
+
 def clear_out_dir(cfg: TrainConfig) -> None:
     """With ``--overwrite``, delete the earlier run in ``--out`` (but this run's inputs); remove
     temporary files an interrupted run left. Called once the run has read its inputs."""
@@ -125,6 +140,8 @@ def clear_out_dir(cfg: TrainConfig) -> None:
         for name in OUTPUT_FILES:
             if name not in kept:
                 (out / name).unlink(missing_ok=True)
+    if flight_record_dir(out).exists():  # an earlier attempt's failure report: this run writes its own
+        shutil.rmtree(flight_record_dir(out), ignore_errors=True)
     removed = remove_temporary_files(out)
     if removed:
         log.info("removed %d temporary file(s) that an interrupted run left in %s", removed, out)

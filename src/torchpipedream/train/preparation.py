@@ -9,12 +9,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..model import profiler
 from ..model.graph import LayerGraph
 from ..plans.kinds import AUTO, schedule_kind
 from ..plans.plan import Plan, PlanError
 from ..plans.topology import Topology, parse_bytes
+from ..runtime.checkpoint import CheckpointError, saved_shapes, shape_mismatch
 from ..runtime.measure import measure_local_costs
 from ..runtime.pipeline import PRECISIONS
 from ..schedule.build import build_schedule
@@ -233,6 +235,18 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostC
         raise TrainError(str(exc)) from None
 
 
+def _check_resumed_model(directory: Any, model: nn.Module) -> None:
+    """TrainError when the checkpoint ``--resume`` found holds another model's tensors (the
+    model's code changed since it was written)."""
+    try:
+        problem = shape_mismatch(saved_shapes(directory), model)
+    except CheckpointError as exc:
+        raise TrainError(f"--resume: {exc}") from None
+    if problem:
+        raise TrainError(f"--resume: the checkpoint {directory} was written for another model: {problem}. "
+                         "Resume with the model it was written for, or start afresh with --overwrite")
+
+
 def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     """Check options, profile the model, plan (or load and check a plan) and predict its time.
 
@@ -246,6 +260,8 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     processes = cfg.resolved_workers()
     workers = processes // tensor_degree(cfg)  # the plan's; each of --tensor-parallel processes
     model = build_model(cfg)
+    if point is not None:  # found here, not by every worker after launch
+        _check_resumed_model(point.directory, model)
     x, y, _, _ = load_data(cfg)
     if measure_host:  # a local run: its workers must fit in this machine's memory
         check_workers_fit(processes, sum(p.numel() * p.element_size() for p in model.parameters()))

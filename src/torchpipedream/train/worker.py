@@ -3,12 +3,13 @@ evaluate, and hand the results to rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
@@ -17,7 +18,7 @@ from ..runtime import Pipeline
 from ..runtime.lr_schedule import LRSchedule
 from .config import TrainConfig, minibatches_per_epoch, schedule_of
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
-from .out_dir import checkpoints_root, prune_checkpoints
+from .out_dir import checkpoints_root, flight_record_dir, prune_checkpoints
 from .preparation import Prepared
 from .resume import checkpoint_dir
 
@@ -56,6 +57,29 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
                     precision=cfg.precision, measure_memory=cfg.measure_memory,
                     lr_scheduler=lr_schedule_of(cfg, per_epoch), clip_grad_norm=cfg.clip_grad_norm,
                     sample=x[: cfg.batch_size])  # for models that torch.export traces (--model gpt2)
+    with _flight_record_on_failure(pipe, cfg.out, rank):
+        return _train(rank, prep, pipe, (x, y, xt, yt), per_epoch)
+
+
+@contextlib.contextmanager
+def _flight_record_on_failure(pipe: Pipeline, out: str, rank: int) -> Iterator[None]:
+    """On any failure, write where this rank stood (its flight recorder) to
+    OUT/flight_record/rank<r>.json before the error goes up (the job names them all)."""
+    try:
+        yield
+    except BaseException as exc:
+        path = flight_record_dir(out) / f"rank{rank}.json"
+        try:
+            pipe.flight_recorder.write(path, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+        except OSError as err:
+            log.warning("rank %d: could not write its flight record to %s: %s", rank, path, err)
+        raise
+
+
+def _train(rank: int, prep: Prepared, pipe: Pipeline, data: tuple[Any, ...], per_epoch: int) -> dict[str, Any] | None:
+    """Train, evaluate and checkpoint epoch by epoch (resuming where a checkpoint says)."""
+    cfg = prep.config
+    x, y, xt, yt = data
     test = minibatches(xt, yt, 256, None, None)
     bar = _progress_bar(rank, prep, per_epoch)
     history: list[dict[str, Any]] = []

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
+import threading
+from typing import Iterator
 
 from ...plans.kinds import AUTO, KIND_NAMES
 from ...train import OPTIMIZERS, TrainConfig, TrainError
@@ -153,8 +158,34 @@ def _resume_hint(out: str) -> str:
     return f"the newest checkpoint is {found}; continue from it with --resume (and the same options)"
 
 
+class _Terminated(Exception):
+    """SIGTERM reached the `train` command while it ran workers on this computer."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run() -> Iterator[None]:
+    """In this command's own process, and only for a local run: SIGTERM stops the run as an
+    error does (launch() kills its workers on the way out) and ends in one line, where the
+    default action ended this process at once and left its workers to find the store gone,
+    each printing torch's C++ stack. Under torchrun the worker keeps the default action (its
+    main thread may be blocked in gloo, where a Python handler would not run)."""
+    if "RANK" in os.environ or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _handle(args: argparse.Namespace) -> int:
     # lazy: these import torch; the command line starts torch-free and `train` loads it when it runs
+    from ...runtime.failures import PipelineFailure
     from ...runtime.launcher import LaunchError
     from ...train.job import run
     from ...train.outputs import format_report
@@ -163,14 +194,21 @@ def _handle(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     logging.getLogger("torchpipedream").setLevel(logging.WARNING)
     try:
-        report = run(cfg)
+        with _sigterm_stops_the_run():
+            report = run(cfg)
+    except _Terminated:
+        print(f"torchpipedream train: stopped by SIGTERM; its workers were stopped.\n{_resume_hint(cfg.out)}",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     except TrainError as exc:
         if exc.quiet:  # under torchrun, rank 0 reports it
             return 2
         raise
-    except LaunchError as exc:
+    except (LaunchError, PipelineFailure) as exc:
         # A worker failed: its own error and traceback are in the message; the launcher's
-        # stack on top of it would only bury them. Checkpoints written so far are kept.
+        # stack on top of it would only bury them. Under torchrun a PipelineFailure means
+        # another rank failed (its own process prints its error), and the message names the
+        # first failure and where every rank stood. Checkpoints written so far are kept.
         print(f"torchpipedream train: training failed: {exc}\n{_resume_hint(cfg.out)}", file=sys.stderr)
         return 1
     if report:  # under torchrun only rank 0 reports
