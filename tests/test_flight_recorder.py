@@ -89,6 +89,8 @@ def test_reports_are_written_read_and_silent_ranks_named(tmp_path: Path) -> None
     text = standings_text({1: "rank 1 waited"}, 40, _describe, limit=2)
     assert text == ("rank 1 waited; no report yet from rank 0 (stage 0), rank 2 (stage 2) and 37 more "
                     "(still computing, hung, or dead)")
+    many = standings_text({r: f"rank {r} waited" for r in range(5)}, 5, _describe, limit=2)
+    assert many == "rank 0 waited; rank 1 waited; and 3 more ranks' lines (each rank's Pipeline.flight_recorder)"
 
 
 # ------------------------------------------------------------------------------- a stalled rank

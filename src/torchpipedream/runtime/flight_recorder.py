@@ -144,9 +144,11 @@ def describe_standing(standing: dict[str, Any]) -> str:
 def standings_text(stood: dict[int, str], world_size: int, describe: Callable[[int], str],
                    limit: int = 16) -> str:
     """The lines of the ranks that reported (``stood``: rank -> :func:`describe_standing`), and
-    the ranks that have not (yet): hung, dead, or still running; at most ``limit`` of those named."""
+    the ranks that have not (yet): hung, dead, or still running; at most ``limit`` of each."""
     silent = [r for r in range(world_size) if r not in stood]
-    parts = [stood[r] for r in sorted(stood)]
+    parts = [stood[r] for r in sorted(stood)[:limit]]
+    if len(stood) > limit:
+        parts.append(f"and {len(stood) - limit} more ranks' lines (each rank's Pipeline.flight_recorder)")
     if silent:
         named = ", ".join(describe(r) for r in silent[:limit]) + (f" and {len(silent) - limit} more"
                                                                   if len(silent) > limit else "")
