@@ -171,22 +171,21 @@ def write_json_atomic(path: Path, obj: Any, chunk_bytes: int = 1 << 13) -> tuple
     near a few buffers."""
     digest, size = hashlib.sha256(), 0
 
-    def chunks() -> Iterator[bytes]:
+    def encoded(text: str) -> bytes:
         nonlocal size
+        data = text.encode()
+        digest.update(data)
+        size += len(data)
+        return data
+
+    def chunks() -> Iterator[bytes]:
         buffer = io.StringIO()  # one growing text buffer, not a list of the encoder's small pieces
-        pieces = json.JSONEncoder(indent=1).iterencode(obj)
-        while True:
-            piece = next(pieces, None)
-            if piece is not None:
-                buffer.write(piece)
-            if piece is None or buffer.tell() >= chunk_bytes:
-                data = buffer.getvalue().encode()
+        for piece in json.JSONEncoder(indent=1).iterencode(obj):
+            buffer.write(piece)
+            if buffer.tell() >= chunk_bytes:
+                yield encoded(buffer.getvalue())
                 buffer = io.StringIO()
-                digest.update(data)
-                size += len(data)
-                yield data
-            if piece is None:
-                return
+        yield encoded(buffer.getvalue())
 
     write_atomic(path, chunks())
     return digest.hexdigest(), size
