@@ -37,22 +37,29 @@ def test_bracketing_needs_one_more_alone_measurement() -> None:
 
 
 def test_lockstep_measurement_charges_the_wait_for_the_slower_worker() -> None:
-    # Steps that sleep 5 or 15 ms at random (10 ms on average, no CPU): independent copies
-    # would not slow each other down at all, but with a barrier after every step the group
-    # waits for the longer of two draws, 12.5 ms on average: 1.25x one alone.
-    slowdown = measure_concurrency_slowdown(2, seconds=0.5, make_step=_jittery_step, repeats=3)
+    # Steps that sleep 5 or 15 ms (no CPU), each process in its own random order but balanced:
+    # every two consecutive steps take 20 ms, so a run alone averages 10 ms a step (to within
+    # one step at the run's ends). Independent copies would not slow each other down at all;
+    # with a barrier after every step the group waits for the longer of the two processes'
+    # steps: 12.5 ms on average (20 ms per pair when their orders agree, 30 when they differ),
+    # 1.25x one alone. Over ~50 steps the pairs' spread is ~4% per repeat, so the bounds hold
+    # with a wide margin on a loaded host too (oversleeping adds the same to both sides).
+    slowdown = measure_concurrency_slowdown(2, seconds=0.5, make_step=_balanced_jittery_step, repeats=3)
     assert 1.1 < slowdown < 1.6
     assert 1.0 <= measure_concurrency_slowdown(2, seconds=0.05, repeats=1) < math.inf  # default step
 
 
-def _jittery_step():  # a picklable step factory: spawned processes import this module
+def _balanced_jittery_step():  # a picklable step factory: spawned processes import this module
     import os
     import random
     import time
 
     rng = random.Random(os.getpid())
+    pending: list[float] = []
 
     def step() -> None:
-        time.sleep(rng.choice((0.005, 0.015)))
+        if not pending:
+            pending.extend(rng.sample((0.005, 0.015), 2))
+        time.sleep(pending.pop())
 
     return step
