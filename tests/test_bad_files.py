@@ -8,17 +8,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from torchpipedream.cli import main
 from torchpipedream.plans.plan import Plan
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _valid_files(tmp: Path) -> dict[str, Path]:
     """A graph, plan, trace and topology that the commands accept."""
@@ -105,14 +101,19 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchpipedream", *args], capture_output=True, text=True,
-                          timeout=240, cwd=REPO)
+def _run(capfd, caplog, *args: str) -> SimpleNamespace:
+    """The command in this process: its exit code, and what it and its workers wrote and logged
+    (the console's warnings are log records in this process)."""
+    capfd.readouterr()
+    caplog.clear()
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err + caplog.text)
 
 
-def test_a_pickle_payload_in_any_file_a_resume_reads_never_runs(tmp_path):
+def test_a_pickle_payload_in_any_file_a_resume_reads_never_runs(tmp_path, capfd, caplog):
     out = tmp_path / "run"
-    done = _run("train", "--model", "mlp", "--workers", "2", "--epochs", "1", "--max-minibatches", "2",
+    done = _run(capfd, caplog, "train", "--model", "mlp", "--workers", "2", "--epochs", "1", "--max-minibatches", "2",
                 "--no-progress", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     checkpoint = out / "checkpoints" / "epoch_1"
@@ -132,7 +133,7 @@ def test_a_pickle_payload_in_any_file_a_resume_reads_never_runs(tmp_path):
                 if entry["file"] == name:
                     entry["sha256"], entry["size"] = hashlib.sha256(payload).hexdigest(), len(payload)
             (checkpoint / "manifest.json").write_text(json.dumps(m))
-        resumed = _run("train", "--model", "mlp", "--workers", "2", "--epochs", "2", "--max-minibatches", "2",
+        resumed = _run(capfd, caplog, "train", "--model", "mlp", "--workers", "2", "--epochs", "2", "--max-minibatches", "2",
                        "--no-progress", "--out", str(out), "--resume")
         assert not marker.exists(), name
         assert resumed.returncode == 2, (name, resumed.stderr[-2000:])
@@ -143,7 +144,7 @@ def test_a_pickle_payload_in_any_file_a_resume_reads_never_runs(tmp_path):
     # --init and export read state files the same way.
     state_file = tmp_path / "weights.pt"
     state_file.write_bytes(payload)
-    started = _run("train", "--model", "mlp", "--workers", "1", "--epochs", "1", "--init", str(state_file),
+    started = _run(capfd, caplog, "train", "--model", "mlp", "--workers", "1", "--epochs", "1", "--init", str(state_file),
                    "--no-progress", "--out", str(tmp_path / "other"))
     assert started.returncode == 2 and "weights.pt" in started.stderr and not marker.exists(), started.stderr[-2000:]
 

@@ -164,21 +164,19 @@ def test_evaluation_of_an_exported_model_uses_its_evaluation_graph():
         assert abs(model(**batches[2]).loss.item() - want) > 1e-4  # training mode would differ
 
 
-def test_train_and_verify_commands_take_gpt2(tmp_path):
+def test_train_and_verify_commands_take_gpt2(tmp_path, capfd):
     import json
-    import subprocess
-    import sys
+
+    from torchpipedream.cli import main
 
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "torchpipedream", "train", "--model", "gpt2", "--workers", "2",
-                           "--epochs", "1", "--max-minibatches", "4", "--straight", "--no-progress", "--out",
-                           str(out)], capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
+    capfd.readouterr()
+    assert main(["train", "--model", "gpt2", "--workers", "2", "--epochs", "1", "--max-minibatches", "4",
+                 "--straight", "--no-progress", "--out", str(out)]) == 0, capfd.readouterr().err[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["shared_parameters"][0]["name"] == "model.transformer.wte.weight"
-    assert "shared" in done.stdout
-    checked = subprocess.run([sys.executable, "-m", "torchpipedream", "verify", "--model", "mlp", "--schedule",
-                              "flush,pipedream", "--minibatches", "2", "--straight"],
-                             capture_output=True, text=True, timeout=280)
-    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-3000:]
-    assert checked.stdout.count(": OK") == 2
+    assert "shared" in capfd.readouterr().out
+    code = main(["verify", "--model", "mlp", "--schedule", "flush,pipedream", "--minibatches", "2", "--straight"])
+    checked = capfd.readouterr()
+    assert code == 0, checked.out[-2000:] + checked.err[-3000:]
+    assert checked.out.count(": OK") == 2

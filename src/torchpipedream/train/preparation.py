@@ -4,7 +4,9 @@ checked) and its time predicted."""
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -195,21 +197,28 @@ def _topology(cfg: TrainConfig, workers: int, check: bool = True) -> Any:
     return topo
 
 
+#: How long one process reuses a host-cost measurement of the same plan shape (seconds)
+HOST_COSTS_REUSE_S = 600.0
+_host_costs_measured: dict[Any, tuple[float, dict[str, Any]]] = {}  # key -> (when measured, costs)
+
+
 class _HostCosts:
     """This host's measured costs of a plan's local run (``runtime.measure.measure_local_costs``,
     a few seconds of spawned processes), measured once per plan shape and microbatch count:
-    candidates of one shape (flush and gpipe, often) and the chosen plan share a measurement."""
-
-    def __init__(self) -> None:
-        self._measured: dict[Any, dict[str, Any]] = {}
+    candidates of one shape (flush and gpipe, often) and the chosen plan share a measurement,
+    and so do the runs one process starts within ``HOST_COSTS_REUSE_S`` (a notebook or a
+    script that trains several times; the host's per-message cost moves with its load, slowly
+    beside that)."""
 
     def __call__(self, plan: Plan, m: int) -> dict[str, Any]:
         if plan.num_workers < 2:
             return {}
         key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
-        if key not in self._measured:
-            self._measured[key] = measure_local_costs(plan, m)
-        return self._measured[key]
+        when, costs = _host_costs_measured.get(key, (-math.inf, {}))
+        if time.monotonic() - when > HOST_COSTS_REUSE_S:
+            costs = measure_local_costs(plan, m)
+            _host_costs_measured[key] = (time.monotonic(), costs)
+        return dict(costs)
 
 
 def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostCosts | None) -> Plan:
