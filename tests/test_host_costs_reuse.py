@@ -18,7 +18,7 @@ def test_a_shape_is_measured_once_per_reuse_window_and_a_new_shape_at_once(monke
         return {"message_overhead_s": 1e-4 * len(calls)}
 
     monkeypatch.setattr(preparation, "measure_local_costs", measure)
-    monkeypatch.setattr(preparation.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(preparation, "monotonic", lambda: clock[0])
     monkeypatch.setattr(preparation, "_host_costs_measured", {})
     two = Plan.straight([["a"], ["b"]], schedule="flush", batch_size=8, microbatches=2)
     one = Plan.straight([["a", "b"]], schedule="flush", batch_size=8, microbatches=2)

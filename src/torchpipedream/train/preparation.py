@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, field
+from time import monotonic
 from typing import Any
 
 import torch
@@ -215,9 +215,9 @@ class _HostCosts:
             return {}
         key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
         when, costs = _host_costs_measured.get(key, (-math.inf, {}))
-        if time.monotonic() - when > HOST_COSTS_REUSE_S:
+        if monotonic() - when > HOST_COSTS_REUSE_S:
             costs = measure_local_costs(plan, m)
-            _host_costs_measured[key] = (time.monotonic(), costs)
+            _host_costs_measured[key] = (monotonic(), costs)
         return dict(costs)
 
 
