@@ -66,7 +66,7 @@ def one_run(commit: str, folder: Path) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     run["pytest_summary"] = lines[-1].strip("= ") if lines else ""
     if "warnings summary" in proc.stdout:  # what the suite warned about, for the next reader
-        run["warnings"] = proc.stdout.split("warnings summary", 1)[1][-4000:]
+        run["warnings"] = proc.stdout.split("warnings summary", 1)[1][:4000]
     if report.is_file():
         run.update(junit_summary(report))
     return run

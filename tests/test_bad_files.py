@@ -111,6 +111,8 @@ def _run(capfd, caplog, *args: str) -> SimpleNamespace:
     return SimpleNamespace(returncode=code, stdout=out, stderr=err + caplog.text)
 
 
+# torch's weights-only loader warns about the payload's pickle protocol before refusing it
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 def test_a_pickle_payload_in_any_file_a_resume_reads_never_runs(tmp_path, capfd, caplog):
     out = tmp_path / "run"
     done = _run(capfd, caplog, "train", "--model", "mlp", "--workers", "2", "--epochs", "1", "--max-minibatches", "2",
