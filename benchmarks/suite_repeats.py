@@ -26,10 +26,10 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
+from table_format import Data, Table, print_and_write, table, write_json
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "suite_repeats.json"
-
-from table_format import Data, Table, print_and_write, table, write_json  # noqa: E402
 
 
 def junit_summary(path: Path) -> dict:

@@ -23,13 +23,13 @@ def test_a_shape_is_measured_once_per_reuse_window_and_a_new_shape_at_once(monke
     two = Plan.straight([["a"], ["b"]], schedule="flush", batch_size=8, microbatches=2)
     one = Plan.straight([["a", "b"]], schedule="flush", batch_size=8, microbatches=2)
 
-    first = preparation._HostCosts()(two, 2)
+    first = preparation.measured_host_costs(two, 2)
     clock[0] += preparation.HOST_COSTS_REUSE_S - 1  # a later run of the same process, in the window
-    assert preparation._HostCosts()(two, 2) == first == {"message_overhead_s": pytest.approx(1e-4)}
+    assert preparation.measured_host_costs(two, 2) == first == {"message_overhead_s": pytest.approx(1e-4)}
     assert calls == [(2, 2)]
-    preparation._HostCosts()(two, 4)  # another microbatch count: another message size
+    preparation.measured_host_costs(two, 4)  # another microbatch count: another message size
     assert calls == [(2, 2), (2, 4)]
-    assert preparation._HostCosts()(one, 2) == {} and len(calls) == 2  # one worker sends nothing
+    assert preparation.measured_host_costs(one, 2) == {} and len(calls) == 2  # one worker sends nothing
     clock[0] += 2  # the first measurement is now older than the window
-    assert preparation._HostCosts()(two, 2) == {"message_overhead_s": pytest.approx(3e-4)}
+    assert preparation.measured_host_costs(two, 2) == {"message_overhead_s": pytest.approx(3e-4)}
     assert calls == [(2, 2), (2, 4), (2, 2)]

@@ -4,11 +4,10 @@ checked) and its time predicted."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from time import monotonic
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -202,26 +201,24 @@ HOST_COSTS_REUSE_S = 600.0
 _host_costs_measured: dict[Any, tuple[float, dict[str, Any]]] = {}  # key -> (when measured, costs)
 
 
-class _HostCosts:
+def measured_host_costs(plan: Plan, m: int) -> dict[str, Any]:
     """This host's measured costs of a plan's local run (``runtime.measure.measure_local_costs``,
     a few seconds of spawned processes), measured once per plan shape and microbatch count:
     candidates of one shape (flush and gpipe, often) and the chosen plan share a measurement,
     and so do the runs one process starts within ``HOST_COSTS_REUSE_S`` (a notebook or a
     script that trains several times; the host's per-message cost moves with its load, slowly
     beside that)."""
-
-    def __call__(self, plan: Plan, m: int) -> dict[str, Any]:
-        if plan.num_workers < 2:
-            return {}
-        key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
-        when, costs = _host_costs_measured.get(key, (-math.inf, {}))
-        if monotonic() - when > HOST_COSTS_REUSE_S:
-            costs = measure_local_costs(plan, m)
-            _host_costs_measured[key] = (monotonic(), costs)
-        return dict(costs)
+    if plan.num_workers < 2:
+        return {}
+    key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
+    cached = _host_costs_measured.get(key)
+    if cached is None or monotonic() - cached[0] > HOST_COSTS_REUSE_S:
+        cached = _host_costs_measured[key] = (monotonic(), measure_local_costs(plan, m))
+    return dict(cached[1])
 
 
-def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int, host_costs: _HostCosts | None) -> Plan:
+def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int,
+               host_costs: Callable[[Plan, int], dict[str, Any]] | None) -> Plan:
     """``--schedule auto``: the fastest predicted kind and microbatch count (search/auto.py),
     each candidate planned from a profile at its own microbatch size, and on this machine's
     workers priced with its measured host costs (as the run's own prediction is). A local run
@@ -288,7 +285,7 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
                     optimizer=optimizer_factory(cfg), microbatches=microbatches, num_threads=threads)
         return profiles[(microbatches, threads)]
 
-    host_costs = _HostCosts() if measure_host and not cfg.topology else None  # a local run on this host
+    host_costs = measured_host_costs if measure_host and not cfg.topology else None  # a local run on this host
     saved = point.plan if point is not None and not point.replan else None
     if cfg.schedule == AUTO and saved is None and not cfg.plan_file:
         plan = _auto_plan(cfg, profiled, workers, host_costs)
