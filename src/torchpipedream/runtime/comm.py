@@ -26,6 +26,14 @@ direction uses its own tags, so prefetching on one never steals a message of ano
   per activation that requires grad); it posts the ``irecv`` as soon as it has sent the
   activations, in the order of its own ``RG`` actions.
 
+**Wire device and compute device.** Messages travel on the *wire device*, received tensors
+live on the *compute device* (``P2P(device=, wire_device=)``). They are one device on the CPU
+and with NCCL; gloo's send and receive move host memory only (a CUDA tensor's raw device
+pointer handed to a socket crashes the process, so :func:`post_send` and :func:`post_recv`
+refuse one by name), so a CUDA rank on a gloo group packs its activations into a host buffer
+and moves what it receives to its GPU (one copy per message, before the activations are made
+leaves that require grad), gradients likewise.
+
 Messages are named by a *key*: the microbatch id, or (stage, microbatch) where a rank holds
 several stages (virtual stages) and one channel carries the messages of more than one; the
 expected size is then kept per stage of the channel (``_channel``).
@@ -231,7 +239,8 @@ def _read_words(buf: torch.Tensor, start: int, count: int) -> list[int]:
 
 def pack(samples: int, tensors: list[Any], passengers: list[Any], device: torch.device) -> torch.Tensor:
     """One activation message: header words then the tensors' bytes at aligned offsets (nested
-    values flattened: :func:`flatten_message`)."""
+    values flattened: :func:`flatten_message`), in a buffer on ``device`` (the wire device: the
+    tensors are copied there from wherever they live, e.g. from a GPU into host memory)."""
     tensors, passengers = flatten_message(tensors, passengers)
     words = encode_header(samples, tensors, passengers)
     values = [v for v in list(tensors) + list(passengers)]
@@ -250,10 +259,15 @@ def pack(samples: int, tensors: list[Any], passengers: list[Any], device: torch.
     return buf
 
 
-def unpack(buf: torch.Tensor) -> tuple[int, list[Any], list[Any], list[TensorMeta]]:
+def unpack(buf: torch.Tensor, device: torch.device | None = None) -> tuple[int, list[Any], list[Any], list[TensorMeta]]:
     """Inverse of :func:`pack`: (samples, activations, passengers, metas of the leaves); tensors
     are views of ``buf``, those the sender's required grad require grad (leaves of the
-    receiving stage's graph), nested values rebuilt."""
+    receiving stage's graph), nested values rebuilt.
+
+    ``device``: the compute device, where it is not ``buf``'s (None: the same). The payload
+    then moves there in one copy *before* the tensors are made to require grad, so that each
+    is a leaf on that device (a ``.to`` after ``requires_grad_`` would give a non-leaf whose
+    ``.grad`` stays None)."""
     kind, nwords = _read_words(buf, 0, 2)
     if kind != _KIND_DATA:
         raise CommError(f"corrupt activation message (kind {kind}); are both ranks running the same schedule?")
@@ -261,6 +275,7 @@ def unpack(buf: torch.Tensor) -> tuple[int, list[Any], list[Any], list[TensorMet
     samples, act, passengers = decode_header(words)
     metas = act + passengers
     offset = _align(8 * (2 + nwords))
+    data = buf if device is None else buf.to(device)
     values: list[Any] = []
     for m in metas:
         if not m.is_tensor:
@@ -270,7 +285,7 @@ def unpack(buf: torch.Tensor) -> tuple[int, list[Any], list[Any], list[TensorMet
         for d in m.shape:
             numel *= d
         n = numel * m.dtype.itemsize
-        values.append(buf[offset: offset + n].view(m.dtype).view(m.shape).requires_grad_(m.requires_grad))
+        values.append(data[offset: offset + n].view(m.dtype).view(m.shape).requires_grad_(m.requires_grad))
         offset = _align(offset + n)
     acts, passengers = unflatten_message(values[: len(act)], values[len(act):])
     return samples, acts, passengers, metas
@@ -312,15 +327,29 @@ def _named(key: Any) -> str:
     return f"microbatch {key[1]} of stage {key[0]}" if isinstance(key, tuple) else f"microbatch {key}"
 
 
+def _refuse_off_host(tensor: torch.Tensor, what: str) -> None:
+    """CommError for a tensor that is not in host memory on a gloo group: gloo's send and
+    receive hand the tensor's data pointer to a socket, so a GPU tensor would crash the
+    process (``P2P``'s wire device keeps them on the host)."""
+    if dist.get_backend() == "gloo":
+        raise CommError(f"cannot {what} a tensor on {tensor.device} with gloo: its point-to-point transfers "
+                        "move host memory only (stage the message through a CPU tensor: P2P's wire_device)")
+
+
 def post_send(tensor: torch.Tensor, dst: int, tag: int) -> Any:
     """``isend`` on the default process group, straight to the group object: the
     ``dist.isend`` wrapper's checks cost 15-20 µs per call (measured with gloo), paid on the
-    critical path of every message. ``dst`` is a global rank (the default group's ranks)."""
+    critical path of every message. ``dst`` is a global rank (the default group's ranks).
+    A tensor off the host on a gloo group is refused (CommError) instead of crashing."""
+    if not tensor.is_cpu:
+        _refuse_off_host(tensor, "send")
     return dist.group.WORLD.send([tensor], dst, tag)
 
 
 def post_recv(tensor: torch.Tensor, src: int, tag: int) -> Any:
     """``irecv`` on the default process group (see :func:`post_send`)."""
+    if not tensor.is_cpu:
+        _refuse_off_host(tensor, "receive into")
     return dist.group.WORLD.recv([tensor], src, tag)
 
 
@@ -333,7 +362,10 @@ class P2P:
         act_order: peer -> keys (microbatch ids, or (stage, microbatch)) of this rank's ``RA``
             actions from that peer, in order.
         grad_order: peer -> keys of this rank's ``RG`` actions from that peer, in order.
-        device: where received tensors live (cpu for gloo, cuda for nccl).
+        device: the compute device: where received activations and gradients must live.
+        wire_device: where messages travel (None: ``device``): cpu with gloo, whose transfers
+            move host memory only; the compute device with NCCL. Where they differ, sends are
+            copied to the wire device and receives moved to ``device`` (``devices.wire_device``).
         timeout_s: deadline of every blocking wait.
         sizes: expected message size per channel, kept by the caller across schedules so a
             shape is negotiated once, not once per schedule (updated in place).
@@ -356,6 +388,7 @@ class P2P:
         max_sends: int | None = None,
         drain_at_update: bool = False,
         global_rank: Callable[[int], int] | None = None,
+        wire_device: torch.device | None = None,
     ) -> None:
         self.rank = rank
         self._global = global_rank or (lambda peer: peer)
@@ -363,6 +396,9 @@ class P2P:
         self.drain_at_update = drain_at_update
         self.describe = describe
         self.device = device
+        self.wire_device = device if wire_device is None else torch.device(wire_device)
+        # messages change device on the way (compute device: None when it is the wire's)
+        self._to_compute = None if self.wire_device == torch.device(device) else torch.device(device)
         self.timeout_s = float(timeout_s)
         self._act_queue = {p: collections.deque(ids) for p, ids in act_order.items()}
         self._grad_queue = {p: collections.deque(ids) for p, ids in grad_order.items()}
@@ -427,7 +463,7 @@ class P2P:
             while queue and queue[0] in self._grad_meta:
                 microbatch = queue.popleft()
                 metas = self._grad_meta.pop(microbatch)
-                tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+                tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.wire_device) for m in metas]
                 works = [post_recv(t, self._global(peer), _TAG_GRAD) for t in tensors]
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
                 self._grad_posted[peer].append(_GradRecv(microbatch, works, tensors, nbytes))
@@ -445,13 +481,13 @@ class P2P:
             rec.checked = True
             return False
         self._sizes[("recv", *_channel(peer, rec.microbatch))] = value
-        buf = torch.empty(value, dtype=torch.uint8, device=self.device)
+        buf = torch.empty(value, dtype=torch.uint8, device=self.wire_device)
         posted[0] = _ActRecv(rec.microbatch, buf, post_recv(buf, self._global(peer), _TAG_ACT))
         return True
 
     def _post_act(self, peer: int, microbatch: Any) -> None:
         size = self._sizes.get(("recv", *_channel(peer, microbatch)), INITIAL_BYTES)
-        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        buf = torch.empty(size, dtype=torch.uint8, device=self.wire_device)
         self._act_posted[peer].append(_ActRecv(microbatch, buf, post_recv(buf, self._global(peer), _TAG_ACT)))
 
     # ------------------------------------------------------------------ activations
@@ -462,13 +498,13 @@ class P2P:
         posted right away.
         """
         try:
-            buf = pack(samples, tensors, passengers, self.device)
+            buf = pack(samples, tensors, passengers, self.wire_device)
         except CommError as exc:
             raise CommError(f"{self.describe(self.rank)} -> {self.describe(peer)}: {exc}") from None
         channel = ("send", *_channel(peer, microbatch))
         expected = self._sizes.get(channel, INITIAL_BYTES)
         if buf.numel() != expected:
-            note = _resize_message(expected, buf.numel(), self.device)
+            note = _resize_message(expected, buf.numel(), self.wire_device)
             self._sends.append((post_send(note, self._global(peer), _TAG_ACT), note, "a shape message", peer))
             self._sizes[channel] = buf.numel()
             self.resizes += 1
@@ -501,20 +537,25 @@ class P2P:
                 break
         posted.popleft()
         self.pump()  # prefetch: post the next message of this channel now
-        samples, acts, passengers, _ = unpack(rec.buf)
+        samples, acts, passengers, _ = unpack(rec.buf, self._to_compute)
         return samples, acts, passengers, int(rec.buf.numel())
 
     # ------------------------------------------------------------------ gradients
     def send_grads(self, peer: int, microbatch: Any, grads: list[torch.Tensor]) -> int:
+        """Send the gradients of microbatch ``microbatch``'s received activations to ``peer``
+        (copies on the wire device where it is not the compute device); returns bytes."""
         nbytes = 0
         for g in grads:
             data = g.detach().contiguous()
+            if self._to_compute is not None:
+                data = data.to(self.wire_device)
             self._sends.append((post_send(data, self._global(peer), _TAG_GRAD), data, f"gradients of {_named(microbatch)}", peer))
             nbytes += data.numel() * data.element_size()
         return nbytes
 
     def recv_grads(self, peer: int, microbatch: Any) -> tuple[list[torch.Tensor], int]:
-        """Block until the gradients of microbatch ``microbatch``'s activations arrive from ``peer``."""
+        """Block until the gradients of microbatch ``microbatch``'s activations arrive from ``peer``;
+        returns them on the compute device, and their bytes."""
         self.pump()
         posted = self._grad_posted.get(peer)
         if not posted:
@@ -531,6 +572,8 @@ class P2P:
         for w in rec.works:
             self._wait(w, f"the gradients of {_named(microbatch)}", peer)
         posted.popleft()
+        if self._to_compute is not None:
+            return [t.to(self._to_compute) for t in rec.tensors], rec.nbytes
         return rec.tensors, rec.nbytes
 
     # ------------------------------------------------------------------ end

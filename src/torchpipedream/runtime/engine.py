@@ -15,7 +15,8 @@ consumes it has run.
 A recomputing stage (``Stage.recompute``) runs its training forwards under
 ``torch.utils.checkpoint`` (non-reentrant): the graph keeps the stage's inputs only, and the
 backward runs the forward again, with the same weight version (the stash lives until B, as
-without recomputation) and the same random numbers, before differentiating it. Buffers the
+without recomputation) and the same random numbers (reseeded as the first run was), before
+differentiating it. Buffers the
 forward updates (BatchNorm's running statistics) are restored after every second run of a
 forward, so they move once per microbatch, as without recomputation.
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from ..schedule.actions import Action, Kind, message_key, split_backwards
 from ..sim.trace import Event
 from . import liveness
+from .action_clock import ActionClock
 from .buffers import ReplicaBuffers
 from .clipping import GradientClipper
 from .comm import P2P
@@ -421,11 +422,13 @@ class Engine:
                 for b, value in saved:
                     b.copy_(value)
 
-    def _run_recomputable(self, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...],
+    def _run_recomputable(self, microbatch: int, version: int, inputs: tuple[Any, ...], targets: tuple[Any, ...],
                           tied_versions: dict[int, int]) -> tuple[Any, torch.Tensor | None]:
-        """``_run_module`` under a non-reentrant checkpoint: autograd keeps the inputs only and
-        runs the forward again when the backward reaches it (random state restored by the
-        checkpoint, buffers by ``_buffers_kept``)."""
+        """``_run_module`` of ``microbatch`` under a non-reentrant checkpoint: autograd keeps the
+        inputs only and runs the forward again when the backward reaches it, reseeded as the first
+        run was (``_seeded``: the same random numbers on any device, where the checkpoint's own
+        ``preserve_rng_state`` restores the CUDA generators of its tensor arguments' devices only),
+        buffers restored by ``_buffers_kept``. The caller runs the first run under ``_seeded``."""
         runs = 0
 
         def forward(*xs: Any) -> tuple[Any, torch.Tensor | None]:
@@ -433,10 +436,10 @@ class Engine:
             runs += 1
             if runs == 1:
                 return self._run_module(version, xs, targets, tied_versions)
-            with self._buffers_kept():
+            with self._seeded(microbatch, True), self._buffers_kept():
                 return self._run_module(version, xs, targets, tied_versions)
 
-        return checkpoint(forward, *inputs, use_reentrant=False, preserve_rng_state=self.draws_random)
+        return checkpoint(forward, *inputs, use_reentrant=False, preserve_rng_state=False)
 
     @contextlib.contextmanager
     def _seeded(self, microbatch: int, train: bool) -> Iterator[None]:
@@ -455,9 +458,11 @@ class Engine:
         inputs, targets, samples, leaves = self._inputs(microbatch, get_microbatch)
         # A shared parameter's version is the number of its steps (TR) so far (actions.py).
         tied = {k: copy.weights.version for k, copy in self.tied.items()}
-        run = self._run_recomputable if train and self.recompute and not self.eval_graph else self._run_module
         with torch.set_grad_enabled(train), self._seeded(microbatch, train):
-            out, loss = run(version, inputs, targets, tied)
+            if train and self.recompute and not self.eval_graph:
+                out, loss = self._run_recomputable(microbatch, version, inputs, targets, tied)
+            else:
+                out, loss = self._run_module(version, inputs, targets, tied)
         if train:
             self.weights.release(version)
             for k, copy in self.tied.items():
@@ -574,8 +579,9 @@ def run_actions(
     them (peer = this rank) is a hand-over in memory; its receive only checks that it came.
     ``get_microbatch(i)`` gives (inputs, targets, samples) of microbatch ``i`` (the first
     stage's rank); ``version_base`` is the number of updates before this schedule (schedule
-    versions are relative to its start); times are relative to ``t0``. ``recorder`` notes each
-    action as it starts and ends (where the rank stood, should the run fail).
+    versions are relative to its start); times are relative to ``t0``, timed where the engines'
+    device computes (``action_clock.py``). ``recorder`` notes each action as it starts and ends
+    (where the rank stood, should the run fail).
     Returns the last stage's per-microbatch results and one event per action."""
     any_engine = next(iter(engines.values()))
     rank = any_engine.rank
@@ -583,18 +589,21 @@ def run_actions(
     for stage, engine in engines.items():
         engine.begin([a for a in actions if a.stage == stage], train)
     results: dict[int, MicrobatchResult] = {}
-    events: list[Event] = []
+    clock = ActionClock(any_engine.device, t0)
+    mark = clock.mark
+    done: list[tuple[Action, int, int, int | None]] = []  # (action, replica, bytes, version)
+    marks: list[Any] = []  # start and end of each action in ``done``
     for action in actions:
         engine = engines[action.stage]
         recorder.start(action)
-        start = time.perf_counter()
+        marks.append(mark())
         if action.kind.is_transfer and action.peer == rank:
             nbytes, version = 0, None
             if action.kind.is_send:
                 engine.hand_over(action, engines[action.stage + (1 if action.kind is Kind.SEND_ACT else -1)])
         else:
             nbytes, version = engine.execute(action, comm, get_microbatch, train, version_base, results)
-        end = time.perf_counter()
+        marks.append(mark())
         liveness.mark()
         recorder.finish()
         if comm is not None:
@@ -602,14 +611,14 @@ def run_actions(
                 with recorder.phase("waiting for its sends to complete before the next minibatch"):
                     comm.drain()
             comm.pump()  # post the receives that became possible (outside the timed action)
-        events.append(Event(
-            rank=rank, stage=action.stage, kind=action.kind.value, id=action.id,
-            start_s=start - t0, end_s=end - t0, bytes=nbytes, action=str(action),
-            replica=engine.replica, version=version,
-        ))
+        done.append((action, engine.replica, nbytes, version))
     if comm is not None:
         with recorder.phase("waiting for its last sends of the schedule to complete"):
             comm.finish()
+    times = clock.seconds(marks)
+    events = [Event(rank=rank, stage=action.stage, kind=action.kind.value, id=action.id, start_s=times[2 * i],
+                    end_s=times[2 * i + 1], bytes=nbytes, action=str(action), replica=replica, version=version)
+              for i, (action, replica, nbytes, version) in enumerate(done)]
     leftover = sorted({what for engine in engines.values() for what in engine.leftovers()})
     if leftover and train:
         log.warning("rank %d: schedule ended with %s still held", rank, ", ".join(leftover))

@@ -60,6 +60,7 @@ import torch.multiprocessing as mp
 
 from ..host.tuning import tune_own_process
 from . import liveness
+from .devices import default_backend
 
 __all__ = ["launch", "LaunchError", "free_port", "init_from_env", "loopback_interface", "without_cpp_frames"]
 
@@ -154,7 +155,7 @@ def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, tim
     liveness.attach(marks, rank)  # started
     torch.set_num_threads(threads)
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank)  # default_backend chose nccl: a GPU for each worker
     _join_group(rank, nprocs, port, backend, *timeouts)
     try:
         try:
@@ -282,7 +283,9 @@ def launch(
     Args:
         fn: a picklable (module-level) function.
         nprocs: number of worker processes.
-        backend: "gloo" or "nccl" (default: nccl if there is a GPU per worker, else gloo).
+        backend: "gloo" or "nccl" (default: ``devices.default_backend``: nccl when CUDA and NCCL are
+            available and there is a GPU per worker, else gloo; with gloo and a GPU the workers
+            still compute on it, their messages staged through host memory).
         timeout_s: a wall-clock limit on the whole run (default: none); the workers are killed
             after it.
         stall_timeout_s: stop the run when no worker has marked progress (``liveness.py``:
@@ -312,7 +315,7 @@ def launch(
     _check_launch_arguments(nprocs, timeout_s=timeout_s, stall_timeout_s=stall_timeout_s,
                             comm_timeout_s=comm_timeout_s, startup_timeout_s=startup_timeout_s)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
+        backend = default_backend(nprocs)
     payload = _pickled(fn, args)
     store, port = _loopback_store(nprocs, comm_timeout_s)
     marks = mp.get_context("spawn").Array("d", nprocs, lock=False)  # 0.0 until a worker starts

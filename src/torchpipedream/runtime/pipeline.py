@@ -64,6 +64,7 @@ from .buffers import ReplicaBuffers
 from .checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
 from .clipping import GradientClipper, NormPart, check_max_norm
 from .comm import P2P
+from .devices import default_backend, default_device, ranks_per_node, wire_device
 from .engine import Engine, EngineConfig, MicrobatchResult, TiedCopy, as_tuple, run_actions
 from .failures import FailureBoard, PipelineFailure, close_connections, is_comm_failure, new_store_prefix
 from .flight_recorder import FlightRecorder, standings_text
@@ -124,10 +125,6 @@ def outstanding_sends(actions: Sequence[Action]) -> int:
             live -= 1
         most = max(most, live)
     return max(1, most) if any(a.kind == Kind.BACKWARD for a in actions) else 2
-
-
-def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def _check_arguments(optimizer: Any, loss_reduction: str, precision: str) -> None:
@@ -196,7 +193,9 @@ class Pipeline:
             the failure board in the process group's store, closing connections): when a
             peer dies, every rank raises within a few of these per pipeline hop, typically
             milliseconds (see ``runtime/failures.py``).
-        device: this rank's device (default: cuda:LOCAL_RANK with NCCL, else cpu).
+        device: this rank's compute device (default: ``cuda:(LOCAL_RANK % device_count)`` wherever
+            CUDA is available, whatever the backend, else cpu; see ``runtime/devices.py``). With
+            gloo a CUDA rank's messages travel through host memory (gloo moves CPU tensors only).
         seed: the seed of the random numbers the stages draw in training (dropout): each
             microbatch's forward draws from a generator seeded by (seed, stage, microbatch), so
             replicas draw different masks, a run is reproducible, and the caller's global random
@@ -353,11 +352,9 @@ class Pipeline:
                                 "stages) yet: use precision='bf16'")
 
     def _choose_device(self, device: torch.device | str | None, tune_allocator: bool) -> None:
-        """This rank's device (cuda:LOCAL_RANK with NCCL, else cpu, unless given) and allocator."""
-        if device is None:
-            backend = dist.get_backend() if self.distributed else "gloo"
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if backend == "nccl" else "cpu"
-        self.device = torch.device(device)
+        """This rank's device (unless given: ``devices.default_device``, a GPU wherever there is
+        one) and allocator."""
+        self.device = torch.device(device) if device is not None else default_device()
         if tune_allocator:  # every microbatch re-allocates the same buffers: reuse them (host/freed_memory.py)
             keep_freed_memory()
         if self.device.type == "cuda":
@@ -656,7 +653,7 @@ class Pipeline:
         if dist.is_available() and dist.is_initialized():
             return True
         if all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
-            init_from_env(_default_backend(), self.timeout_s)
+            init_from_env(default_backend(ranks_per_node(int(os.environ["WORLD_SIZE"]))), self.timeout_s)
             return True
         if workers == 1:
             return False
@@ -975,7 +972,8 @@ class Pipeline:
             counterpart = self._counterpart
             comm = P2P(self.worker, lambda w: self._describe(counterpart[w]), act_order, grad_order, self.device,
                        self.timeout_s, sizes=self._message_sizes, max_sends=outstanding_sends(actions),
-                       drain_at_update=not schedule_kind(sched.kind).asynchronous, global_rank=counterpart.__getitem__)
+                       drain_at_update=not schedule_kind(sched.kind).asynchronous, global_rank=counterpart.__getitem__,
+                       wire_device=wire_device(dist.get_backend(), self.device))
             with self.flight_recorder.phase("the barrier at the start of the schedule"):
                 self.agreement.barrier("the start of the schedule")  # type: ignore[union-attr]
         source = self._microbatch_source(batches, m) if (0 in self.engines and batches is not None) else None

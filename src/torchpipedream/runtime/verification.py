@@ -130,6 +130,8 @@ class _Job:
     prefixes: list[int]  # run each plan on batches[:k] for each k
     lr_scheduler: Any = None  # as Pipeline(lr_scheduler=): a picklable factory or an LRSchedule
     clip_grad_norm: float | None = None
+    device: str = "cpu"  # where both sides compute (the workers' Pipeline(device=) and the reference)
+    precision: str = "fp32"  # "fp32" or "bf16": both sides' forwards under the same autocast
 
 
 def _worker(rank: int, job: _Job) -> list[dict[int, dict[str, Any]]]:
@@ -141,9 +143,9 @@ def _worker(rank: int, job: _Job) -> list[dict[int, dict[str, Any]]]:
             inputs = job.batches[0] if job.loss_fn is None else job.batches[0][0]
             pipe = Pipeline(job.model(), plan, job.optimizer, loss_fn=job.loss_fn, loss_reduction=job.loss_reduction,
                             timeout_s=job.timeout_s, sample=inputs, lr_scheduler=job.lr_scheduler,
-                            clip_grad_norm=job.clip_grad_norm)
+                            clip_grad_norm=job.clip_grad_norm, device=job.device, precision=job.precision)
             pipe.train_minibatches(job.batches[:k])
-            state = pipe.stage_state_dict()
+            state = {name: value.cpu() for name, value in pipe.stage_state_dict().items()}  # pickled to the parent
             runs[k] = {"stage": pipe.stage, "replica": pipe.replica, "state": state,
                        "tied": {pipe.plan.tied[i].name: state[pipe.tied[i].weights.names[0]] for i in pipe.tied}}
         out.append(runs)
@@ -191,8 +193,14 @@ def _reference(job: _Job, plan: Plan, version_of: Callable[[str, int], int]) -> 
         torch.set_num_threads(threads)
 
 
+def _on(device: torch.device, value: Any) -> Any:
+    """``value`` with every tensor in it moved to ``device``."""
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+
+
 def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], int]) -> list[dict[str, torch.Tensor]]:
-    module = job.model()
+    device = torch.device(job.device)
+    module = job.model().to(device)
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     live = dict(module.named_parameters())
     optimizer = job.optimizer([(n, live[n]) for n in names])  # named, as the pipeline gives them
@@ -201,7 +209,7 @@ def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], in
     history = [{n: live[n].detach().clone() for n in names}]
     states = []
     m = plan.microbatches if schedule_kind(plan.schedule).microbatched else 1
-    for t, batch in enumerate(job.batches):
+    for t, batch in enumerate(_on(device, job.batches)):
         inputs, targets = (batch, ()) if job.loss_fn is None else (batch[0], tuple(batch[1]) if isinstance(
             batch[1], (tuple, list)) else (batch[1],))
         params = {n: history[max(0, version_of(n, t))][n].clone().requires_grad_(True) for n in names}
@@ -209,8 +217,10 @@ def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], in
         total = sum(n for _, _, n in parts)
         loss = 0.0
         for x, y, n in parts:
-            out = _call(module, params, x)
-            value = model_loss(out) if job.loss_fn is None else job.loss_fn(out, *y)
+            # the pipeline runs each microbatch's forward and loss under the same autocast
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.precision == "bf16"):
+                out = _call(module, params, x)
+                value = model_loss(out) if job.loss_fn is None else job.loss_fn(out, *y)
             loss = loss + (value * n / total if job.loss_reduction == "mean" else value)
         grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
         for n, g in zip(names, grads):
@@ -222,7 +232,7 @@ def _reference_states(job: _Job, plan: Plan, version_of: Callable[[str, int], in
         if scheduler is not None:
             scheduler.step()
         history.append({n: live[n].detach().clone() for n in names})
-        states.append({k: v.detach().clone() for k, v in module.state_dict().items()})
+        states.append({k: v.detach().cpu().clone() for k, v in module.state_dict().items()})
     return states
 
 
@@ -351,19 +361,36 @@ def _check_arguments(plans: list[Plan], batches: list[Any], atol: float, rtol: f
                               f"made for it (torchpipedream verify --schedule {plan.schedule}, alone)") from None
 
 
+def _check_device(device: str | torch.device, precision: str) -> None:
+    """Refuse a device this process cannot compute on, or a precision the reference has no rule for."""
+    if precision not in ("fp32", "bf16"):
+        raise VerifyError(f"verify's reference covers precision 'fp32' and 'bf16', not {precision!r} (fp16's "
+                          "dynamic loss scaling skips updates the reference would have to replay)")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise VerifyError(f"device {device!r} is not a device: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise VerifyError(f"device {device!r}: CUDA is not available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise VerifyError(f"device {device!r}: verify runs on cpu or cuda")
+
+
 def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: Sequence[Plan],
                  optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None = None,
                  loss_reduction: str = "mean", atol: float = 1e-5, rtol: float = 1e-4,
                  timeout_s: float = 120.0, lr_scheduler: Any = None,
-                 clip_grad_norm: float | None = None) -> list[VerifyReport]:
+                 clip_grad_norm: float | None = None, device: str | torch.device = "cpu",
+                 precision: str = "fp32") -> list[VerifyReport]:
     """Check several plans of one model (all for the same number of workers) in one launch of
     worker processes; each plan runs its own ``schedule`` and ``microbatches``. See
     :func:`verify`."""
     plans = list(plans)
     batches = list(batches)
     _check_arguments(plans, batches, atol, rtol)
+    _check_device(device, precision)
     job = _Job(model, batches, plans, optimizer, loss_fn, loss_reduction, timeout_s, [len(batches)], lr_scheduler,
-               clip_grad_norm)
+               clip_grad_norm, str(device), precision)
     rules = [schedule_kind(plan.schedule) for plan in plans]
     for plan, kind in zip(plans, rules):
         _version_rule(plan, kind, {}, {})  # refuses what has no reference, before anything runs
@@ -430,7 +457,8 @@ def _first_difference(job: _Job, i: int, want: list[dict[str, torch.Tensor]], al
 def verify(model: Callable[[], nn.Module], batches: Sequence[Any], plan: Plan,
            optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None = None,
            loss_reduction: str = "mean", atol: float = 1e-5, rtol: float = 1e-4,
-           timeout_s: float = 120.0, lr_scheduler: Any = None, clip_grad_norm: float | None = None) -> VerifyReport:
+           timeout_s: float = 120.0, lr_scheduler: Any = None, clip_grad_norm: float | None = None,
+           device: str | torch.device = "cpu", precision: str = "fp32") -> VerifyReport:
     """Train ``batches`` with the pipeline (``plan``: its schedule and microbatches) and with
     the reference of its update rule in this process; compare every parameter and buffer.
 
@@ -445,10 +473,14 @@ def verify(model: Callable[[], nn.Module], batches: Sequence[Any], plan: Plan,
         lr_scheduler, clip_grad_norm: the recipe, as for Pipeline (picklable); the reference
             steps its scheduler after every update and clips each update's gradient with
             ``torch.nn.utils.clip_grad_norm_`` over the whole model.
+        device: where the workers and the reference compute ("cpu" or "cuda:i"; workers that
+            share a GPU exchange messages through host memory over gloo).
+        precision: "fp32" or "bf16" (both sides' forwards and losses under bfloat16 autocast:
+            compare with tolerances of bfloat16's 8 bits, e.g. atol 1e-3, rtol 1e-2).
 
     Returns:
         A :class:`VerifyReport` (``ok``, the largest difference per stage, the first mismatch
         with its minibatch, stage and parameter).
     """
     return verify_plans(model, batches, [plan], optimizer, loss_fn, loss_reduction, atol, rtol, timeout_s,
-                        lr_scheduler, clip_grad_norm)[0]
+                        lr_scheduler, clip_grad_norm, device, precision)[0]

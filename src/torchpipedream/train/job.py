@@ -29,6 +29,7 @@ from ..runtime import launch
 from ..runtime.agreement import Agreement
 from ..runtime.failures import new_store_prefix
 from ..runtime.flight_recorder import read_reports
+from ..runtime.devices import default_backend, ranks_per_node
 from ..runtime.launcher import LaunchError, init_from_env
 from ..search.auto import threads_per_worker
 from .config import TrainConfig, TrainError, check_options
@@ -193,7 +194,8 @@ def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
 
 def _run_under_torchrun(cfg: TrainConfig) -> dict[str, Any]:
     if not dist.is_initialized():
-        init_from_env("nccl" if torch.cuda.is_available() else "gloo", cfg.timeout_s, cfg.startup_timeout_s)
+        backend = default_backend(ranks_per_node(int(os.environ.get("WORLD_SIZE", 1))))
+        init_from_env(backend, cfg.timeout_s, cfg.startup_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg.workers = world
     store, prefix = new_store_prefix()
