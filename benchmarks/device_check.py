@@ -110,8 +110,8 @@ def parity_plans(names: list[str], workers: int) -> list[tuple[str, Any]]:
 
 
 def parity(device: str, width: int, blocks: int, batch: int, names: list[str]) -> list[dict]:
-    """Every parity case on 1 and 2 workers (fp32), and flush and pipedream in bf16: one launch of
-    workers per worker count and precision."""
+    """Every parity case on 1 and 2 workers in fp32, and pipedream, flush and zb-v in bf16: one
+    launch of workers per worker count and precision."""
     from torchpipedream.runtime.verification import verify_plans
 
     model = functools.partial(make_model, width, blocks)
@@ -277,15 +277,19 @@ def run(device: str, size: str) -> dict:
     import torch
 
     width, blocks, batch, count = SIZES[size]
+    threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # as the profiler times and each worker runs: one core each
     t0 = time.perf_counter()
     results: dict[str, Any] = {"info": describe_device(device), "size": size,
                                "model": {"width": width, "blocks": blocks, "batch": batch}}
-    prof, graph = profile_check(device, width, blocks, batch)
-    results["profile"] = prof
-    results["parity"] = parity(device, width, blocks, batch, graph.names)
-    results.update(memory_and_throughput(device, width, blocks, batch, count, graph))
+    try:
+        prof, graph = profile_check(device, width, blocks, batch)
+        results["profile"] = prof
+        results["parity"] = parity(device, width, blocks, batch, graph.names)
+        results.update(memory_and_throughput(device, width, blocks, batch, count, graph))
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside another program (the dry run's test)
     results["all_parity_ok"] = all(r["ok"] for r in results["parity"])
     results["seconds"] = time.perf_counter() - t0
     return results
