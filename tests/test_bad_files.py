@@ -177,6 +177,16 @@ def test_verify_refuses_what_it_cannot_check_in_one_line(argv, fragment, capsys)
     assert len(err.splitlines()) == 1 and "Traceback" not in err and fragment in err, err
 
 
+def test_verify_on_a_device_that_is_not_here_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert main(["verify", "--model", "mlp", "--device", "cuda:0", "--minibatches", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "device 'cuda:0': CUDA is not available here" in err, err
+
+
 def test_verify_plans_refuses_a_negative_tolerance_before_any_process_starts():
     import functools
 

@@ -58,6 +58,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default: %(default)s)")
     p.add_argument("--rtol", type=float, default=1e-4,
                    help="tolerance relative to the largest value of each tensor (default: %(default)s)")
+    p.add_argument("--device", default="cpu",
+                   help="where the workers and the reference compute: cpu or cuda[:i] (workers that share a GPU "
+                        "exchange messages through host memory; default: %(default)s)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: both sides' forwards and losses under bfloat16 autocast (default: %(default)s)")
     p.set_defaults(handler=_handle)
 
 
@@ -112,10 +117,11 @@ def _handle(args: argparse.Namespace) -> int:
     if args.shard != "replicate":  # a plan file's replicated stages too
         base = base.with_sharding(args.shard)
     plans = [dataclasses.replace(base, schedule=k, microbatches=args.microbatches) for k in kinds]
-    print(f"verify {args.model}: {base.summary} ({base.config}), {len(batches)} minibatches of {args.batch_size}")
+    print(f"verify {args.model}: {base.summary} ({base.config}), {len(batches)} minibatches of {args.batch_size}, "
+          f"{args.precision} on {args.device}")
     reports = verify_plans(model, batches, plans, optimizer_factory(cfg), loss_fn=loss_for(cfg),
                            atol=args.atol, rtol=args.rtol, lr_scheduler=lr_schedule_of(cfg, len(batches)),
-                           clip_grad_norm=cfg.clip_grad_norm)
+                           clip_grad_norm=cfg.clip_grad_norm, device=args.device, precision=args.precision)
     for report in reports:
         print(report)
     return 0 if all(r.ok for r in reports) else 1
