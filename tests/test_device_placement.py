@@ -137,6 +137,19 @@ def test_default_device(monkeypatch, cuda, gpus, local_rank, expected):
     assert devices.default_device() == torch.device(expected)
 
 
+@pytest.mark.parametrize("backend, gpus, message", [
+    ("nccl", 1, "backend='nccl' needs a GPU for each of the 2 workers, this machine has 1"),
+    ("nccl", 0, "backend='nccl' needs a GPU for each of the 2 workers, this machine has 0"),
+    ("mpi", 2, "backend must be 'gloo' or 'nccl', got 'mpi'"),
+])
+def test_launch_refuses_a_backend_the_workers_cannot_use_before_starting_them(monkeypatch, backend, gpus, message):
+    from torchpipedream.runtime import launch
+
+    _machine(monkeypatch, gpus > 0, gpus)
+    with pytest.raises(ValueError, match=message):
+        launch(print, 2, backend=backend)
+
+
 # --------------------------------------------------------------------------- action clock
 class FakeEvent:
     """A CUDA event stand-in: recorded at a known time (ms) on a fake device clock."""

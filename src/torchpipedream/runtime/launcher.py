@@ -308,6 +308,8 @@ def launch(
             (``host/freed_memory.py``; a training step re-allocates the same buffers each time).
 
     Raises:
+        ValueError: before any worker starts: a number of processes, timeout or backend it cannot
+            use (NCCL without a GPU for each worker).
         LaunchError: a worker raised (the message names its rank and has its traceback), the
             run exceeded ``timeout_s``, it stalled for ``stall_timeout_s``, or a worker did not
             start within ``startup_timeout_s``.
@@ -316,6 +318,7 @@ def launch(
                             comm_timeout_s=comm_timeout_s, startup_timeout_s=startup_timeout_s)
     if backend is None:
         backend = default_backend(nprocs)
+    _check_backend(backend, nprocs)
     payload = _pickled(fn, args)
     store, port = _loopback_store(nprocs, comm_timeout_s)
     marks = mp.get_context("spawn").Array("d", nprocs, lock=False)  # 0.0 until a worker starts
@@ -343,6 +346,18 @@ def _check_launch_arguments(nprocs: Any, **timeouts: float | None) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not (value > 0 and math.isfinite(value))):
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _check_backend(backend: Any, nprocs: int) -> None:
+    """ValueError for a backend the workers cannot use here: an unknown name, or NCCL without a
+    GPU for each worker (NCCL refuses two ranks on one GPU; gloo shares one, ``devices.py``)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < nprocs:
+        raise ValueError(f"backend='nccl' needs a GPU for each of the {nprocs} workers, this machine has {gpus} "
+                         "(NCCL refuses two ranks on one GPU): leave backend unset, and workers that share a GPU "
+                         "use gloo, their messages staged through host memory")
 
 
 def _pickled(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
