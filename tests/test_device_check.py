@@ -79,3 +79,20 @@ def test_the_script_refuses_cuda_where_there_is_none() -> None:
     run = subprocess.run(["bash", str(ROOT / "scripts" / "device_check"), "--device", "cuda"], capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and "CUDA is not available here (use --device cpu for the dry run)" in run.stderr
+
+
+def test_plans_of_one_version_rule_and_microbatch_count_share_one_reference(monkeypatch) -> None:
+    """verify computes a reference once per (version rule, microbatch count): flush, gpipe and the
+    zero-bubble kinds at one count are the same plain training; 2bw's rule or another count is not."""
+    import torchpipedream.runtime.verification as verification
+    from torchpipedream.plans.kinds import schedule_kind
+
+    calls = []
+    monkeypatch.setattr(verification, "_reference", lambda job, plan, rule: calls.append(plan.schedule) or [plan])
+    cuts = [["input_1", "_0"], ["_1"]]
+    plans = [Plan.straight(cuts, schedule=k, microbatches=m)
+             for k, m in (("flush", 2), ("gpipe", 2), ("zb-h1", 2), ("2bw", 2), ("flush", 4), ("zb-2bw", 2))]
+    plans.append(Plan.straight(cuts, schedule="pipedream"))
+    refs = verification._shared_references(None, plans, [schedule_kind(p.schedule) for p in plans])
+    assert calls == ["flush", "2bw", "flush"]  # flush m=2 (gpipe, zb-h1 share it), 2bw m=2 (zb-2bw), flush m=4
+    assert refs[0] is refs[1] is refs[2] and refs[3] is refs[5] and refs[4] is not refs[0] and refs[6] is None

@@ -376,6 +376,23 @@ def _check_device(device: str | torch.device, precision: str) -> None:
         raise VerifyError(f"device {device!r}: verify runs on cpu or cuda")
 
 
+def _shared_references(job: _Job, plans: list[Plan], rules: list[ScheduleKind]) -> list[Any]:
+    """Each plan's reference states, or None for pipedream's (its versions follow the stages the
+    run reports). A reference depends only on the version rule and the microbatch count, so plans
+    that share both (flush, gpipe and the zero-bubble kinds at one count) share one computation."""
+    computed: dict[tuple[VersionRule, int], list[dict[str, torch.Tensor]]] = {}
+    references: list[Any] = []
+    for plan, kind in zip(plans, rules):
+        if kind.version_rule is VersionRule.STASHED:
+            references.append(None)
+            continue
+        key = (kind.version_rule, plan.microbatches if kind.microbatched else 1)
+        if key not in computed:
+            computed[key] = _reference(job, plan, _version_rule(plan, kind, {}, {}))
+        references.append(computed[key])
+    return references
+
+
 def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: Sequence[Plan],
                  optimizer: Callable[..., torch.optim.Optimizer], loss_fn: Callable[..., torch.Tensor] | None = None,
                  loss_reduction: str = "mean", atol: float = 1e-5, rtol: float = 1e-4,
@@ -395,8 +412,7 @@ def verify_plans(model: Callable[[], nn.Module], batches: Sequence[Any], plans: 
     for plan, kind in zip(plans, rules):
         _version_rule(plan, kind, {}, {})  # refuses what has no reference, before anything runs
     _check_job(job)
-    references = [None if kind.version_rule is VersionRule.STASHED else _reference(
-        job, plan, _version_rule(plan, kind, {}, {})) for plan, kind in zip(plans, rules)]
+    references = _shared_references(job, plans, rules)
     t0 = time.perf_counter()
     results = launch(_worker, plans[0].num_workers, job, return_all=True, stall_timeout_s=timeout_s)
     seconds = time.perf_counter() - t0
