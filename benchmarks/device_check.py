@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -140,11 +141,6 @@ def _synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def timed_steps(device: str, width: int, blocks: int, batch: int, count: int, update: bool) -> float:
     """Median seconds of one plain step (forward, loss, backward; and the optimizer's step when
     ``update``) in this process on ``device``, after two untimed ones."""
@@ -166,7 +162,7 @@ def timed_steps(device: str, width: int, blocks: int, batch: int, count: int, up
         _synchronize(dev)
         if i >= 2:
             seconds.append(time.perf_counter() - t0)
-    return _median(seconds)
+    return statistics.median(seconds)
 
 
 def profile_check(device: str, width: int, blocks: int, batch: int) -> tuple[dict, Any]:
