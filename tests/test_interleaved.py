@@ -123,10 +123,8 @@ def test_one_process_holding_several_stages_hands_over_in_memory(kind: str, chun
     assert {s for _, s, _, _ in out["events"]} == set(range(chunks))
 
 
-def test_what_virtual_stages_do_not_support_yet_is_refused_by_name(tmp_path) -> None:
+def test_what_virtual_stages_do_not_support_yet_is_refused_by_name() -> None:
     plan = Plan.looped(CUTS[3], 1, microbatches=2)
     with pytest.raises(PipelineError, match="precision='fp16' is not supported with virtual stages"):
         Pipeline(deep_mlp(), plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), precision="fp16")
-    pipe = Pipeline(deep_mlp(), plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(PipelineError, match="save_checkpoint does not support plans with virtual stages"):
-        pipe.save_checkpoint(tmp_path)
+

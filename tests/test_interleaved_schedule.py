@@ -213,17 +213,21 @@ def test_the_cuts_worth_simulating_include_the_best_where_one_block_moves_stop_s
             assert busiest(bounds[:k] + [moved] + bounds[k + 1:]) >= 21.0
 
 
-def test_train_refuses_virtual_stages_by_name(tmp_path) -> None:
+def test_train_takes_virtual_stages_and_refuses_a_plan_of_another_placement(tmp_path) -> None:
+    """`train` runs interleaved and zb-v (their checkpoints hold every stage of a worker); a plan
+    file whose placement does not fit the --schedule is refused by name, before anything starts."""
     from torchpipedream.model.graph import Layer, LayerGraph
     from torchpipedream.train.config import TrainConfig, TrainError, check_options
     from torchpipedream.train.preparation import _choose_plan
 
     for kind in ("interleaved", "zb-v"):
-        with pytest.raises(TrainError, match=f"--schedule {kind} .* not supported by `train` yet"):
-            check_options(TrainConfig(schedule=kind))
+        check_options(TrainConfig(schedule=kind))
     graph = LayerGraph(layers=[Layer(name=f"l{i}", forward_ms=1.0, backward_ms=2.0) for i in range(4)],
                        edges=[(f"l{i}", f"l{i + 1}") for i in range(3)], batch_size=8)
     path = tmp_path / "looped.json"
     looped(2, 2).save(path)
-    with pytest.raises(TrainError, match="4 stages on 2 workers .* not supported by `train` yet"):
-        _choose_plan(TrainConfig(plan_file=str(path)), graph, 2, None)
+    chosen = _choose_plan(TrainConfig(plan_file=str(path), schedule="interleaved"), graph, 2, None)
+    assert chosen.virtual and chosen.schedule == "interleaved"
+    with pytest.raises(TrainError, match="--schedule flush: the plan puts several stages on one worker .* use "
+                                         "interleaved, zb-v"):
+        _choose_plan(TrainConfig(plan_file=str(path), schedule="flush"), graph, 2, None)

@@ -11,6 +11,8 @@ Layout of a checkpoint directory (format 3)::
                           replica q's tensor rank i writes stage<s>_replica<q·t+i>.pt
     stage1.dcp/           a sharded or tensor-parallel stage: its tensors and optimizer state
                           of its weights' shape, saved by its ranks with DCP (dcp_files.py)
+                          (a rank holding several stages, under interleaved and zb-v,
+                          writes one file per stage it holds, as if each were a rank's)
     extra.json            the caller's ``**extra`` (JSON), written by rank 0
     manifest.json         written LAST by rank 0: the save's identifier, every file with its
                           sha256 and size, the index (model name -> the file that holds it),
@@ -95,7 +97,7 @@ from .dcp_files import UnsafeMetadataError, load_sharded, save_sharded, saved_te
 from .sharding import shard_like, sharded_optimizer_entries
 from .weights import WeightVersions
 
-__all__ = ["CheckpointError", "CheckpointState", "Resumed", "Manifest", "save_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointError", "CheckpointState", "StageState", "Resumed", "Manifest", "save_checkpoint", "load_checkpoint",
            "verify_checkpoint", "latest_checkpoint", "checkpoints_newest_first", "read_manifest", "read_extra",
            "read_stage_states", "remove_temporary_files", "saved_shapes", "shape_mismatch", "write_json_atomic",
            "MANIFEST", "EXTRA"]
@@ -489,33 +491,50 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------- what is saved
 @dataclass
+class StageState:
+    """One stage a rank holds, as checkpointing reads and restores it: a rank holds one, or
+    several of one worker each (virtual stages, under interleaved and zb-v).
+
+    ``module``, ``weights`` and ``buffers`` are the pipeline's own objects: loading restores
+    into them.
+    """
+
+    stage: int
+    replica: int
+    module: nn.Module  # the stage's module: its state_dict holds the stage's tensors
+    state_names: dict[str, str]  # the module's state_dict key -> the model's name
+    weights: list[WeightVersions]  # the stage's own first, then its copies of shared parameters
+    buffers: ReplicaBuffers | None = None  # a replicated stage's buffers (re-based after loading)
+    group: Any = None  # a sharded or tensor-parallel stage's ranks' process group (their DCP save is a collective of it)
+
+    @property
+    def own_file(self) -> str:
+        """The name of the file this stage's replica writes."""
+        return f"stage{self.stage}.pt" if self.replica == 0 else f"stage{self.stage}_replica{self.replica}.pt"
+
+
+@dataclass
 class CheckpointState:
     """One rank's part of a pipeline, as checkpointing reads and restores it (the pipeline
-    hands it over; this module knows nothing else of the pipeline).
+    hands it over; this module knows nothing else of the pipeline): the stages it holds, in
+    order, and what the rank keeps once (random state, loss scale, data position).
 
-    ``module``, ``weights``, ``buffers`` and ``scaler`` are the pipeline's own objects: loading
-    restores into them. The data position and the loss history are copies: loading returns the
-    restored ones (:class:`Resumed`).
+    ``scaler`` is the pipeline's own object: loading restores into it. The data position and
+    the loss history are copies: loading returns the restored ones (:class:`Resumed`).
     """
 
     rank: int
     world_size: int
-    stage: int
-    replica: int
     device: torch.device
     plan: Plan
     kind: str  # the schedule kind
-    module: nn.Module  # this rank's stage module: its state_dict holds the stage's tensors
-    state_names: dict[str, str]  # the module's state_dict key -> the model's name
-    weights: list[WeightVersions]  # the stage's own first, then its copies of shared parameters
+    stages: list[StageState]
     aliases: dict[str, list[str]]  # a tied parameter's first name -> every name of it
-    buffers: ReplicaBuffers | None  # a replicated stage's buffers (re-based after loading)
     scaler: LossScaler | None  # float16's loss scale
     agreement: Agreement | None  # the ranks' deadline-bounded collectives; None in one process
     epochs_done: int
     minibatches_done: int
     history: list[float]
-    group: Any = None  # a sharded or tensor-parallel stage's ranks' process group (their DCP save is a collective of it)
 
 
 @dataclass(frozen=True)
@@ -548,93 +567,91 @@ def _exchange(state: CheckpointState, what: str, value: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------- save
-def _name_of_parameters(state: CheckpointState, weights: WeightVersions) -> dict[int, str]:
+def _name_of_parameters(part: StageState, weights: WeightVersions) -> dict[int, str]:
     """id(parameter) -> the model's name, for one WeightVersions' parameters."""
-    return {id(p): state.state_names.get(n, n) for n, p in zip(weights.names, weights.params)}
+    return {id(p): part.state_names.get(n, n) for n, p in zip(weights.names, weights.params)}
 
 
-def _holdings(state: CheckpointState) -> dict[str, list[str]]:
-    """What this rank's stage holds, by the model's names (replica 0 writes it)."""
-    return {"tensors": sorted(set(state.state_names.values())) if state.replica == 0 else []}
+def _holdings(state: CheckpointState) -> list[tuple[int, list[str]]]:
+    """What this rank's stages hold, by the model's names: (stage, names) of each stage it
+    holds as replica 0 (which writes them)."""
+    return [(part.stage, sorted(set(part.state_names.values()))) for part in state.stages if part.replica == 0]
 
 
-def _owners(plan: Plan, holdings: list[dict[str, list[str]]]) -> dict[str, int]:
+def _owners(holdings: list[list[tuple[int, list[str]]]]) -> dict[str, int]:
     """Name -> the stage that writes it: the first stage holding it (a shared parameter and a
     constant buffer used by several stages are written once)."""
     owner: dict[str, int] = {}
-    def stage_of(rank: int) -> tuple[int, int]:  # a global rank's (stage, replica): its worker's
-        return plan.stage_of_rank(plan.worker_of_rank(rank)[0])
-
-    for rank in sorted(range(len(holdings)), key=stage_of):
-        for name in holdings[rank]["tensors"]:
-            owner.setdefault(name, stage_of(rank)[0])
+    for stage, names in sorted((int(stage), names) for part in holdings for stage, names in part):
+        for name in names:
+            owner.setdefault(name, stage)
     return owner
 
 
-def _base_payload(state: CheckpointState, save_id: str) -> dict[str, Any]:
-    """What every rank's file holds: who it is, its version, its random state, the data position."""
-    states = [w.boundary_state() for w in state.weights]  # asserts nothing is in flight
-    return {"save_id": save_id, "stage": state.stage, "replica": state.replica, "rank": state.rank,
+def _base_payload(state: CheckpointState, part: StageState, save_id: str) -> dict[str, Any]:
+    """What every stage file holds: whose it is, its version, the rank's random state, the data position."""
+    states = [w.boundary_state() for w in part.weights]  # asserts nothing is in flight
+    return {"save_id": save_id, "stage": part.stage, "replica": part.replica, "rank": state.rank,
             "version": states[0]["version"], "rng": _rng_state(state.device),
             "data": {"epoch": state.epochs_done, "minibatches": state.minibatches_done}}
 
 
-def _stage_file(state: CheckpointState, save_id: str, owner: dict[str, int]) -> tuple[str, dict[str, Any]]:
-    """This rank's file name and content (tensors and plain values only)."""
-    payload = _base_payload(state, save_id)
-    if state.replica != 0:
-        return f"stage{state.stage}_replica{state.replica}.pt", payload
-    mine = {name for name, s in owner.items() if s == state.stage}
-    names = state.state_names
-    tensors = {names[k]: v.detach().cpu().clone() for k, v in state.module.state_dict().items()
+def _stage_file(state: CheckpointState, part: StageState, save_id: str, owner: dict[str, int]) -> dict[str, Any]:
+    """A stage's file content (tensors and plain values only)."""
+    payload = _base_payload(state, part, save_id)
+    if part.replica != 0:
+        return payload
+    mine = {name for name, s in owner.items() if s == part.stage}
+    names = part.state_names
+    tensors = {names[k]: v.detach().cpu().clone() for k, v in part.module.state_dict().items()
                if k in names and names[k] in mine}
     optimizer: dict[str, Any] = {}
-    for weights in state.weights:
+    for weights in part.weights:
         if weights.optimizer is not None:
-            for name, entry in state_by_name(weights.optimizer, _name_of_parameters(state, weights)).items():
+            for name, entry in state_by_name(weights.optimizer, _name_of_parameters(part, weights)).items():
                 if name in mine:
                     optimizer[name] = entry
     payload.update(tensors=tensors, optimizer=optimizer)
-    return f"stage{state.stage}.pt", payload
+    return payload
 
 
 def _dcp_folder(stage: int) -> str:
     return f"stage{stage}{DCP_SUFFIX}"
 
 
-def _sharded_stage_file(state: CheckpointState, save_id: str, owner: dict[str, int],
-                        directory: Path) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+def _sharded_stage_file(state: CheckpointState, part: StageState, save_id: str, owner: dict[str, int],
+                        directory: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A sharded stage's save (dcp_files.py): its replicas write their shards of its tensors and of
     its optimizer state of its weights' shape into ``stage<s>.dcp/`` together (a collective of the
-    stage's group), and replica 0 a stage file with the rest; its name, content and, on replica 0,
-    the manifest entries of the DCP folder's files."""
-    payload = _base_payload(state, save_id)
-    mine = {name for name, s in owner.items() if s == state.stage}
-    names = state.state_names
-    shards = {names[k]: v for k, v in state.module.state_dict().items() if k in names and names[k] in mine}
+    stage's group), and replica 0 a stage file with the rest; its content and, on replica 0, the
+    manifest entries of the DCP folder's files."""
+    payload = _base_payload(state, part, save_id)
+    mine = {name for name, s in owner.items() if s == part.stage}
+    names = part.state_names
+    shards = {names[k]: v for k, v in part.module.state_dict().items() if k in names and names[k] in mine}
     optimizer: dict[str, Any] = {}
-    for weights in state.weights:
+    for weights in part.weights:
         if weights.optimizer is None:
             continue
-        params = {name: p for name, p in zip((state.state_names.get(n, n) for n in weights.names), weights.params)}
-        for name, entry in state_by_name(weights.optimizer, _name_of_parameters(state, weights)).items():
+        params = {name: p for name, p in zip((part.state_names.get(n, n) for n in weights.names), weights.params)}
+        for name, entry in state_by_name(weights.optimizer, _name_of_parameters(part, weights)).items():
             moved = [k for k, v in entry["state"].items()
                      if isinstance(v, torch.Tensor) and v.shape == params[name].shape and v.dim() > 0]
             shards.update({f"optimizer/{name}/{k}": entry["state"][k] for k in moved})
             optimizer[name] = {**entry, "state": {k: v for k, v in entry["state"].items() if k not in moved},
                                "dcp": moved}
-    folder = directory / _dcp_folder(state.stage)
-    save_sharded(shards, folder, state.group)
-    if state.replica != 0:
-        return f"stage{state.stage}_replica{state.replica}.pt", payload, []
+    folder = directory / _dcp_folder(part.stage)
+    save_sharded(shards, folder, part.group)
+    if part.replica != 0:
+        return payload, []
     payload.update(tensors={}, optimizer={n: e for n, e in optimizer.items() if n in mine},
                    dcp=folder.name, dcp_tensors=sorted(n for n in shards if not n.startswith("optimizer/")))
     entries = []
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
         data = path.read_bytes()
         entries.append({"file": f"{folder.name}/{path.name}", "sha256": _sha256(data), "size": len(data),
-                        "stage": state.stage})
-    return f"stage{state.stage}.pt", payload, entries
+                        "stage": part.stage})
+    return payload, entries
 
 
 def _prepare_directory(state: CheckpointState, directory: Path) -> str:
@@ -655,22 +672,30 @@ def _prepare_directory(state: CheckpointState, directory: Path) -> str:
     return save_id
 
 
+def _write_stage(state: CheckpointState, part: StageState, directory: Path, save_id: str,
+                 owner: dict[str, int]) -> list[dict[str, Any]]:
+    """Write one stage's file (and its DCP folder where it is sharded); their manifest entries."""
+    entries: list[dict[str, Any]] = []
+    if any(w.sharded for w in part.weights):
+        payload, entries = _sharded_stage_file(state, part, save_id, owner, directory)
+    else:
+        payload = _stage_file(state, part, save_id, owner)
+    data = _serialize(payload)
+    liveness.mark()
+    write_atomic(directory / part.own_file, data)
+    entries.append({"file": part.own_file, "sha256": _sha256(data), "size": len(data), "stage": part.stage,
+                    "replica": part.replica, "rank": state.rank})
+    return entries
+
+
 def _write_files(state: CheckpointState, directory: Path, save_id: str, owner: dict[str, int],
                  extra: dict[str, Any]) -> list[dict[str, Any]]:
-    """Write this rank's stage file (and rank 0 ``extra.json``); their manifest entries."""
+    """Write this rank's stage files, in stage order (and rank 0 ``extra.json``); their manifest entries."""
     entries: list[dict[str, Any]] = []
     error = None
     try:
-        if any(w.sharded for w in state.weights):
-            name, payload, folder_entries = _sharded_stage_file(state, save_id, owner, directory)
-            entries += folder_entries
-        else:
-            name, payload = _stage_file(state, save_id, owner)
-        data = _serialize(payload)
-        liveness.mark()
-        write_atomic(directory / name, data)
-        entries.append({"file": name, "sha256": _sha256(data), "size": len(data), "stage": state.stage,
-                        "replica": state.replica, "rank": state.rank})
+        for part in state.stages:
+            entries += _write_stage(state, part, directory, save_id, owner)
         if state.rank == 0:
             digest, size = write_json_atomic(directory / EXTRA, {"save_id": save_id, "extra": extra})
             entries.append({"file": EXTRA, "sha256": digest, "size": size})
@@ -694,7 +719,7 @@ def _manifest(state: CheckpointState, save_id: str, owner: dict[str, int],
         "plan_config": state.plan.config,
         "plan": state.plan.to_dict(),
         "schedule": state.kind,
-        "version": state.weights[0].version,
+        "version": state.stages[0].weights[0].version,
         "data": {"epoch": state.epochs_done, "minibatches": state.minibatches_done},
         "files": files,
         "history": [float(x) for x in state.history],
@@ -713,7 +738,7 @@ def save_checkpoint(state: CheckpointState, directory: str | Path, **extra: Any)
     directory = Path(directory)
     save_id = _prepare_directory(state, directory)
     holdings = _exchange(state, "the checkpoint's names", _holdings(state))
-    owner = _owners(state.plan, holdings)
+    owner = _owners(holdings)
     entries = _write_files(state, directory, save_id, owner, extra)
     # Every stage file is on disk before rank 0 writes the manifest.
     parts = _exchange(state, "the checkpoint file list", entries)
@@ -731,19 +756,29 @@ def save_checkpoint(state: CheckpointState, directory: str | Path, **extra: Any)
 
 # ---------------------------------------------------------------------------- load
 @dataclass
-class _Loaded:
-    """What one rank read for its stage: its state dict (own keys), its optimizers' states by
-    name, its own random state (None when the checkpoint's ranks were laid out otherwise), the
-    data position and extra."""
+class _LoadedStage:
+    """What one rank read for one of its stages: its state dict (own keys), its optimizers'
+    states by name, and its update count."""
 
     state: dict[str, torch.Tensor]
     optimizer: dict[str, dict[str, Any]]
-    rng: dict[str, Any] | None
-    manifest: Manifest
-    extra: dict[str, Any]
     version: int
 
 
+@dataclass
+class _Loaded:
+    """What one rank read: each of its stages' part (in the order of ``CheckpointState.stages``),
+    its own random state (None when the checkpoint's ranks were laid out otherwise), the
+    manifest and extra."""
+
+    stages: list[_LoadedStage]
+    rng: dict[str, Any] | None
+    manifest: Manifest
+    extra: dict[str, Any]
+
+    @property
+    def version(self) -> int:
+        return self.stages[0].version
 def _same_layout(state: CheckpointState, manifest: Manifest) -> bool:
     if manifest.world_size != state.world_size:
         return False
@@ -796,15 +831,15 @@ def _folder_specs(folder: Path) -> dict[str, tuple[Any, torch.dtype]]:
         raise CheckpointError(f"checkpoint folder {folder} cannot be read: {type(exc).__name__}: {exc}") from None
 
 
-def _read_tensors(state: CheckpointState, files: _StageFiles) -> dict[str, torch.Tensor]:
-    """This stage's state dict (its own keys) from the files that hold it, shapes checked."""
+def _read_tensors(part: StageState, files: _StageFiles) -> dict[str, torch.Tensor]:
+    """A stage's state dict (its own keys) from the files that hold it, shapes checked."""
     directory, manifest = files.directory, files.manifest
-    local = state.module.state_dict()
-    needed = {state.state_names[k]: k for k in local if k in state.state_names}
+    local = part.module.state_dict()
+    needed = {part.state_names[k]: k for k in local if k in part.state_names}
     missing = sorted(n for n in needed if n not in manifest.index)
     if missing:
         raise CheckpointError(f"checkpoint {directory} holds no {missing[:4]}{' ...' if len(missing) > 4 else ''} "
-                              f"that stage {state.stage} needs: it is from another model")
+                              f"that stage {part.stage} needs: it is from another model")
     tensors: dict[str, torch.Tensor] = {}
     in_folders: dict[str, dict[str, torch.Tensor]] = {}  # a sharded stage's file -> names its DCP folder holds
     for name, key in needed.items():
@@ -823,13 +858,13 @@ def _read_tensors(state: CheckpointState, files: _StageFiles) -> dict[str, torch
     return tensors
 
 
-def _read_optimizer_states(state: CheckpointState, files: _StageFiles) -> dict[str, dict[str, Any]]:
-    """The optimizer state of each of this stage's trained parameters, by the model's names."""
+def _read_optimizer_states(part: StageState, files: _StageFiles) -> dict[str, dict[str, Any]]:
+    """The optimizer state of each of a stage's trained parameters, by the model's names."""
     index = files.manifest.index
     optimizer: dict[str, dict[str, Any]] = {}
     in_folders: dict[str, dict[str, torch.Tensor]] = {}  # as _read_tensors: state of the weights' shape
-    for weights in state.weights:
-        names = _name_of_parameters(state, weights)
+    for weights in part.weights:
+        names = _name_of_parameters(part, weights)
         for p in weights.params:
             name = names[id(p)]
             entry = files.payload(index[name]).get("optimizer", {}).get(name)
@@ -846,24 +881,25 @@ def _read_optimizer_states(state: CheckpointState, files: _StageFiles) -> dict[s
     return optimizer
 
 
-def _read_for_stage(state: CheckpointState, directory: Path) -> _Loaded:
-    """Read and check what this rank needs, from whichever files hold it (any plan)."""
+def _read_for_rank(state: CheckpointState, directory: Path) -> _Loaded:
+    """Read and check what this rank's stages need, from whichever files hold it (any plan)."""
     manifest = verify_checkpoint(directory) if state.rank == 0 else read_manifest(directory)
     files = _StageFiles(directory, manifest)
-    tensors = _read_tensors(state, files)
-    optimizer = _read_optimizer_states(state, files)
-    # Laid out as saved: this rank's own random state and update count. Otherwise the count is
-    # a label (weight versions are counted from a schedule's start): rank 0's.
-    own = f"stage{state.stage}.pt" if state.replica == 0 else f"stage{state.stage}_replica{state.replica}.pt"
+    # Laid out as saved: this rank's own random state and each stage's update count. Otherwise
+    # the count is a label (weight versions are counted from a schedule's start): rank 0's.
     same = _same_layout(state, manifest)
-    rng, version = (files.payload(own)["rng"], int(files.payload(own)["version"])) if same else (None, manifest.version)
-    return _Loaded(tensors, optimizer, rng, manifest, read_extra(directory, manifest), version)
+    stages = [_LoadedStage(_read_tensors(part, files), _read_optimizer_states(part, files),
+                           int(files.payload(part.own_file)["version"]) if same else manifest.version)
+              for part in state.stages]
+    rng = files.payload(state.stages[0].own_file)["rng"] if same else None
+    return _Loaded(stages, rng, manifest, read_extra(directory, manifest))
 
 
 def _check_names_cover(state: CheckpointState, directory: Path, manifest: Manifest) -> str | None:
     """Every tensor of the checkpoint is used by some stage of this pipeline (else the model
     lacks some of the checkpoint's layers): checked on rank 0 from every rank's names."""
-    names = _exchange(state, "the names the stages load", sorted(set(state.state_names.values())))
+    names = _exchange(state, "the names the stages load",
+                      sorted({n for part in state.stages for n in part.state_names.values()}))
     if state.rank != 0:
         return None
     unused = sorted(set(manifest.index) - {n for part in names for n in part})
@@ -878,7 +914,7 @@ def _read_everywhere(state: CheckpointState, directory: Path) -> _Loaded:
     error = None
     loaded = None
     try:
-        loaded = _read_for_stage(state, directory)
+        loaded = _read_for_rank(state, directory)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # a malformed file: refuse on every rank, never hang
@@ -889,24 +925,30 @@ def _read_everywhere(state: CheckpointState, directory: Path) -> _Loaded:
     return loaded
 
 
-def _restore(state: CheckpointState, loaded: _Loaded, directory: Path) -> None:
-    """Put what was read into the stage: tensors, weight versions, optimizer states, loss
-    scale (agreed on every rank), random state."""
-    local = state.module.state_dict()
+def _restore_stage(part: StageState, loaded: _LoadedStage) -> None:
+    """Put what was read into one stage: tensors, weight versions, optimizer states."""
+    local = part.module.state_dict()
     with torch.no_grad():  # whole tensors, cut to this replica's shards where the stage is sharded
-        state.module.load_state_dict({k: shard_like(v, local[k]) for k, v in loaded.state.items()}, strict=False)
-    if state.buffers is not None:
-        state.buffers.snapshot()
+        part.module.load_state_dict({k: shard_like(v, local[k]) for k, v in loaded.state.items()}, strict=False)
+    if part.buffers is not None:
+        part.buffers.snapshot()
+    for weights in part.weights:
+        weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
+        if weights.optimizer is not None:
+            names = _name_of_parameters(part, weights)
+            saved = sharded_optimizer_entries(loaded.optimizer, {names[id(p)]: p for p in weights.params}) \
+                if weights.sharded else loaded.optimizer
+            load_state_by_name(weights.optimizer, saved, names)
+            weights.resume_schedule()  # the learning rate of the restored update count
+
+
+def _restore(state: CheckpointState, loaded: _Loaded, directory: Path) -> None:
+    """Put what was read into every stage of this rank, then its loss scale (agreed on every
+    rank) and random state."""
     error = None
     try:
-        for weights in state.weights:
-            weights.restore_boundary_state({"version": loaded.version, "optimizer": None})
-            if weights.optimizer is not None:
-                names = _name_of_parameters(state, weights)
-                saved = sharded_optimizer_entries(loaded.optimizer, {names[id(p)]: p for p in weights.params}) \
-                    if weights.sharded else loaded.optimizer
-                load_state_by_name(weights.optimizer, saved, names)
-                weights.resume_schedule()  # the learning rate of the restored update count
+        for part, part_loaded in zip(state.stages, loaded.stages):
+            _restore_stage(part, part_loaded)
         scaler_state = loaded.manifest.raw.get("loss_scaler")
         if state.scaler is not None and isinstance(scaler_state, dict):
             state.scaler.load_state_dict(scaler_state)

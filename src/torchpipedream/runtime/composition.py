@@ -8,9 +8,8 @@ process. A refusal keeps the library's own message, so the table says what a use
 README's table against :func:`render_markdown`; regenerate that table with
 ``python -c "from torchpipedream.runtime.composition import write_readme; write_readme()"``.
 
-``train --schedule`` is not a column: ``train`` sits above the runtime (its refusal of the kinds
-with virtual stages follows from their checkpoints, the "checkpoint resume" column; the test
-checks that the two agree).
+``train --schedule`` is not a column: ``train`` sits above the runtime (it runs every kind whose
+checkpoints resume, the "checkpoint resume" column; the test checks that the two agree).
 """
 
 from __future__ import annotations
@@ -215,9 +214,7 @@ def ask(kind: str, options: Options, plan: Plan | None = None) -> None:
     if plan is None:
         plan = kind_plan(kind, replicated=options.replicated, sharded=options.sharded,
                          tensor_parallel=options.tensor_parallel)
-    plan, factory = _construct(plan, kind, options)
-    if options.checkpoint:  # Pipeline.save_checkpoint and load_checkpoint
-        Pipeline._refuse_virtual(SimpleNamespace(plan=plan), "load_checkpoint")  # type: ignore[arg-type]
+    plan, factory = _construct(plan, kind, options)  # Pipeline.save_checkpoint and load_checkpoint check nothing more
     _schedule(plan, kind, options, factory)
 
 

@@ -61,7 +61,7 @@ from ..schedule.validate import ScheduleError, uneven_updates, update_barrier_pr
 from ..sim.trace import Event, Trace
 from .agreement import Agreement
 from .buffers import ReplicaBuffers
-from .checkpoint import CheckpointError, CheckpointState, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, CheckpointState, StageState, load_checkpoint, save_checkpoint
 from .clipping import GradientClipper, NormPart, check_max_norm
 from .comm import P2P
 from .devices import default_backend, default_device, ranks_per_node, wire_device
@@ -417,7 +417,7 @@ class Pipeline:
         and of every stage (all its ranks), made on every rank in the same order, and this
         rank's stage split over its worker's ranks (runtime/tensor_parallel.py)."""
         t = self.plan.tensor_parallel
-        self._stage_group = None  # every rank of this rank's stage (their DCP checkpoint is a collective of it)
+        self._stage_groups: dict[int, Any] = {}  # every rank of each stage held (their DCP checkpoint is a collective of it)
         self._data_mesh = None  # FSDP2's mesh where the stage is sharded too: the (data, tensor) mesh's first dimension
         if t == 1:
             return
@@ -432,7 +432,8 @@ class Pipeline:
             tensor_group = group if w == self.worker else tensor_group
         for s, st in enumerate(self.plan.stages):
             group = dist.new_group([r for w in st.ranks for r in self.plan.ranks_of_worker(w)], timeout=timeout)
-            self._stage_group = group if s == self.stage else self._stage_group
+            if s in self.stages_held:
+                self._stage_groups[s] = group
         st = self.plan.stages[self.stage]
         grid = [self.plan.ranks_of_worker(w) for w in st.ranks]  # replicas × tensor ranks
         tensor_mesh, self._data_mesh = stage_meshes(grid, self._ar_group if st.sharded else None, tensor_group,
@@ -1245,7 +1246,6 @@ class Pipeline:
         file's sha256 and the data position last. ``extra`` (JSON-serialisable) comes back from
         :meth:`load_checkpoint`. See ``runtime/checkpoint.py``.
         """
-        self._refuse_virtual("save_checkpoint")
         with self._failure_guard("saving a checkpoint", agreed=(CheckpointError,)):
             return save_checkpoint(self._checkpoint_state(), directory, **extra)
 
@@ -1257,7 +1257,6 @@ class Pipeline:
         message on every rank) for a missing manifest, a corrupted, truncated or non-tensor
         file, another model, or another optimizer class.
         """
-        self._refuse_virtual("load_checkpoint")
         with self._failure_guard("loading a checkpoint", agreed=(CheckpointError,)):
             resumed = load_checkpoint(self._checkpoint_state(), directory)
             self.epochs_done, self.minibatches_done = resumed.epochs_done, resumed.minibatches_done
@@ -1266,24 +1265,24 @@ class Pipeline:
             return resumed.extra
 
     def _checkpoint_state(self) -> CheckpointState:
-        """This rank's stage as checkpointing reads and restores it (``runtime/checkpoint.py``): each
-        tensor rank of a replica is a replica of its own there (its own file of random state), and
-        a tensor-parallel stage saves its parts with DCP over all of its ranks, as a sharded one."""
+        """This rank's stages as checkpointing reads and restores them (``runtime/checkpoint.py``):
+        each tensor rank of a replica is a replica of its own there (its own file of random state),
+        and a tensor-parallel stage saves its parts with DCP over all of its ranks, as a sharded
+        one. A rank holding several stages (virtual stages) writes a file for each."""
         t = self.plan.tensor_parallel
+        parts = []
+        for s in self.stages_held:
+            engine = self.engines[s]
+            copies = [copy.weights for copy in self.tied.values()] if s == self.stage else []
+            group = self._stage_groups.get(s) or (self._ar_group if self.plan.stages[s].sharded else None)
+            parts.append(StageState(stage=s, replica=self.replica * t + self.tensor_rank, module=engine.module,
+                                    state_names=self._state_names[s], weights=[engine.weights] + copies,
+                                    buffers=engine.buffers, group=group))
         return CheckpointState(
-            rank=self.rank, world_size=self.world_size, stage=self.stage, replica=self.replica * t + self.tensor_rank,
-            device=self.device,
-            plan=self.plan, kind=self.kind, module=self.module, state_names=self.state_names,
-            weights=self._all_weights(), aliases=self._aliases, buffers=self.engine.buffers,
-            scaler=self.engine.scaler, agreement=self.agreement,
+            rank=self.rank, world_size=self.world_size, device=self.device, plan=self.plan, kind=self.kind,
+            stages=parts, aliases=self._aliases, scaler=self.engine.scaler, agreement=self.agreement,
             epochs_done=self.epochs_done, minibatches_done=self.minibatches_done, history=list(self.history),
-            group=self._stage_group or (self._ar_group if self._sharded else None),
         )
-
-    def _refuse_virtual(self, what: str) -> None:
-        if self.plan.virtual:
-            raise PipelineError(f"{what} does not support plans with virtual stages (a rank holding several "
-                                f"stages, {self.plan.summary}) yet; state_dict() gathers the whole model")
 
     def trace(self, dst: int | None = 0) -> Trace | None:
         """The measured trace of the last schedule run, all ranks' events (collective)."""

@@ -96,8 +96,7 @@ def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedr
 
 def candidate_kinds(allow_stale: bool, split_profiled: bool = True, virtual_stages: bool = True) -> list[str]:
     """Kinds with true gradients: the synchronous ones, and with ``allow_stale`` the asynchronous;
-    the virtual-stage kinds (interleaved, zb-v) unless ``virtual_stages`` is False (``train``,
-    whose checkpoints hold one stage per worker, cannot run them).
+    the virtual-stage kinds (interleaved, zb-v) unless ``virtual_stages`` is False.
 
     The split-backward kinds (zb-h1, zb-h2, zb-v, zb-2bw) only where the profile timed each
     layer's split backward (``split_profiled``; ``profile(split_backward=True)``, the default):
@@ -148,7 +147,7 @@ def choose_schedule(
         threads: the torch threads per worker the profiles were taken with (recorded on every
             candidate; :func:`choose_layout` compares several).
         virtual_stages: with the default kinds, also try interleaved and zb-v (several stages
-            per worker; False for ``train``, which cannot checkpoint them).
+            per worker).
         plan_options: passed to the planner (straight, num_stages, memory_bytes, ...).
 
     Raises:

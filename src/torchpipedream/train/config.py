@@ -273,10 +273,6 @@ def check_options(cfg: TrainConfig) -> None:
     """TrainError for the first option that cannot work, before anything is started."""
     if cfg.schedule not in KIND_NAMES and cfg.schedule != AUTO:
         raise TrainError(f"unknown schedule {cfg.schedule!r}; choose one of {', '.join(KIND_NAMES)} or auto")
-    if cfg.schedule != AUTO and schedule_kind(cfg.schedule).virtual_stages:
-        raise TrainError(f"--schedule {cfg.schedule} (several stages per worker) is not supported by `train` yet: its "
-                         "checkpoints hold one stage per worker. Plan it with `torchpipedream plan --schedule "
-                         f"{cfg.schedule}` and train through the Pipeline API, or use --schedule flush")
     if cfg.vertical_sync and cfg.schedule == AUTO:
         raise TrainError("--vertical-sync applies to pipedream only, and --schedule auto has not chosen a kind yet: "
                          "use --schedule pipedream --vertical-sync, or drop --vertical-sync")

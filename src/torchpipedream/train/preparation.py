@@ -21,6 +21,7 @@ from ..runtime.checkpoint import CheckpointError, saved_shapes, shape_mismatch
 from ..runtime.measure import measure_local_costs
 from ..runtime.pipeline import PRECISIONS
 from ..schedule.build import build_schedule
+from ..schedule.placement import virtual_support_problem
 from ..search.auto import choose_layout, choose_schedule, local_layouts, threads_per_worker
 from ..search.planner import plan as make_plan
 from ..sim.simulator import Costs, simulate
@@ -105,12 +106,11 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
             plan.validate(layer_names=graph.names, world_size=workers * t, edges=graph.edges)
         except PlanError as exc:
             raise TrainError(f"--plan {cfg.plan_file}: {exc}") from None
-        if plan.virtual:
-            raise TrainError(f"--plan {cfg.plan_file}: {plan.summary}: plans whose workers hold several stages "
-                             "(interleaved, zb-v) are not supported by `train` yet (its checkpoints hold one stage "
-                             "per worker); train them through the Pipeline API")
         if cfg.schedule != AUTO:  # auto: the file's schedule and microbatches
             plan.schedule = cfg.schedule
+        problem = virtual_support_problem(plan, plan.schedule)
+        if problem:
+            raise TrainError(f"--plan {cfg.plan_file} with --schedule {plan.schedule}: {problem}")
         if _recipe_counts_updates(cfg) and not schedule_kind(plan.schedule).microbatched \
                 and any(st.replicas > 1 for st in plan.stages):
             raise TrainError(f"--plan {cfg.plan_file}: {plan.summary} replicates a stage, which under {plan.schedule} "
@@ -227,7 +227,7 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int,
     options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
                    straight=_straight(cfg), recompute=cfg.recompute,
                    optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], optimizer_scratch=_scratch(cfg),
-                   host_costs=host_costs, virtual_stages=False,  # train cannot checkpoint them yet
+                   host_costs=host_costs,
                    sharding=cfg.shard)
     try:
         if host_costs is not None:
