@@ -216,14 +216,16 @@ def zb_h1(ctx: BuildContext) -> ComputeOrder:
     """
     n = ctx.plan.num_stages
     out: ComputeOrder = {}
-    for s in range(n):
+    for s, st in enumerate(ctx.plan.stages):
         offsets = _zb_h1_offsets(n, s)
-        items: list[ComputeItem] = []
-        for batch in ctx.batches_of(s, 0):
-            timed = [(off + 3 * k, rank, ComputeItem(kind, i)) for k, i in enumerate(batch)
-                     for rank, (kind, off) in enumerate(zip((Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD), offsets))]
-            items += [c for _, _, c in sorted(timed, key=lambda x: (x[0], x[1]))]
-        out[(s, 0)] = items
+        for replica in range(st.replicas):  # a replica runs the block over its own microbatches
+            items: list[ComputeItem] = []
+            for batch in ctx.batches_of(s, replica):
+                timed = [(off + 3 * k, rank, ComputeItem(kind, i)) for k, i in enumerate(batch)
+                         for rank, (kind, off) in enumerate(zip((Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD),
+                                                                offsets))]
+                items += [c for _, _, c in sorted(timed, key=lambda x: (x[0], x[1]))]
+            out[(s, replica)] = items
     return out
 
 
@@ -264,7 +266,8 @@ def zb_h2(ctx: BuildContext) -> ComputeOrder:
         s3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 W0 F7 B7 W1 W2 W3 W4 W5 W6 W7
     """
     n = ctx.plan.num_stages
-    return {(s, 0): [c for batch in ctx.batches_of(s, 0) for c in _zb_h2_batch(batch, n, s)] for s in range(n)}
+    return {(s, replica): [c for batch in ctx.batches_of(s, replica) for c in _zb_h2_batch(batch, n, s)]
+            for s, st in enumerate(ctx.plan.stages) for replica in range(st.replicas)}
 
 
 def interleaved(ctx: BuildContext) -> ComputeOrder:
