@@ -584,13 +584,29 @@ def test_loss_normalizer_needs_a_summed_loss():
 
 
 @pytest.mark.parametrize("kind", ["interleaved", "zb-v"])
-def test_clipping_refused_by_name_where_updates_cannot_wait_for_the_norm(kind):
-    """A rank holding several stages steps a later stage's update before an earlier stage's
-    last backward of it: the global norm is not there yet."""
-    sc = {"model": "deep", "kind": kind, "m": 2, "n": 2}
-    plan = Plan.v_shape(CUTS[2], 1, microbatches=2) if kind == "zb-v" else Plan.looped(CUTS[3], 1, microbatches=2)
-    with pytest.raises(PipelineError, match="clip_grad_norm"):
-        pipeline(sc, plan, []).train_minibatches(deep_data(2))
+def test_a_rank_with_several_stages_steps_after_its_last_backward_which_clipping_needs(kind):
+    """A rank holding several stages takes its steps of an update after its last backward of it
+    (over all its stages), so the global norm can be there at its first step; a step moved
+    before one of the rank's backwards is what the validator refuses, and clipping with it."""
+    import dataclasses
+
+    from torchpipedream.schedule.actions import Kind
+    from torchpipedream.schedule.build import build_schedule
+    from torchpipedream.schedule.validate import update_barrier_problem
+
+    plan = Plan.v_shape(CUTS[4], 2, microbatches=4) if kind == "zb-v" else Plan.looped(CUTS[4], 2, microbatches=4)
+    sched = build_schedule(plan, kind, minibatches=2)
+    assert update_barrier_problem(sched) is None
+    for actions in sched.actions.values():
+        steps = [k for k, a in enumerate(actions) if a.kind is Kind.OPTIMIZER_STEP and a.id == 0]
+        backwards = [k for k, a in enumerate(actions) if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD) and a.id < 4]
+        assert len(steps) == 2 and min(steps) > max(backwards)
+    early = list(sched.actions[0])
+    step = next(k for k, a in enumerate(early) if a.kind is Kind.OPTIMIZER_STEP)
+    last_b = max(k for k, a in enumerate(early) if a.kind is Kind.BACKWARD and a.id < 4)
+    early.insert(last_b, early.pop(step))
+    problem = update_barrier_problem(dataclasses.replace(sched, actions={**sched.actions, 0: early}))
+    assert problem is not None and "before its" in problem
 
 
 @pytest.mark.parametrize("option", ["clip_grad_norm", "lr_scheduler"])

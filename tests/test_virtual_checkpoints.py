@@ -1,5 +1,5 @@
 """Checkpoints of plans with virtual stages (a worker holding several stages: interleaved, zb-v),
-exact and movable between layouts (issue 37, item 5).
+exact and movable between layouts, and clipping by the global norm on them (issue 37, item 5).
 
 One launch of 4 gloo processes:
 
@@ -11,6 +11,8 @@ One launch of 4 gloo processes:
   flush pipeline (4 stages), saving and loading between them, and with tensor parallelism
   interleaved (4 stages on 2 workers × 2 tensor ranks) → flush PP2 × TP2; each ends equal to plain
   PyTorch in one process (the reference is written here).
+- **clipping**: interleaved and zb-v on 8 stages clip by the global norm under a cosine
+  learning-rate schedule, equal to torch's ``clip_grad_norm_`` in one process.
 - After the launch, the interleaved checkpoint loads into one process and exports to a plain
   state dict, both equal to the reference at its step.
 """
@@ -26,10 +28,12 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipedream.plans.plan import Plan
+from scenario_reference import assert_equals_one_process, one_process_training, optimizer
 from torchpipedream.models import MODELS
+from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.checkpoint import read_stage_states
+from torchpipedream.runtime.lr_schedule import LRSchedule
 
 N_PROCS = 4
 NAMES = ["input_1", "fc1", "act1", "fc2", "norm", "fc3", "act2", "drop", "fc4", "head"]
@@ -40,6 +44,7 @@ FOUR = [["input_1", "fc1", "act1"], ["fc2", "norm"], ["fc3", "act2", "drop"], ["
 LOOPED_TP = [["input_1", "fc1", "act1", "fc2"], ["norm"], ["fc3", "act2", "drop", "fc4"], ["head"]]
 TWO_TP = [LOOPED_TP[0] + LOOPED_TP[1], LOOPED_TP[2] + LOOPED_TP[3]]
 LR = 0.02
+CLIP = 0.3
 
 
 def model(dropout: float = 0.0) -> nn.Module:
@@ -130,9 +135,19 @@ def _tensor_parallel(root: Path) -> dict:
     return {"state": again.state_dict()}
 
 
+def _clipped(kind: str) -> dict:
+    """4 minibatches on 8 stages, clipped by the global norm under a warm-up-then-cosine schedule."""
+    shape = "looped" if kind == "interleaved" else "v"
+    pipe = Pipeline(model(), plan(shape, kind), optimizer=optimizer("momentum"), loss_fn=nn.functional.cross_entropy,
+                    clip_grad_norm=CLIP, lr_scheduler=LRSchedule("cosine", warmup=1, total=4), timeout_s=60)
+    pipe.train_minibatches(data()[:4])
+    return {"state": pipe.state_dict(), "norms": pipe.grad_norms}
+
+
 def _worker(rank: int, root: str) -> dict:
     torch.set_num_threads(1)
-    return {"same": _same_layout(Path(root)), "across": _across(Path(root)), "tp": _tensor_parallel(Path(root))}
+    return {"same": _same_layout(Path(root)), "across": _across(Path(root)), "tp": _tensor_parallel(Path(root)),
+            "clipped": {kind: _clipped(kind) for kind in ("interleaved", "zb-v")}}
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +187,15 @@ def test_a_virtual_checkpoint_moves_between_layouts_and_kinds(results: dict) -> 
 
 def test_a_tensor_parallel_virtual_checkpoint_resumes_on_another_plan(results: dict) -> None:
     assert_close(results["tp"]["state"], reference(3), "flush PP2 x TP2 from interleaved x TP2")
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "zb-v"])
+def test_virtual_stages_clip_by_the_global_norm_as_one_process(results: dict, kind: str) -> None:
+    """A rank's steps of an update follow its last backward of it over all its stages, so the
+    norm over every rank's gradients is there at its first step (clipping with every kind)."""
+    case = dict(m=4, clip=True, sched=True)
+    want = one_process_training(model(), data()[:4], optimizer("momentum"), case, CLIP, None)
+    assert_equals_one_process(kind, case, results["clipped"][kind], want, CLIP)
 
 
 def test_every_stage_of_a_virtual_plan_has_its_file(root: Path, results: dict) -> None:

@@ -824,9 +824,9 @@ class Pipeline:
         if problem:
             raise PipelineError(f"clip_grad_norm cannot run with the {schedule.kind} schedule of this plan: {problem}; "
                                 "clipping by the global norm needs every stage's gradients of one update before its "
-                                "first step (kinds with one stage per rank: flush, gpipe, zb-h1, zb-h2, 2bw, zb-2bw, and "
-                                "pipedream without a parameter shared by stages; replicated stages with those that "
-                                "split minibatches)")
+                                "first step (flush, gpipe, zb-h1, zb-h2, interleaved, zb-v, 2bw, zb-2bw, and pipedream "
+                                "without a parameter shared by stages; replicated stages with those that split "
+                                "minibatches)")
 
     def schedule_for(self, minibatches: int) -> Schedule:
         """The validated schedule covering ``minibatches`` minibatches (cached; see

@@ -235,8 +235,33 @@ def _lower(ctx: BuildContext, order: dict, versions: dict) -> dict[int, list[Act
             out += segments[(s, 0)][nxt[s]]
             nxt[s] += 1
         assert all(nxt[s] == len(segments[(s, 0)]) for s in held), "rank_order must list every compute item"
-        actions[r] = out
+        actions[r] = _steps_after_the_ranks_backwards(ctx, out)
     return dict(sorted(actions.items()))
+
+
+def _steps_after_the_ranks_backwards(ctx: BuildContext, actions: list[Action]) -> list[Action]:
+    """A rank holding several stages: each of its steps of update u moved to right after its last
+    B or W of u (over all its stages; after the B's send of its input gradient), in their order. Every kind with virtual stages flushes,
+    so nothing of the next batch runs on the rank before that point and the move costs no
+    time; it is what lets a reduction over every rank at each update (clipping by the global
+    norm) run exactly: all of the update's gradients are there at the rank's first step."""
+    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    last: dict[int, int] = {}  # update -> the position of the rank's last B or W of it, or of the send after it
+    for k, a in enumerate(actions):
+        if a.kind is Kind.BACKWARD or a.kind is Kind.WEIGHT_GRAD:
+            last[update_of(plan, kind, a.stage, a.id, m)] = k
+        elif a.kind is Kind.SEND_GRAD and k and actions[k - 1].kind is Kind.BACKWARD:
+            last[update_of(plan, kind, a.stage, a.id, m)] = k
+    steps: dict[int, list[Action]] = {}
+    for a in actions:
+        if a.kind is Kind.OPTIMIZER_STEP and a.id in last:
+            steps.setdefault(last[a.id], []).append(a)
+    out: list[Action] = []
+    for k, a in enumerate(actions):
+        if not (a.kind is Kind.OPTIMIZER_STEP and a.id in last):
+            out.append(a)
+        out += steps.get(k, [])
+    return out
 
 
 def _check_sharded_shares(plan: Plan, m: int) -> None:

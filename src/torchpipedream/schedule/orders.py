@@ -278,8 +278,10 @@ def interleaved(ctx: BuildContext) -> ComputeOrder:
     reverse; 1F1B between the two after ``interleaved_warmup`` forwards. On stages of equal
     times the bubble is (p − 1)/v of one stage's F + B per batch, 1/v of flush's::
 
-        r0: F0 F1 F0' F1' F2 B0' F3 B1' F2' B0 F3' B1 B2' B3' U0' B2 B3 U0   (p = 2, v = 2, m = 4;
-        r1: F0 F1 F0' B0' F1' B1' F2 B0 F3 B1 F2' B2' F3' B3' U0' B2 B3 U0   ' = the rank's 2nd stage)
+        r0: F0 F1 F0' F1' F2 B0' F3 B1' F2' B0 F3' B1 B2' B3' B2 B3 U0' U0   (p = 2, v = 2, m = 4;
+        r1: F0 F1 F0' B0' F1' B1' F2 B0 F3 B1 F2' B2' F3' B3' B2 B3 U0' U0   ' = the rank's 2nd stage)
+
+    (A rank's steps follow its last backward of the batch: ``build._steps_after_the_ranks_backwards``.)
     """
     plan, m, p, v = ctx.plan, ctx.microbatches, ctx.plan.num_workers, ctx.plan.chunks
     if not plan.placed_by(looped_rank):
