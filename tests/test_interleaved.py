@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchpipedream.plans.plan import Plan
-from torchpipedream.runtime import Pipeline, PipelineError, launch
+from torchpipedream.runtime import Pipeline, launch
 
 LR, BATCH, BATCHES = 0.1, 16, 3
 
@@ -121,10 +121,3 @@ def test_one_process_holding_several_stages_hands_over_in_memory(kind: str, chun
     out = train(1, chunks, 4, kind)
     assert_trained_like_the_reference(out)
     assert {s for _, s, _, _ in out["events"]} == set(range(chunks))
-
-
-def test_what_virtual_stages_do_not_support_yet_is_refused_by_name() -> None:
-    plan = Plan.looped(CUTS[3], 1, microbatches=2)
-    with pytest.raises(PipelineError, match="precision='fp16' is not supported with virtual stages"):
-        Pipeline(deep_mlp(), plan, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), precision="fp16")
-

@@ -13,6 +13,8 @@ One launch of 4 gloo processes:
   PyTorch in one process (the reference is written here).
 - **clipping**: interleaved and zb-v on 8 stages clip by the global norm under a cosine
   learning-rate schedule, equal to torch's ``clip_grad_norm_`` in one process.
+- **float16**: interleaved and zb-v on 8 stages with loss scaling (an update skipped), saved and
+  resumed, equal to torch's ``GradScaler`` in one process (tests/fp16_reference.py).
 - After the launch, the interleaved checkpoint loads into one process and exports to a plain
   state dict, both equal to the reference at its step.
 """
@@ -33,6 +35,7 @@ from torchpipedream.models import MODELS
 from torchpipedream.plans.plan import Plan
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.runtime.checkpoint import read_stage_states
+from torchpipedream.runtime.loss_scaling import LossScaling
 from torchpipedream.runtime.lr_schedule import LRSchedule
 
 N_PROCS = 4
@@ -45,6 +48,8 @@ LOOPED_TP = [["input_1", "fc1", "act1", "fc2"], ["norm"], ["fc3", "act2", "drop"
 TWO_TP = [LOOPED_TP[0] + LOOPED_TP[1], LOOPED_TP[2] + LOOPED_TP[3]]
 LR = 0.02
 CLIP = 0.3
+#: float16's loss scale: 2**20 overflows on the first update (skipped), then halves
+FP16_SCALING = LossScaling(init_scale=2.0 ** 20, growth_interval=2)
 
 
 def model(dropout: float = 0.0) -> nn.Module:
@@ -144,10 +149,28 @@ def _clipped(kind: str) -> dict:
     return {"state": pipe.state_dict(), "norms": pipe.grad_norms}
 
 
+def _float16(kind: str, root: Path) -> dict:
+    """3 minibatches on 8 stages in float16 with a loss scale that overflows at first, saved
+    after 2 and resumed for the third (the scale travels with the checkpoint)."""
+    shape = "looped" if kind == "interleaved" else "v"
+
+    def make() -> Pipeline:
+        return Pipeline(model(), plan(shape, kind), optimizer=optimizer("sgd"), loss_fn=nn.functional.cross_entropy,
+                        precision="fp16", loss_scaling=FP16_SCALING, timeout_s=60)
+    first = make()
+    first.train_minibatches(data()[:2])
+    first.save_checkpoint(root / f"fp16_{kind}")
+    again = make()
+    again.load_checkpoint(root / f"fp16_{kind}")
+    again.train_minibatches(data()[2:3])
+    return {"state": again.state_dict(), "norms": [], "scale": (again.loss_scale, again.skipped_updates)}
+
+
 def _worker(rank: int, root: str) -> dict:
     torch.set_num_threads(1)
     return {"same": _same_layout(Path(root)), "across": _across(Path(root)), "tp": _tensor_parallel(Path(root)),
-            "clipped": {kind: _clipped(kind) for kind in ("interleaved", "zb-v")}}
+            "clipped": {kind: _clipped(kind) for kind in ("interleaved", "zb-v")},
+            "fp16": {kind: _float16(kind, Path(root)) for kind in ("interleaved", "zb-v")}}
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +219,15 @@ def test_virtual_stages_clip_by_the_global_norm_as_one_process(results: dict, ki
     case = dict(m=4, clip=True, sched=True)
     want = one_process_training(model(), data()[:4], optimizer("momentum"), case, CLIP, None)
     assert_equals_one_process(kind, case, results["clipped"][kind], want, CLIP)
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "zb-v"])
+def test_virtual_stages_scale_float16_losses_as_torchs_grad_scaler(results: dict, kind: str) -> None:
+    """Every stage a rank holds skips the same updates (one decision per rank and update, over
+    all its stages' gradients, agreed with every rank), as torch's GradScaler in one process."""
+    case = dict(m=4, precision="fp16")
+    want = one_process_training(model(), data()[:3], optimizer("sgd"), case, CLIP, FP16_SCALING)
+    assert_equals_one_process(kind, case, results["fp16"][kind], want, CLIP)
 
 
 def test_every_stage_of_a_virtual_plan_has_its_file(root: Path, results: dict) -> None:

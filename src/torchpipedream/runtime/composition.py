@@ -204,7 +204,7 @@ def _schedule(plan: Plan, kind: str, o: Options, factory: Any) -> None:
     sched = build_schedule(plan, kind, minibatches=2 * plan.num_workers, microbatches=microbatches,
                            vertical_sync=o.vertical_sync)
     validate_schedule(sched)
-    Pipeline._check_recipe(SimpleNamespace(_scheduler_factory=factory,  # type: ignore[arg-type]
+    Pipeline._check_recipe(SimpleNamespace(_scheduler_factory=factory, precision=o.precision,  # type: ignore[arg-type]
                                            clipper=object() if o.clip_grad_norm is not None else None), sched)
 
 

@@ -246,14 +246,18 @@ class Engine:
 
     # ------------------------------------------------------------------ run (run_actions drives these)
 
-    def begin(self, actions: list[Action], train: bool) -> None:
-        """Start a schedule: ``actions`` are this stage's (its part of the rank's list)."""
+    def begin(self, actions: list[Action], train: bool, rank_engines: list["Engine"] | None = None,
+              decisions: dict[int, tuple[float, bool]] | None = None) -> None:
+        """Start a schedule: ``actions`` are this stage's (its part of the rank's list).
+        ``rank_engines`` (every stage the rank holds) share ``decisions``: one loss-scale
+        decision per update for the rank, over all their gradients."""
         self._ctx: dict[int, _Context] = {}
         self._received: dict[int, tuple[int, tuple[Any, ...], tuple[Any, ...]]] = {}
         self._to_send: dict[int, tuple[int, list[torch.Tensor], list[Any]]] = {}
         self._out_grads: dict[int, list[torch.Tensor]] = {}
         self._in_grads: dict[int, list[torch.Tensor]] = {}
-        self._updates: dict[int, tuple[float, bool]] = {}  # update -> (1 / its loss scale, apply it?)
+        self._updates = {} if decisions is None else decisions  # update -> (1 / its loss scale, apply it?)
+        self._rank_engines = rank_engines or [self]
         self._split = split_backwards(actions) if train else set()
         self._weight_work: dict[int, tuple[WeightGradients | None, _Context, int | None]] = {}  # B done, W to run
 
@@ -339,12 +343,14 @@ class Engine:
     def _scaled(self, update: int) -> tuple[float, bool]:
         """(1 / loss scale, apply) for this rank's steps of ``update``, decided once per update
         (at the first of its TR and U actions, when every gradient of the update is here) by the
-        loss scaler and agreed with every rank; (1, True) without one."""
+        loss scaler and agreed with every rank; (1, True) without one. A rank holding several
+        stages decides once for all of them (they share ``_updates``), over all their gradients."""
         if self.scaler is None:
             return 1.0, True
         if update not in self._updates:
-            overflow = self.weights.gradient_overflowed() or any(
-                copy.weights.posted_gradient_overflowed(self.timeout_s) for copy in self.tied.values())
+            overflow = any(e.weights.gradient_overflowed() or any(
+                copy.weights.posted_gradient_overflowed(self.timeout_s) for copy in e.tied.values())
+                for e in self._rank_engines)
             apply, used = self.scaler.decide(overflow)
             if not apply:
                 log.info("rank %d: update %d skipped: the float16 gradients overflowed at loss scale %g",
@@ -586,8 +592,9 @@ def run_actions(
     any_engine = next(iter(engines.values()))
     rank = any_engine.rank
     recorder = recorder or FlightRecorder(rank, str)
+    decisions: dict[int, tuple[float, bool]] = {}  # the rank's loss-scale decision of each update
     for stage, engine in engines.items():
-        engine.begin([a for a in actions if a.stage == stage], train)
+        engine.begin([a for a in actions if a.stage == stage], train, list(engines.values()), decisions)
     results: dict[int, MicrobatchResult] = {}
     clock = ActionClock(any_engine.device, t0)
     mark = clock.mark

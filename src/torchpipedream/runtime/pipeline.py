@@ -347,9 +347,6 @@ class Pipeline:
         self.worker, self.tensor_rank = plan.worker_of_rank(self.rank)
         self.stages_held = plan.stages_of_rank(self.worker)
         self.stage, self.replica = (self.stages_held[0], 0) if plan.virtual else plan.stage_of_rank(self.worker)
-        if plan.virtual and precision == "fp16":
-            raise PipelineError("precision='fp16' is not supported with virtual stages (a rank holding several "
-                                "stages) yet: use precision='bf16'")
 
     def _choose_device(self, device: torch.device | str | None, tune_allocator: bool) -> None:
         """This rank's device (unless given: ``devices.default_device``, a GPU wherever there is
@@ -572,7 +569,7 @@ class Pipeline:
                 # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
                 buffers=ReplicaBuffers(module, self._ar_group, self.plan.stages[s].replicas)
                 if self._ar_group is not None else None,
-                scaler=scaler if own else None, config=config, clipper=self.clipper, finish=self._finish,
+                scaler=scaler, config=config, clipper=self.clipper, finish=self._finish,
             )
         return engines
 
@@ -813,7 +810,8 @@ class Pipeline:
         """Refuse a schedule whose updates cannot follow ``lr_scheduler`` or ``clip_grad_norm``:
         one where update t is not the same minibatches' on every stage (a replicated stage under
         pipedream or naive), or, for clipping, whose updates cannot wait for the norm of every
-        stage's gradient (schedule.validate.update_barrier_problem)."""
+        stage's gradient (schedule.validate.update_barrier_problem), as for float16 on a rank
+        holding several stages (one loss-scale decision for all of them)."""
         if self._scheduler_factory is not None:
             uneven = uneven_updates(schedule)
             if uneven:
@@ -827,6 +825,10 @@ class Pipeline:
                                 "first step (flush, gpipe, zb-h1, zb-h2, interleaved, zb-v, 2bw, zb-2bw, and pipedream "
                                 "without a parameter shared by stages; replicated stages with those that split "
                                 "minibatches)")
+        scaled_together = self.precision == "fp16" and schedule.plan.virtual
+        problem = update_barrier_problem(schedule) if scaled_together and self.clipper is None else None
+        if problem:  # the rank's one loss-scale decision of an update needs all its stages' gradients
+            raise PipelineError(f"precision='fp16' cannot run with the {schedule.kind} schedule of this plan: {problem}")
 
     def schedule_for(self, minibatches: int) -> Schedule:
         """The validated schedule covering ``minibatches`` minibatches (cached; see
@@ -1030,7 +1032,8 @@ class Pipeline:
             return  # the schedule's own check names it
         if asynchronous:
             raise PipelineError(
-                f"precision='fp16' needs a synchronous schedule (flush, gpipe, zb-h1, zb-h2), not {kind!r}: an update "
+                f"precision='fp16' needs a synchronous schedule (flush, gpipe, zb-h1, zb-h2, interleaved, zb-v), not "
+                f"{kind!r}: an update "
                 "whose float16 gradients overflowed must be skipped by every stage, and with "
                 f"{kind!r} the stages apply different minibatches' updates at a time; use precision='bf16' "
                 "(no loss scaling needed)")
