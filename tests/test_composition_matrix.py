@@ -138,7 +138,7 @@ def refusal_by_a_pipeline(kind: str, feature: str, model: nn.Module, plan: Plan,
 
 @pytest.mark.parametrize("kind, feature", [
     ("pipedream", "fp16"), ("zb-2bw", "fp16"),
-    ("pipedream", "accumulate"), ("naive", "accumulate"), ("interleaved", "shared parameter"),
+    ("pipedream", "accumulate"), ("naive", "accumulate"),
     ("zb-v", "shared parameter"), ("flush", "vertical sync"),
 ])
 def test_a_refused_cell_is_what_a_real_pipeline_says(kind: str, feature: str, tmp_path) -> None:

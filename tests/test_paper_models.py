@@ -239,11 +239,12 @@ def test_awd_lm_shares_its_embedding_across_the_cut():
     assert [t.name for t in _graph("awd_lm").tied] == ["embed.weight"]
 
 
-# Shared parameters under virtual stages (issue 37): what the library does not do yet.
+# Shared parameters under virtual stages (issue 37): the runtime runs them where no worker holds
+# two copies; the planner does not plan them yet.
 @pytest.mark.parametrize("kind", VIRTUAL_KINDS)
 def test_awd_lm_planned_under_virtual_stages_is_refused_by_name(kind):
-    """Shared parameters under virtual stages are not supported yet (issue 37): the planner
-    says so, naming the parameter, instead of planning what cannot run."""
+    """The planner does not plan virtual stages for a model with shared parameters yet: it says
+    so, naming the parameter, instead of planning what might not run."""
     with pytest.raises(PlanError, match=r"shares parameters between layers \(embed.weight\)"):
         make_plan(_graph("awd_lm"), Topology.local(2), schedule=kind, microbatches=4)
 
@@ -251,10 +252,20 @@ def test_awd_lm_planned_under_virtual_stages_is_refused_by_name(kind):
 AWD_FOUR = [["ids", "embed"], ["rnn1", "getitem"], ["rnn2", "getitem_2"], ["rnn3", "getitem_4", "decoder"]]
 
 
-@pytest.mark.parametrize("kind", VIRTUAL_KINDS)
-def test_awd_lm_under_virtual_stages_by_hand_is_refused_by_name(kind):
-    """A worker holding two stages that share the tied embedding is refused at construction,
-    naming the parameter (it crashed in dist.new_group with duplicate ranks under zb-v)."""
-    plan = Plan.v_shape(AWD_FOUR, 2, microbatches=4) if kind == "zb-v" else Plan.looped(AWD_FOUR, 2, microbatches=4)
-    with pytest.raises(LaunchError, match="parameter 'embed.weight' is shared by stages .*not supported with virtual"):
-        launch(_worker, 2, "awd_lm", {kind: plan}, timeout_s=120, comm_timeout_s=60)
+def test_awd_lm_interleaved_by_hand_with_its_copies_on_two_workers_trains_as_plain_pytorch():
+    """Its tied embedding in stages 0 and 3, which interleaving puts on workers 0 and 1: each
+    worker holds one copy, and the model trains as the textbook loop does."""
+    plan = Plan.looped(AWD_FOUR, 2, schedule="interleaved", microbatches=4)
+    got = launch(_worker, 2, "awd_lm", {"interleaved": plan}, timeout_s=120, comm_timeout_s=60)["interleaved"]
+    want, losses = plain_training("awd_lm")
+    assert largest_difference(got["state"], want) < 1e-5
+    assert got["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_awd_lm_under_zb_v_by_hand_is_refused_by_name():
+    """zb-v puts the first and last stage on one worker: two copies of the tied embedding on one
+    worker are refused at construction, naming the parameter (it crashed in dist.new_group with
+    duplicate ranks once)."""
+    plan = Plan.v_shape(AWD_FOUR, 2, microbatches=4)
+    with pytest.raises(LaunchError, match="parameter 'embed.weight' is shared by stages .*worker 0 holds two of them"):
+        launch(_worker, 2, "awd_lm", {"zb-v": plan}, timeout_s=120, comm_timeout_s=60)

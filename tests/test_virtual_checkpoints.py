@@ -166,11 +166,49 @@ def _float16(kind: str, root: Path) -> dict:
     return {"state": again.state_dict(), "norms": [], "scale": (again.loss_scale, again.skipped_updates)}
 
 
+class TiedLM(nn.Module):
+    """A language model whose output layer is its embedding (one matrix, in stages 0 and 7)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(11, 8)
+        self.h = nn.ModuleList([nn.Linear(8, 8) for _ in range(6)])
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(x)
+        for layer in self.h:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+TIED_EIGHT = [["x", "embedding"]] + [[f"h_{i}", "tanh" if i == 0 else f"tanh_{i}"] for i in range(6)] + [["head"]]
+
+
+def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, 11), y.reshape(-1))
+
+
+def tokens(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)) for _ in range(n)]
+
+
+def _tied() -> dict:
+    """The tied model interleaved on 4 workers (its two copies on workers 0 and 3), clipped."""
+    p = Plan.looped(TIED_EIGHT, 4, schedule="interleaved", microbatches=4)
+    pipe = Pipeline(TiedLM(), p, optimizer=adam, loss_fn=token_loss, clip_grad_norm=CLIP, timeout_s=60)
+    pipe.train_minibatches(tokens())
+    return {"state": pipe.state_dict(), "norms": pipe.grad_norms}
+
+
 def _worker(rank: int, root: str) -> dict:
     torch.set_num_threads(1)
     return {"same": _same_layout(Path(root)), "across": _across(Path(root)), "tp": _tensor_parallel(Path(root)),
             "clipped": {kind: _clipped(kind) for kind in ("interleaved", "zb-v")},
-            "fp16": {kind: _float16(kind, Path(root)) for kind in ("interleaved", "zb-v")}}
+            "fp16": {kind: _float16(kind, Path(root)) for kind in ("interleaved", "zb-v")}, "tied": _tied()}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +266,24 @@ def test_virtual_stages_scale_float16_losses_as_torchs_grad_scaler(results: dict
     case = dict(m=4, precision="fp16")
     want = one_process_training(model(), data()[:3], optimizer("sgd"), case, CLIP, FP16_SCALING)
     assert_equals_one_process(kind, case, results["fp16"][kind], want, CLIP)
+
+
+def test_a_shared_parameter_on_virtual_stages_trains_as_one_model(results: dict) -> None:
+    """Each copy (stage 0 on worker 0, stage 7 on worker 3) posts its gradient and steps with the
+    sum after its rank's last backward of the update: equal to the tied model in one process,
+    clipped by torch's clip_grad_norm_ (which counts the tied matrix once)."""
+    net = TiedLM()
+    opt = adam(net.parameters())
+    norms = []
+    for x, y in tokens():
+        opt.zero_grad()
+        token_loss(net(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        opt.step()
+    got = results["tied"]
+    assert_close(got["state"], net.state_dict(), "tied, interleaved")
+    assert got["norms"] == pytest.approx(norms, rel=1e-5) and max(norms) > CLIP
+    assert torch.equal(got["state"]["embedding.weight"], got["state"]["head.weight"])
 
 
 def test_every_stage_of_a_virtual_plan_has_its_file(root: Path, results: dict) -> None:

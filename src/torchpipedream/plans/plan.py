@@ -371,7 +371,7 @@ class Plan:
 
     def _validate_virtual(self) -> None:
         """A plan with virtual stages: every rank holds the same number of stages, none of them
-        replicated, and no shared parameters (not supported there yet)."""
+        replicated, and at most one copy of each shared parameter (two: not supported yet)."""
         replicated = [s for s, st in enumerate(self.stages) if st.replicas > 1]
         if replicated:
             raise PlanError(f"stage {replicated[0]} has {self.stages[replicated[0]].replicas} replicas, but a rank holds "
@@ -382,9 +382,12 @@ class Plan:
             uneven = {r: v for r, v in held.items() if len(v) != counts[-1]}
             raise PlanError(f"every rank must hold the same number of stages (virtual stages); ranks hold "
                             f"{counts} stages, e.g. rank {next(iter(uneven))}: {next(iter(uneven.values()))}")
-        if self.tied:
-            raise PlanError(f"parameter {self.tied[0].name!r} is shared by stages {self.tied[0].stages}: shared "
-                            "parameters are not supported with virtual stages yet")
+        for t in self.tied:
+            workers = [self.stages[s].ranks[0] for s in t.stages if 0 <= s < len(self.stages)]
+            twice = next((w for w in workers if workers.count(w) > 1), None)
+            if twice is not None:
+                raise PlanError(f"parameter {t.name!r} is shared by stages {t.stages}, and worker {twice} holds two of "
+                                "them: a worker holding two copies of a shared parameter is not supported yet")
 
     def _validate_tied(self) -> None:
         if not isinstance(self.tied, list):

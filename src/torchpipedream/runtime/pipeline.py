@@ -362,10 +362,10 @@ class Pipeline:
                      "(torchpipedream.launch sets it; see torchpipedream/host/huge_pages.py)", HUGE_PAGES_ENV, HUGE_PAGES_ENV)
 
     def _split_model(self, module_or_stages: nn.Module | Sequence[nn.Module],
-                     sample: Any) -> tuple[dict[int, nn.Module], dict[int, str]]:
+                     sample: Any) -> tuple[dict[int, nn.Module], dict[int, dict[int, str]]]:
         """Split the model into this rank's stage modules (on its device); returns them by stage
-        and this stage's local name of each shared parameter it holds (by index into
-        ``plan.tied``). Keeps what the runs need of the split: the plan with the shared
+        and, by stage, each held stage's local name of each shared parameter it holds (by index
+        into ``plan.tied``). Keeps what the runs need of the split: the plan with the shared
         parameters it found (checked against the plan's), the model's names of the stages'
         state, the first stage's input mapping, the last stage's output finish and, for a graph
         torch.export traced, the stages traced for evaluation."""
@@ -378,7 +378,8 @@ class Pipeline:
         self.plan = plan = self._with_shared_parameters(self.plan, split)
         # parameters the model knows by several names (tied): canonical name -> every name
         self._aliases = {k: v for k, v in parameter_aliases(model).items() if len(v) > 1} if model is not None else {}
-        local_tied = {k: split.tied[t.name][self.stage] for k, t in enumerate(plan.tied) if self.stage in t.stages}
+        local_tied = {s: {k: split.tied[t.name][s] for k, t in enumerate(plan.tied) if s in t.stages}
+                      for s in self.stages_held}
         # The model's name of each entry of each held stage's state (checkpoints are keyed by it).
         self._state_names = {s: model_state_names(split.modules[s], model) for s in self.stages_held}
         modules = {s: split.modules[s].to(self.device) for s in self.stages_held}
@@ -457,19 +458,24 @@ class Pipeline:
             self._eval_modules[self.stage] = GatheredEvaluation(self._eval_modules[self.stage], modules[self.stage])
         shard_stage(modules[self.stage], self._ar_group, self.device, st.sharding, mesh=self._data_mesh)
 
-    def _make_tied_copies(self, module: nn.Module, factory: OptimizerFactory,
-                          local_tied: dict[int, str]) -> dict[int, TiedCopy]:
-        """This stage's copy of each shared parameter it holds: weights of its own, stepped by
+    def _make_tied_copies(self, modules: dict[int, nn.Module], factory: OptimizerFactory,
+                          local_tied: dict[int, dict[int, str]]) -> dict[int, TiedCopy]:
+        """This rank's copy of each shared parameter its stages hold (at most one of each:
+        ``tied_support_problem``), by index into ``plan.tied``: weights of its own, stepped by
         the TR actions, and a process group of every rank holding a copy (every shared
-        parameter's group is created, in the same order, on every rank)."""
+        parameter's group is created, in the same order, on every rank). ``self._tied_stage``
+        says which stage holds each."""
         plan, tied = self.plan, {}
+        self._tied_stage: dict[int, int] = {}
         for k, t in enumerate(plan.tied):
-            ranks = sorted(r for ts in t.stages for r in plan.stages[ts].ranks)
+            ranks = sorted({r for ts in t.stages for r in plan.stages[ts].ranks})
             group = self._workers_group(ranks)
-            if k in local_tied:
-                weights = WeightVersions(module, factory, self.loss_reduction, replicated=True, only={local_tied[k]},
-                                         **self._weights_options(self.stage))
-                tied[k] = TiedCopy(weights, group, holders=len(t.stages))
+            for s, names in local_tied.items():
+                if k in names:
+                    weights = WeightVersions(modules[s], factory, self.loss_reduction, replicated=True,
+                                             only={names[k]}, **self._weights_options(s))
+                    tied[k] = TiedCopy(weights, group, holders=len(t.stages))
+                    self._tied_stage[k] = s
         return tied
 
     def _make_loss_scaler(self, precision: str, loss_scaling: LossScaling | None) -> LossScaler | None:
@@ -481,12 +487,13 @@ class Pipeline:
             if self.distributed else None
         return LossScaler(loss_scaling or LossScaling(), self._overflow_agreement(group))
 
-    def _make_weights(self, modules: dict[int, nn.Module], local_tied: dict[int, str],
+    def _make_weights(self, modules: dict[int, nn.Module], local_tied: dict[int, dict[int, str]],
                       optimizer: OptimizerFactory) -> dict[int, WeightVersions]:
-        """The weight versions (and optimizer) of each stage this rank holds; for this rank's
-        (first) stage also its copies of shared parameters (``self.tied``)."""
+        """The weight versions (and optimizer) of each stage this rank holds, and its copies of
+        shared parameters (``self.tied``)."""
         factory = self._guard_optimizer(optimizer)
         self.tied: dict[int, TiedCopy] = {}
+        self._tied_stage = {}
         weights: dict[int, WeightVersions] = {}
         try:
             for s in self.stages_held:
@@ -500,10 +507,10 @@ class Pipeline:
                                                 self.plan.stages[s].replicas, **self._weights_options(s))
                     continue
                 weights[s] = WeightVersions(modules[s], factory, self.loss_reduction,
-                                            replicated=self._ar_group is not None, exclude=set(local_tied.values()),
-                                            **self._weights_options(s))
-                if s == self.stage:
-                    self.tied = self._make_tied_copies(modules[s], factory, local_tied)
+                                            replicated=self._ar_group is not None,
+                                            exclude=set(local_tied[s].values()), **self._weights_options(s))
+            if self.plan.tensor_parallel == 1 and not self.plan.stages[self.stage].sharded:
+                self.tied = self._make_tied_copies(modules, factory, local_tied)
         except LRScheduleError as exc:
             raise PipelineError(str(exc)) from None
         return weights
@@ -551,27 +558,31 @@ class Pipeline:
 
     def _make_engines(self, modules: dict[int, nn.Module], weights: dict[int, WeightVersions],
                       scaler: LossScaler | None, precision: str, seed: int | None) -> dict[int, Engine]:
-        """One engine per stage this rank holds, its settings in one :class:`EngineConfig`; this
-        rank's (first) stage gets the copies of shared parameters and the loss scale."""
+        """One engine per stage this rank holds, its settings in one :class:`EngineConfig`; each
+        with its copies of shared parameters, all with the rank's loss scale."""
         # Dropout masks come from (this seed, stage, microbatch): distinct on every replica and
         # reproducible; without a seed, the process's (what torch.manual_seed set, if anything).
         rng_seed = seed if seed is not None else torch.initial_seed()
         engines: dict[int, Engine] = {}
         for s in self.stages_held:
-            module, own = modules[s], s == self.stage
+            module = modules[s]
             config = EngineConfig(timeout_s=self.timeout_s, loss_reduction=self.loss_reduction, device=self.device,
                                   draws_random=draws_random_numbers(module), recompute=self.plan.stages[s].recompute,
                                   compute_dtype=PRECISIONS[precision], rng_seed=rng_seed)
             engines[s] = Engine(
                 self.worker, s, self.replica, module,
                 is_first=s == 0, is_last=s == self.plan.num_stages - 1, weights=weights[s],
-                loss_fn=self._loss_of_output, ar_group=self._ar_group, tied=self.tied if own else {},
+                loss_fn=self._loss_of_output, ar_group=self._ar_group, tied=self._tied_of(s),
                 # BatchNorm statistics of replicas: averaged at every update (runtime/buffers.py)
                 buffers=ReplicaBuffers(module, self._ar_group, self.plan.stages[s].replicas)
                 if self._ar_group is not None else None,
                 scaler=scaler, config=config, clipper=self.clipper, finish=self._finish,
             )
         return engines
+
+    def _tied_of(self, stage: int) -> dict[int, TiedCopy]:
+        """The copies of shared parameters ``stage`` holds on this rank, by index into ``plan.tied``."""
+        return {k: copy for k, copy in self.tied.items() if self._tied_stage[k] == stage}
 
     def _start_bookkeeping(self) -> None:
         """What the runs keep: built schedules, negotiated message sizes, the last run's events,
@@ -1076,6 +1087,8 @@ class Pipeline:
                 uses = stage_uses[a.stage]
                 uses[base + a.version] = uses.get(base + a.version, 0) + 1
             for k in self.tied:
+                if a.stage != self._tied_stage[k]:
+                    continue
                 if a.kind is Kind.FORWARD:
                     at_forward[(k, a.id)] = tied_version[k]
                 if a.kind in (Kind.FORWARD, Kind.BACKWARD):
@@ -1276,7 +1289,7 @@ class Pipeline:
         parts = []
         for s in self.stages_held:
             engine = self.engines[s]
-            copies = [copy.weights for copy in self.tied.values()] if s == self.stage else []
+            copies = [copy.weights for copy in self._tied_of(s).values()]
             group = self._stage_groups.get(s) or (self._ar_group if self.plan.stages[s].sharded else None)
             parts.append(StageState(stage=s, replica=self.replica * t + self.tensor_rank, module=engine.module,
                                     state_names=self._state_names[s], weights=[engine.weights] + copies,

@@ -252,15 +252,19 @@ def _steps_after_the_ranks_backwards(ctx: BuildContext, actions: list[Action]) -
             last[update_of(plan, kind, a.stage, a.id, m)] = k
         elif a.kind is Kind.SEND_GRAD and k and actions[k - 1].kind is Kind.BACKWARD:
             last[update_of(plan, kind, a.stage, a.id, m)] = k
+    def moved(a: Action) -> bool:  # a step of an update, with a shared parameter's post and step (TP, TR)
+        return a.kind in (Kind.OPTIMIZER_STEP, Kind.TIED_POST, Kind.TIED_REDUCE) and a.id in last
+
     steps: dict[int, list[Action]] = {}
     for a in actions:
-        if a.kind is Kind.OPTIMIZER_STEP and a.id in last:
+        if moved(a):
             steps.setdefault(last[a.id], []).append(a)
+    order = {Kind.TIED_POST: 0, Kind.TIED_REDUCE: 1, Kind.OPTIMIZER_STEP: 2}  # posts, then their sums, then steps
     out: list[Action] = []
     for k, a in enumerate(actions):
-        if not (a.kind is Kind.OPTIMIZER_STEP and a.id in last):
+        if not moved(a):
             out.append(a)
-        out += steps.get(k, [])
+        out += sorted(steps.get(k, []), key=lambda b: order[b.kind])
     return out
 
 

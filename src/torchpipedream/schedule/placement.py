@@ -88,13 +88,18 @@ def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bo
     """Why this kind cannot keep the copies of a shared parameter (``plan.tied``) equal, naming
     the parameter, or None: under round-robin kinds (pipedream, naive) every stage holding one
     must have a single replica (their updates cover other minibatches than the other stages'
-    otherwise); naive and vertical sync define no version rule for them; virtual stages (a
-    worker holding two copies) are not supported yet."""
+    otherwise); naive and vertical sync define no version rule for them; with virtual stages
+    a worker may hold one copy of it, not two (not yet)."""
     info = schedule_kind(kind)
     for t in plan.tied:
-        if plan.virtual:
-            return (f"parameter {t.name!r} is shared by stages {t.stages}: shared parameters are not supported with "
-                    f"virtual stages ({info.name}: a worker holding several stages) yet; use flush or zb-h1")
+        workers = [plan.stages[s].ranks[0] for s in t.stages]
+        twice = next((w for w in workers if workers.count(w) > 1), None)
+        if plan.virtual and twice is not None:
+            both = [s for s, w in zip(t.stages, workers) if w == twice]
+            return (f"parameter {t.name!r} is shared by stages {t.stages}, and worker {twice} holds two of them "
+                    f"({both}): a worker holding two copies of a shared parameter is not supported yet ({info.name}"
+                    f"{' puts the first and last stage on one worker' if info.v_shape else ''}); use interleaved on "
+                    "two or more workers, flush or zb-h1")
         if info.version_rule is VersionRule.NEWEST:
             return (f"parameter {t.name!r} is shared by stages {t.stages}: {info.name} keeps no version rule for "
                     "it; use pipedream, 2bw, flush or gpipe")

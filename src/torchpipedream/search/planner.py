@@ -1219,8 +1219,9 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise PlanError(f"chunks (stages per worker) must be a positive integer, got {chunks!r}")
     if graph.tied:
-        raise PlanError(f"{schedule}: the model shares parameters between layers ({graph.tied[0].name}), which "
-                        "virtual stages do not support yet; use flush")
+        raise PlanError(f"{schedule}: the model shares parameters between layers ({graph.tied[0].name}), which the "
+                        "planner does not plan on virtual stages yet; give a plan by hand (Plan.looped) whose workers "
+                        "each hold at most one copy, or use flush")
     workers = topo.num_workers
     kind = schedule_kind(schedule)
     if not kind.v_shape and options["microbatches"] % workers:
