@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,29 @@ def _marker() -> Path | None:
     return Path(tempfile.gettempdir()) / f"torchpipedream-{safe}-user-error.txt"
 
 
+_AGENT_MARKER = re.compile(r"torchpipedream-agent(\d+)-(\d+)-user-error\.txt")
+
+
+def prune_stale_markers(directory: str | Path | None = None) -> int:
+    """Remove the user-error markers of torchrun jobs whose elastic agent has ended (a marker
+    named by its agent's pid and start time, as :func:`_job_id` names it, whose pid no longer
+    runs or runs another process): nothing reads them again, and without this every failed
+    job would leave one in the temporary folder. Returns how many were removed."""
+    removed = 0
+    for path in Path(directory or tempfile.gettempdir()).glob("torchpipedream-agent*-user-error.txt"):
+        match = _AGENT_MARKER.fullmatch(path.name)
+        if match is None:
+            continue
+        try:
+            alive = Path(f"/proc/{match[1]}/stat").read_text().rsplit(")", 1)[1].split()[19] == match[2]
+        except (OSError, IndexError):
+            alive = False
+        if not alive:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def _agent_started_unix() -> float | None:
     """When the elastic agent (this worker's parent) started, in Unix seconds (None if unknown)."""
     try:
@@ -171,6 +195,8 @@ def _prepare_on_rank0(cfg: TrainConfig) -> dict[str, Any]:
     """What rank 0 sends the others: the prepared run, or the error that stops it."""
     marker = _marker()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if marker is not None and restart == 0:
+        prune_stale_markers(marker.parent)
     if marker is not None and restart > 0 and reported_by_this_job(marker, _agent_started_unix()):
         return {"error": "not retried: an earlier attempt of this job stopped on the mistake it reported "
                          f"(noted in {marker})", "user": True, "repeat": True}
