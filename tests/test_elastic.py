@@ -27,6 +27,12 @@ from torchpipedream.train import TrainConfig
 from torchpipedream.train.inputs import build_model, load_data, minibatches, optimizer_factory
 
 EPOCHS, PER_EPOCH, EVERY = 2, 20, 5
+#: The rendezvous drops a node whose agent sent no keep-alive for interval × attempts seconds: the
+#: survivors' new round waits that long after the kill (torch's default, 5 s × 3, made the round
+#: 15 s). A live agent's heartbeat is at most about 2 intervals old (its timer sends one when the
+#: last is an interval old), so 1 s × 10 leaves a live agent 8 s of slack, more than the default's
+#: 5 s (10 s after the kill instead of 15).
+RDZV_CONF = "last_call_timeout=2,join_timeout=90,keep_alive_interval=1,keep_alive_max_attempt=10"
 
 
 def _free_port() -> int:
@@ -56,7 +62,7 @@ def _elastic_run(out: Path, schedule: str) -> dict:
     for i in range(3):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic-{schedule}",
-               "--max-restarts", "2", "--rdzv-conf", f"last_call_timeout=2,join_timeout=90,is_host={int(i == 0)}",
+               "--max-restarts", "2", "--rdzv-conf", f"{RDZV_CONF},is_host={int(i == 0)}",
                "-m", "torchpipedream", "train", *_options(schedule), "--out", str(out)]
         agents.append(subprocess.Popen(cmd, stdout=open(out.parent / f"{out.name}_agent{i}.out", "w"),
                                        stderr=open(out.parent / f"{out.name}_agent{i}.err", "w"),

@@ -1,6 +1,8 @@
 """The memory model: what the profiler measures of saved activations, the allocation probe, the
 bound on outstanding sends, the model's terms in plans and the simulator, and predictions against
-peaks measured in 2-process runs.
+peaks measured in 2-process runs (one launch of 2 processes runs every measured case, one after
+another: spawning costs seconds on a 2-core machine, and a case's peak counts only what its own
+run allocates, ``runtime/memory_probe.py``).
 
 Expected saved bytes are derived here from what each operation's backward needs (a Linear keeps
 its input, ReLU and Tanh their output, GELU its input), not from the profiler's code.
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -149,23 +153,22 @@ def _measured_peaks(rank: int, plan: Plan, kind: str, m: int, minibatches: int) 
     return pipe.memory_peaks()
 
 
-def test_peak_memory_does_not_grow_with_the_schedule() -> None:
+def test_peak_memory_does_not_grow_with_the_schedule(measured) -> None:
     """Sends are waited for once more are outstanding than the microbatches the rank holds in flight: a
     schedule of 12 minibatches peaks where one of 2 does (gloo reports a send complete only when
     waited for, so before the bound every send buffer lived until the end of the schedule)."""
-    plan = _mlp_plan("flush", 4)
-    short = launch(_measured_peaks, 2, plan, "flush", 4, 2, timeout_s=120)
-    long = launch(_measured_peaks, 2, plan, "flush", 4, 12, timeout_s=120)
+    (_, (short, _)), (_, (long, _)) = measured["flush 4, 2 minibatches"], measured["flush 4, 12 minibatches"]
     for s, l in zip(short, long):
         assert l <= s * 1.02
 
 
-@pytest.mark.parametrize("kind,m,recompute", [("flush", 4, False), ("pipedream", 1, False), ("gpipe", 4, True),
-                                              ("gpipe", 4, False)])
-def test_predicted_memory_is_within_15_percent_of_the_measured_peak(kind, m, recompute) -> None:
-    plan = _mlp_plan(kind, m, recompute)
-    measured = launch(_measured_peaks, 2, plan, kind, m, 6, timeout_s=120)
-    for st, got in zip(plan.stages, measured):
+PREDICTED = [("flush", 4, False), ("pipedream", 1, False), ("gpipe", 4, True), ("gpipe", 4, False)]
+
+
+@pytest.mark.parametrize("kind,m,recompute", PREDICTED)
+def test_predicted_memory_is_within_15_percent_of_the_measured_peak(measured, kind, m, recompute) -> None:
+    plan, (peaks, _) = measured[f"{kind} {m}, recompute {recompute}"]
+    for st, got in zip(plan.stages, peaks):
         assert 0.85 <= got / st.memory_bytes <= 1.15, (st.layers, got, st.memory_bytes)
 
 
@@ -262,16 +265,20 @@ def _zoo_train(rank: int, plan: Plan) -> bool:
     return all(loss == loss for loss in losses)
 
 
-def test_an_exported_model_profiled_at_microbatches_runs_from_a_whole_minibatch_sample() -> None:
+def _gpt2_plan() -> Plan:
+    import zoo_models as zoo
+
+    graph = profile(zoo.gpt2(), zoo.batches("gpt2", 1, 16)[0], microbatches=4, warmup=0, iters=1)
+    return make_plan(graph, Topology.local(2), schedule="flush", microbatches=4, straight=True, num_stages=2)
+
+
+def test_an_exported_model_profiled_at_microbatches_runs_from_a_whole_minibatch_sample(measured) -> None:
     """torch.export specialises its graph to the sizes it sees: the profile traces one
     microbatch, so the stages must too, even when given the whole minibatch as their sample
     (a fresh process failed with "the plan names layers this model does not have")."""
     pytest.importorskip("transformers")
-    import zoo_models as zoo
-
-    graph = profile(zoo.gpt2(), zoo.batches("gpt2", 1, 16)[0], microbatches=4, warmup=0, iters=1)
-    plan = make_plan(graph, Topology.local(2), schedule="flush", microbatches=4, straight=True, num_stages=2)
-    assert all(launch(_zoo_train, 2, plan, timeout_s=120, return_all=True))
+    _, (_, every_rank) = measured["gpt2"]
+    assert every_rank == [True, True]  # every rank trained, its losses finite
 
 
 # ------------------------------------------------------------------ the optimizer step's temporaries
@@ -307,16 +314,15 @@ def _adam_peaks(rank: int, plan: Plan, form: str) -> list[int]:
 
 
 @pytest.mark.parametrize("form", sorted(ADAM))
-def test_adams_step_temporaries_are_predicted(form: str) -> None:
+def test_adams_step_temporaries_are_predicted(measured, form: str) -> None:
     """With the step's temporaries (the loop: two of the largest parameter's size; foreach: one
     of the stage's weights) every stage is within 15%; without them the stage holding the
     1024 × 1024 matrix is measured well above the prediction."""
-    plan = _wide_plan(ADAM[form][1])
-    measured = launch(_adam_peaks, 2, plan, form, timeout_s=120)
-    for st, got in zip(plan.stages, measured):
+    plan, (peaks, _) = measured[f"adam {form}"]
+    for st, got in zip(plan.stages, peaks):
         assert 0.85 <= got / st.memory_bytes <= 1.15, (form, st.layers, got, st.memory_bytes)
     without = _wide_plan((0.0, 0.0))
-    assert max(got / st.memory_bytes for st, got in zip(without.stages, measured)) > 1.2
+    assert max(got / st.memory_bytes for st, got in zip(without.stages, peaks)) > 1.2
     sim = simulate(build_schedule(plan, "flush", minibatches=4, microbatches=1), Costs.from_plan(plan, 1))
     assert sim.peak_memory_bytes == pytest.approx([st.memory_bytes for st in plan.stages], abs=1)
     assert [plan.stage_memory_bytes(s) for s in range(2)] == pytest.approx([st.memory_bytes for st in plan.stages])
@@ -365,20 +371,59 @@ def _gpipe_peaks(rank: int, plan: Plan, minibatches: int) -> list[int]:
     return pipe.memory_peaks()
 
 
-def test_gpipe_sends_of_a_minibatch_end_with_its_update() -> None:
-    """GPipe's last stage sends all of a minibatch's input gradients in its backward phase; they
-    are waited for at the update, not kept through the next minibatch's forwards (which held
-    a minibatch of gradients, 2 MiB here, more than the memory model charges)."""
+def _gpipe_plan() -> Plan:
     x, y = _mlp_batches(1)[0]
     graph = profile(_wide_into_cheap_last_stage(), x, loss_fn=nn.CrossEntropyLoss(), target=y, warmup=0, iters=1,
                     microbatches=4)
     for layer in graph.layers:  # times that put the cut before the mean, whatever this run measured
         layer.forward_ms, layer.backward_ms = {"0": (8.0, 12.0), "1": (4.0, 6.0), "2": (4.0, 6.0)}.get(layer.name, (0, 0))
-    plan = make_plan(graph, "2:1000GB/s", schedule="gpipe", microbatches=4, straight=True, num_stages=2)
+    return make_plan(graph, "2:1000GB/s", schedule="gpipe", microbatches=4, straight=True, num_stages=2)
+
+
+def test_gpipe_sends_of_a_minibatch_end_with_its_update(measured) -> None:
+    """GPipe's last stage sends all of a minibatch's input gradients in its backward phase; they
+    are waited for at the update, not kept through the next minibatch's forwards (which held
+    a minibatch of gradients, 2 MiB here, more than the memory model charges)."""
+    plan, (peaks, _) = measured["gpipe sends"]
     assert plan.stages[1].layers == ["1", "2"], plan.stages  # the mean starts the last stage
-    measured = launch(_gpipe_peaks, 2, plan, 4, timeout_s=120)
-    assert 0.85 <= measured[0] / plan.stages[0].memory_bytes <= 1.15
+    assert 0.85 <= peaks[0] / plan.stages[0].memory_bytes <= 1.15
     # kept through the next forwards, the gradients took the last stage to 1.33x the prediction;
     # now it is under it (0.80: WORKING_FACTOR charges the mean's backward 1.5x its input, where
     # it makes one gradient of that size; a stage made of a mean only, not a model's)
-    assert measured[1] <= 1.0 * plan.stages[1].memory_bytes, (measured[1], plan.stages[1].memory_bytes)
+    assert peaks[1] <= 1.0 * plan.stages[1].memory_bytes, (peaks[1], plan.stages[1].memory_bytes)
+
+
+# ------------------------------------------------------------------ one launch for every measured run
+def _measured_cases() -> dict[str, tuple[Plan, Any, tuple]]:
+    """name -> (plan, the worker function, its arguments after the rank) of every 2-process run
+    the tests above measure; the GPT-2 run last (it alone imports transformers)."""
+    flush = _mlp_plan("flush", 4)
+    cases = {f"flush 4, {n} minibatches": (flush, _measured_peaks, (flush, "flush", 4, n)) for n in (2, 12)}
+    for kind, m, recompute in PREDICTED:
+        plan = _mlp_plan(kind, m, recompute)
+        cases[f"{kind} {m}, recompute {recompute}"] = (plan, _measured_peaks, (plan, kind, m, 6))
+    for form in sorted(ADAM):
+        plan = _wide_plan(ADAM[form][1])
+        cases[f"adam {form}"] = (plan, _adam_peaks, (plan, form))
+    plan = _gpipe_plan()
+    cases["gpipe sends"] = (plan, _gpipe_peaks, (plan, 4))
+    if importlib.util.find_spec("transformers") is not None:
+        plan = _gpt2_plan()
+        cases["gpt2"] = (plan, _zoo_train, (plan,))
+    return cases
+
+
+def _run_cases(rank: int, cases: dict[str, tuple[Any, tuple]]) -> dict[str, Any]:
+    """Each case's result on this rank, in order (every rank runs the same cases)."""
+    return {name: fn(rank, *args) for name, (fn, args) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, tuple[Plan, Any]]:
+    """name -> (plan, result) of every measured case, from one launch: the result is rank 0's
+    (the peaks of every stage, a collective) and every rank's (the GPT-2 run) as
+    ``(rank 0's, [every rank's])``."""
+    cases = _measured_cases()
+    results = launch(_run_cases, 2, {name: (fn, args) for name, (_, fn, args) in cases.items()}, timeout_s=600,
+                     return_all=True)
+    return {name: (plan, (results[0][name], [r[name] for r in results])) for name, (plan, _, _) in cases.items()}

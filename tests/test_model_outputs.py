@@ -95,22 +95,39 @@ class KwargsNet(nn.Module):
         return self.b(h)
 
 
-@pytest.mark.parametrize("given", ["x", "x and mask", "x and temperature"])
-def test_optional_and_keyword_only_arguments_take_their_defaults_on_the_fx_path(given):
-    """The arguments a sample leaves out are traced as their defaults (fx renames their
-    placeholders, mask to mask_1; they are dropped by position), and the pipeline trains the
-    graph exactly as the model runs with the same arguments."""
+GIVEN = ["x", "x and mask", "x and temperature"]
+
+
+def _kwargs_case(given: str) -> tuple[dict, torch.Tensor, object, tpd.Plan]:
+    """The inputs a sample gives (``given``), the targets, the model's profile and a plan cut before ``b``."""
     x, y = _data()
     mask = (torch.arange(8) % 2).float().expand(16, 8)
     inputs = {"x": x, **({"mask": mask} if "mask" in given else {}),
               **({"temperature": 3.0} if "temperature" in given else {})}
     torch.manual_seed(0)
-    model = KwargsNet()
-    graph = tpd.profile(model, inputs, loss_fn=nn.CrossEntropyLoss(), target=y, iters=1, warmup=0)
-    assert graph.meta["split"] == "fx" and not any(n.startswith(("mask_1", "temperature_1")) for n in graph.names)
+    graph = tpd.profile(KwargsNet(), inputs, loss_fn=nn.CrossEntropyLoss(), target=y, iters=1, warmup=0)
     cut = graph.names.index("b")
     plan = tpd.Plan.straight([graph.names[:cut], graph.names[cut:]], schedule="flush", microbatches=2)
-    results = tpd.launch(_train_kwargs, 2, plan, inputs, y, timeout_s=120)
+    return inputs, y, graph, plan
+
+
+@pytest.fixture(scope="module")
+def kwargs_runs() -> dict[str, tuple[dict, torch.Tensor, object, dict]]:
+    """given -> (inputs, targets, profile, the pipeline's trained state) of every case, trained in
+    one launch of 2 processes (spawning costs seconds on a 2-core machine)."""
+    cases = {given: _kwargs_case(given) for given in GIVEN}
+    runs = {given: (plan, inputs, y) for given, (inputs, y, _, plan) in cases.items()}
+    trained = tpd.launch(_train_every_kwargs_case, 2, runs, timeout_s=240)
+    return {g: (inputs, y, graph, trained[g]) for g, (inputs, y, graph, _) in cases.items()}
+
+
+@pytest.mark.parametrize("given", GIVEN)
+def test_optional_and_keyword_only_arguments_take_their_defaults_on_the_fx_path(kwargs_runs, given):
+    """The arguments a sample leaves out are traced as their defaults (fx renames their
+    placeholders, mask to mask_1; they are dropped by position), and the pipeline trains the
+    graph exactly as the model runs with the same arguments."""
+    inputs, y, graph, results = kwargs_runs[given]
+    assert graph.meta["split"] == "fx" and not any(n.startswith(("mask_1", "temperature_1")) for n in graph.names)
     torch.manual_seed(0)
     reference = KwargsNet()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -127,6 +144,10 @@ def _train_kwargs(rank: int, plan, inputs, y):
                         loss_fn=nn.CrossEntropyLoss(), sample=inputs, timeout_s=60)
     pipe.train_step((inputs, y))
     return pipe.state_dict(dst=0)
+
+
+def _train_every_kwargs_case(rank: int, cases: dict) -> dict:
+    return {given: _train_kwargs(rank, *case) for given, case in cases.items()}
 
 
 class ShapeBranch(nn.Module):

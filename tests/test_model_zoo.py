@@ -11,11 +11,13 @@ rule for pipedream), copies of shared parameters and replicas bit-identical. One
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import zoo_models as zoo
 from torchpipedream.search.planner import plan as make_plan
@@ -29,10 +31,24 @@ OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
 
 
 def _graph(name: str, batches: list):
-    loss = zoo.LOSSES.get(name)
+    """Zoo model ``name`` profiled on ``batches[0]``: once per model in this module (every test's
+    minibatches start with ``zoo.batches(name, 1)[0]``), a copy for each caller."""
+    given, first = pytree.tree_leaves(batches[0]), pytree.tree_leaves(_first(name))
+    assert len(given) == len(first) and all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                                            for a, b in zip(given, first))
+    return copy.deepcopy(_profiled(name))
+
+
+def _first(name: str):
+    return zoo.batches(name, 1)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _profiled(name: str):
+    batch, loss = _first(name), zoo.LOSSES.get(name)
     if loss is None:
-        return profile(zoo.FACTORIES[name](), batches[0], warmup=0, iters=1)
-    return profile(zoo.FACTORIES[name](), batches[0][0], loss_fn=loss, target=batches[0][1], warmup=0, iters=1)
+        return profile(zoo.FACTORIES[name](), batch, warmup=0, iters=1)
+    return profile(zoo.FACTORIES[name](), batch[0], loss_fn=loss, target=batch[1], warmup=0, iters=1)
 
 
 def _plans(name: str, batches: list) -> tuple[list[Plan], object]:

@@ -133,7 +133,10 @@ def test_board_operations_are_bounded_when_the_store_hangs():
 def test_fault_spec():
     assert parse_fault("rank=1,minibatch=12") == {"rank": 1, "minibatch": 12, "mode": "kill"}
     assert parse_fault("rank=0, minibatch=3, mode=raise")["mode"] == "raise"
-    for bad in ("rank=1", "rank=x,minibatch=2", "rank=1,minibatch=2,mode=explode", "nonsense"):
+    assert parse_fault("rank=1,minibatch=0,mode=slow,seconds=0.2") == {"rank": 1, "minibatch": 0, "mode": "slow",
+                                                                       "seconds": 0.2}
+    for bad in ("rank=1", "rank=x,minibatch=2", "rank=1,minibatch=2,mode=explode", "nonsense",
+                "rank=1,minibatch=0,mode=slow", "rank=1,minibatch=0,seconds=1", "rank=1,save=1,mode=slow,seconds=1"):
         with pytest.raises(ValueError, match="TORCHPIPEDREAM_FAULT"):
             parse_fault(bad)
 

@@ -57,8 +57,20 @@ def p2p_worker(rank: int) -> list:
     return got
 
 
-def test_messages_with_changing_shapes_and_long_headers():
-    (grads, resizes), received = launch(p2p_worker, 2, timeout_s=60, return_all=True)
+def _messages_then_sockets(rank: int) -> tuple[list, list[str]]:
+    """p2p_worker's exchange, then (rank 0) the addresses this launch's processes listen on."""
+    return p2p_worker(rank), _listening_worker(rank)
+
+
+@pytest.fixture(scope="module")
+def healthy_run() -> list[tuple[list, list[str]]]:
+    """One launch of 2 workers (spawning costs seconds on a 2-core machine) for the two tests
+    that look at what a healthy run did: each rank's (p2p_worker's result, listening addresses)."""
+    return launch(_messages_then_sockets, 2, timeout_s=60, return_all=True)
+
+
+def test_messages_with_changing_shapes_and_long_headers(healthy_run):
+    (grads, resizes), received = [messages for messages, _ in healthy_run]
     msgs, targets = _messages()
     assert [r[0] for r in received] == [4, 2, 1, 4, 4]
     for (samples, acts, rg, passengers, nbytes), sent, y in zip(received, msgs, targets):
@@ -85,9 +97,11 @@ def failing_worker(rank: int) -> None:
 
 
 def test_worker_exception_names_rank_and_kills_the_others():
+    # rank 0 sleeps 30 s: it is killed once the grace after rank 1's failure is over (the
+    # default 3 s is for a Pipeline's ranks to stop on their own; nothing here would use it)
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"(?s)rank 1.*bad thing on purpose"):
-        launch(failing_worker, 2, timeout_s=60)
+        launch(failing_worker, 2, timeout_s=60, failure_grace_s=0.5)
     assert time.monotonic() - start < 20
 
 
@@ -101,8 +115,8 @@ def starving_worker(rank: int) -> None:
 
 
 def test_missing_message_times_out_naming_the_peer():
-    with pytest.raises(LaunchError) as info:
-        launch(starving_worker, 2, timeout_s=60)
+    with pytest.raises(LaunchError) as info:  # rank 0, asleep, is killed after a short grace
+        launch(starving_worker, 2, timeout_s=60, failure_grace_s=0.5)
     text = str(info.value)
     assert CommTimeout.__name__ in text
     assert "rank 1 (stage 1) waited more than 2 s" in text and "from rank 0 (stage 0)" in text
@@ -252,9 +266,9 @@ def _listening_worker(rank: int) -> list[str]:
     return _listening_addresses([parent] + siblings) if rank == 0 else []
 
 
-def test_a_local_run_listens_on_loopback_only():
+def test_a_local_run_listens_on_loopback_only(healthy_run):
     """The launcher's store and gloo's sockets accept no connection from another address."""
-    addresses = launch(_listening_worker, 2, timeout_s=60)
+    addresses = healthy_run[0][1]
     assert addresses, "found no listening socket: the check would prove nothing"
     assert all(_loopback(a) for a in addresses), addresses
 

@@ -53,8 +53,9 @@ def idle_worker(rank: int) -> None:
 
 def test_a_working_run_longer_than_the_stall_timeout_is_never_cut_short() -> None:
     # A stall limit of seconds, not one: on a loaded 2-core machine a worker can wait over a
-    # second for the CPU between its start and its first mark (a 1 s limit failed there).
-    assert launch(busy_worker, 2, 7.0, stall_timeout_s=3.0) > 10
+    # second for the CPU between its start and its first mark (a 1 s limit failed there). Each
+    # worker works 4.5 s by its own clock, past the limit however fast or slow the machine.
+    assert launch(busy_worker, 2, 4.5, stall_timeout_s=3.0) > 10
 
 
 def test_a_run_that_makes_no_progress_is_stopped_and_named() -> None:
@@ -65,14 +66,21 @@ def test_a_run_that_makes_no_progress_is_stopped_and_named() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_train_runs_longer_than_its_stall_limit_and_finishes(tmp_path: Path, capsys) -> None:
+def test_train_runs_longer_than_its_stall_limit_and_finishes(tmp_path: Path, capsys, monkeypatch) -> None:
     from torchpipedream.train import TrainConfig
     from torchpipedream.train.job import stall_timeout_s
 
     limit = stall_timeout_s(TrainConfig(timeout_s=2.0, failure_timeout_s=0.1))  # 7.3 s without progress
+    # A healthy run longer than the limit on any machine: rank 1 sleeps before each training
+    # forward (tests/fault_injection, inherited by the spawned workers), 40 × 0.2 s = 8 s in all
+    # and never 2 s (--timeout) at a time.
+    epochs, per_epoch, pause = 5, 8, 0.2
+    assert epochs * per_epoch * pause > limit
+    for key, value in fault_environment(f"rank=1,minibatch=0,mode=slow,seconds={pause}").items():
+        monkeypatch.setenv(key, value)
     t0 = time.monotonic()
-    rc = main(["train", *QUICK, "--epochs", "150", "--max-minibatches", "20", "--timeout", "2", "--failure-timeout",
-               "0.1", "--out", str(tmp_path / "run")])
+    rc = main(["train", *QUICK, "--epochs", str(epochs), "--max-minibatches", str(per_epoch), "--timeout", "2",
+               "--failure-timeout", "0.1", "--out", str(tmp_path / "run")])
     assert rc == 0, capsys.readouterr().err
     assert time.monotonic() - t0 > limit  # longer than the limit, and never cut short
     assert len(list((tmp_path / "run" / "checkpoints").iterdir())) == 3  # --keep-checkpoints 3

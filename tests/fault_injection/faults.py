@@ -3,7 +3,9 @@
 ``TORCHPIPEDREAM_FAULT="rank=1,minibatch=12[,mode=kill|raise]"`` makes that rank die (SIGKILL,
 default) or raise in the forward of that training minibatch (counted from 0 in its process), on
 the first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a job restarted by
-``torchrun --max-restarts`` then runs clean.
+``torchrun --max-restarts`` then runs clean. ``mode=slow,seconds=S`` is a healthy but slow rank
+instead: from that minibatch on, every training forward of its stage first sleeps S seconds (a
+run that takes at least that long per minibatch, however fast the machine).
 
 The library knows nothing of this. A process started with :func:`fault_environment` finds
 ``sitecustomize.py`` (next to this file) on its path at start-up; that wraps
@@ -37,23 +39,28 @@ def fault_environment(fault: str, base: dict[str, str] | None = None) -> dict[st
 
 def parse_fault(text: str) -> dict[str, Any]:
     """``"rank=1,minibatch=12[,mode=kill|raise|stop]"`` or ``"rank=1,save=2,mode=stop"`` ->
-    {"rank": 1, "minibatch": 12, "mode": "kill"} (a ``save`` instead of the ``minibatch``)."""
+    {"rank": 1, "minibatch": 12, "mode": "kill"} (a ``save`` instead of the ``minibatch``);
+    ``"rank=1,minibatch=0,mode=slow,seconds=0.25"`` -> {..., "mode": "slow", "seconds": 0.25}."""
     out: dict[str, Any] = {"mode": "kill"}
     try:
         for part in text.split(","):
             key, value = (x.strip() for x in part.split("="))
             if key in ("rank", "minibatch", "save"):
                 out[key] = int(value)
-            elif key == "mode" and value in ("kill", "raise", "stop"):
+            elif key == "seconds" and float(value) > 0:
+                out[key] = float(value)
+            elif key == "mode" and value in ("kill", "raise", "stop", "slow"):
                 out[key] = value
             else:
                 raise ValueError(part)
         out["rank"]  # required
         if ("minibatch" in out) == ("save" in out):
             raise ValueError("give one of minibatch and save")
+        if (out["mode"] == "slow") != ("seconds" in out) or (out["mode"] == "slow" and "save" in out):
+            raise ValueError("mode=slow takes seconds and a minibatch, and only it takes seconds")
     except (ValueError, KeyError):
-        raise ValueError(f"{FAULT_ENV}={text!r}: expected 'rank=R,minibatch=K[,mode=kill|raise|stop]' "
-                         "or 'rank=R,save=K[,mode=...]'") from None
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected 'rank=R,minibatch=K[,mode=kill|raise|stop]', "
+                         "'rank=R,save=K[,mode=...]' or 'rank=R,minibatch=K,mode=slow,seconds=S'") from None
     return out
 
 
@@ -102,7 +109,10 @@ def install_fault(pipe: Any) -> None:
         if not torch.is_grad_enabled():  # evaluation does not count
             return
         seen[0] += 1
-        if seen[0] == fire_at + 1:
+        if fault["mode"] == "slow":
+            if seen[0] > fire_at:
+                time.sleep(fault["seconds"])
+        elif seen[0] == fire_at + 1:
             _fire(fault, f"at minibatch {fault['minibatch']} on rank {pipe.rank}")
 
     pipe.module.register_forward_pre_hook(hook)
