@@ -466,7 +466,6 @@ class Pipeline:
         parameter's group is created, in the same order, on every rank). ``self._tied_stage``
         says which stage holds each."""
         plan, tied = self.plan, {}
-        self._tied_stage: dict[int, int] = {}
         for k, t in enumerate(plan.tied):
             ranks = sorted({r for ts in t.stages for r in plan.stages[ts].ranks})
             group = self._workers_group(ranks)
@@ -493,7 +492,7 @@ class Pipeline:
         shared parameters (``self.tied``)."""
         factory = self._guard_optimizer(optimizer)
         self.tied: dict[int, TiedCopy] = {}
-        self._tied_stage = {}
+        self._tied_stage: dict[int, int] = {}  # shared parameter k -> the held stage with its copy
         weights: dict[int, WeightVersions] = {}
         try:
             for s in self.stages_held:
