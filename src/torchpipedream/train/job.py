@@ -105,6 +105,12 @@ def _rewrite_outputs(prep: Prepared) -> dict[str, Any]:
     return write_outputs(prep, outputs_from_checkpoint(prep.resume_from), Path(prep.config.out))  # type: ignore[arg-type]
 
 
+def _start_ticks(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat`` field 22);
+    OSError or IndexError where it cannot be read."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
 def _job_id() -> str | None:
     """What identifies this torchrun job across its restarts: ``--rdzv-id`` when given, else the
     elastic agent (the workers' parent) by its pid and start time (a reused pid differs in the
@@ -116,7 +122,7 @@ def _job_id() -> str | None:
         return run_id
     agent = os.getppid()
     try:
-        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        started = _start_ticks(agent)
     except (OSError, IndexError):
         return None
     return f"agent{agent}-{started}"
@@ -145,7 +151,7 @@ def prune_stale_markers(directory: str | Path | None = None) -> int:
         if match is None:
             continue
         try:
-            alive = Path(f"/proc/{match[1]}/stat").read_text().rsplit(")", 1)[1].split()[19] == match[2]
+            alive = _start_ticks(int(match[1])) == match[2]
         except (OSError, IndexError):
             alive = False
         if not alive:
@@ -157,7 +163,7 @@ def prune_stale_markers(directory: str | Path | None = None) -> int:
 def _agent_started_unix() -> float | None:
     """When the elastic agent (this worker's parent) started, in Unix seconds (None if unknown)."""
     try:
-        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        ticks = int(_start_ticks(os.getppid()))
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
