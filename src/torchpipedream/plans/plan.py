@@ -383,11 +383,15 @@ class Plan:
             raise PlanError(f"every rank must hold the same number of stages (virtual stages); ranks hold "
                             f"{counts} stages, e.g. rank {next(iter(uneven))}: {next(iter(uneven.values()))}")
         for t in self.tied:
-            workers = [self.stages[s].ranks[0] for s in t.stages if 0 <= s < len(self.stages)]
-            twice = next((w for w in workers if workers.count(w) > 1), None)
+            twice = self.worker_holding_twice(t)
             if twice is not None:
                 raise PlanError(f"parameter {t.name!r} is shared by stages {t.stages}, and worker {twice} holds two of "
                                 "them: a worker holding two copies of a shared parameter is not supported yet")
+
+    def worker_holding_twice(self, tied: "TiedParameter") -> int | None:
+        """The first worker holding two of ``tied``'s stages (virtual stages), or None."""
+        workers = [self.stages[s].ranks[0] for s in tied.stages if 0 <= s < len(self.stages)]
+        return next((w for w in workers if workers.count(w) > 1), None)
 
     def _validate_tied(self) -> None:
         if not isinstance(self.tied, list):

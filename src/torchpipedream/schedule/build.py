@@ -241,9 +241,9 @@ def _lower(ctx: BuildContext, order: dict, versions: dict) -> dict[int, list[Act
 
 def _steps_after_the_ranks_backwards(ctx: BuildContext, actions: list[Action]) -> list[Action]:
     """A rank holding several stages: each of its steps of update u moved to right after its last
-    B or W of u (over all its stages; after the B's send of its input gradient), in their order. Every kind with virtual stages flushes,
-    so nothing of the next batch runs on the rank before that point and the move costs no
-    time; it is what lets a reduction over every rank at each update (clipping by the global
+    B or W of u (over all its stages; after the B's send of its input gradient), in their order.
+    Every kind with virtual stages flushes, so nothing of the next batch runs on the rank before
+    that point and the move costs no time; it is what lets a reduction over every rank at each update (clipping by the global
     norm) run exactly: all of the update's gradients are there at the rank's first step."""
     plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
     last: dict[int, int] = {}  # update -> the position of the rank's last B or W of it, or of the send after it
@@ -252,6 +252,7 @@ def _steps_after_the_ranks_backwards(ctx: BuildContext, actions: list[Action]) -
             last[update_of(plan, kind, a.stage, a.id, m)] = k
         elif a.kind is Kind.SEND_GRAD and k and actions[k - 1].kind is Kind.BACKWARD:
             last[update_of(plan, kind, a.stage, a.id, m)] = k
+
     def moved(a: Action) -> bool:  # a step of an update, with a shared parameter's post and step (TP, TR)
         return a.kind in (Kind.OPTIMIZER_STEP, Kind.TIED_POST, Kind.TIED_REDUCE) and a.id in last
 

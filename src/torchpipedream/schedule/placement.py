@@ -92,10 +92,9 @@ def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bo
     a worker may hold one copy of it, not two (not yet)."""
     info = schedule_kind(kind)
     for t in plan.tied:
-        workers = [plan.stages[s].ranks[0] for s in t.stages]
-        twice = next((w for w in workers if workers.count(w) > 1), None)
+        twice = plan.worker_holding_twice(t)
         if plan.virtual and twice is not None:
-            both = [s for s, w in zip(t.stages, workers) if w == twice]
+            both = [s for s in t.stages if plan.stages[s].ranks[0] == twice]
             return (f"parameter {t.name!r} is shared by stages {t.stages}, and worker {twice} holds two of them "
                     f"({both}): a worker holding two copies of a shared parameter is not supported yet ({info.name}"
                     f"{' puts the first and last stage on one worker' if info.v_shape else ''}); use interleaved on "
