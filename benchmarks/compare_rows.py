@@ -318,7 +318,8 @@ def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_pa
     """The row of ``train --schedule auto`` on this host: ``choose_layout`` over every way of
     using ``procs`` cores (workers × threads) and the synchronous kinds at 1, 2, 4 and 8
     microbatches, priced with this host's measured costs as auto_choice.py does; run on the
-    chosen layout (not predicted per pass: its threads need a profile of their own)."""
+    chosen layout (not predicted per pass: its threads need a profile of their own), on the model
+    as given where that layout has one stage (no cut falls inside a split layer)."""
     from torchpipedream.search.auto import choose_layout, local_layouts, threads_per_worker
     from torchpipedream.plans.topology import Topology
 
@@ -327,6 +328,8 @@ def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_pa
                          minibatches=per_window, virtual_stages=False)  # as train's
     threads, m = threads_per_worker(plan), plan.microbatches
     label = f"{plan.summary}, {plan.num_workers} × {threads} threads, {plan.schedule}, {m} microbatches"
+    if len(plan.stages) == 1 and split_parts > 1:  # no cut inside a split layer: run the model as given
+        plan, split_parts = as_given(work, plan), 1
 
     def run() -> dict:
         res = launch(_tpd_worker, plan.num_workers, work, plan, plan.schedule, m, 1, windows, per_window, split_parts,
@@ -335,6 +338,17 @@ def auto_job(work: Workload, procs: int, windows: int, per_window: int, split_pa
         return res
 
     return "torchpipedream auto", run, label
+
+
+def as_given(work: Workload, plan):
+    """A one-stage ``plan`` of the split model as the same plan of the model as given: with no
+    cut, splitting wide layers only slows them down (fc_heavy's split model runs at about 0.94
+    of the given one's speed: benchmarks/one_worker.py)."""
+    from torchpipedream.model.profiler import profile
+
+    x, _ = work.make_batch(work.batch_size, torch.Generator().manual_seed(0))
+    names = [layer.name for layer in profile(work.build(), x, warmup=0, iters=1, split_backward=False).layers]
+    return dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], layers=names)])
 
 
 def _baseline_jobs(work: Workload, procs: int, windows: int, microbatches: int, suffix: str) -> list:
