@@ -35,6 +35,12 @@ def test_short_training_run_writes_every_output(tmp_path: Path, capsys) -> None:
     # two short epochs of 12 minibatches already learn something on digits (chance is 10%)
     assert report["final_test_accuracy"] > 0.5
     assert len(report["history"]) == 2
+    # the time split: the measured terms of each rank sum to the last epoch's trace per minibatch
+    split = report["time_split"]
+    assert set(split["measured"]["ranks"]) == set(split["predicted"]["ranks"]) == {"0", "1"}
+    for terms in split["measured"]["ranks"].values():
+        assert sum(terms.values()) == pytest.approx(trace.makespan / 12, rel=1e-9)
+    assert "time split     rank 1: compute" in text
 
 
 @pytest.mark.parametrize(

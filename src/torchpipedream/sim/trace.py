@@ -134,6 +134,25 @@ class Trace:
                 lst.append((e.start_s, e.end_s))
         return {r: _union_length(iv) for r, iv in per_rank.items()}
 
+    def time_split(self, minibatches: int = 1) -> dict[int, dict[str, float]]:
+        """Per rank, seconds per minibatch ``compute`` (in F, B, W, U), ``transfers and waits`` (in
+        the other actions and not computing: transfers and all-reduces, a wait for the peer
+        included) and ``outside actions`` (between actions: the engine, idle); the three sum to
+        the makespan. A prediction and a measurement split the same way say which term missed."""
+        compute, acting = self.busy_time(), self.busy_time(_KINDS | {e.kind for e in self.events})
+        n, span = max(minibatches, 1), self.makespan
+        return {r: {"compute": compute[r] / n, "transfers and waits": (acting[r] - compute[r]) / n,
+                    "outside actions": (span - acting[r]) / n} for r in sorted(acting)}
+
+    def pass_time(self, minibatches: int = 1) -> dict[tuple[int, str], float]:
+        """Seconds per minibatch in each stage's compute kind (F, B, W, U), summed over the
+        stage's ranks."""
+        out: dict[tuple[int, str], float] = {}
+        for e in self.events:
+            if e.kind in COMPUTE_KINDS:
+                out[(e.stage, e.kind)] = out.get((e.stage, e.kind), 0.0) + e.duration_s / max(minibatches, 1)
+        return out
+
     def utilisation(self, kinds: Iterable[str] = COMPUTE_KINDS, busy: dict[int, float] | None = None) -> dict[int, float]:
         """Per rank, busy time / makespan (0..1); ``busy`` reuses a ``busy_time`` result."""
         span = self.makespan

@@ -30,6 +30,7 @@ from ..search.auto import auto_summary_lines, threads_per_worker
 from .resume import plan_side_text
 from .config import TrainError, schedule_of
 from .preparation import Prepared
+from .time_split import split_lines, split_of
 
 __all__ = ["write_outputs", "format_report", "outputs_from_checkpoint", "strict_json"]
 
@@ -113,7 +114,10 @@ def write_outputs(prep: Prepared, result: dict[str, Any], out: Path) -> dict[str
         "memory": stage_memory(plan, result.get("memory_peak_bytes")),
         # --precision fp16: the loss scale at the end and the updates skipped (float16 overflowed)
         "loss_scaling": result.get("loss_scaling"),
-        "predicted": prep.predicted,
+        "predicted": {k: v for k, v in prep.predicted.items() if k != "time_split"},
+        # per rank: compute, communication and outside actions, per minibatch; per stage and pass
+        "time_split": {"measured": split_of(trace, last["minibatches"]),
+                       "predicted": prep.predicted.get("time_split")},
         "final_test_accuracy": last["test_accuracy"],
         "final_test_loss": last["test_loss"],
         "history": result["history"],
@@ -162,6 +166,7 @@ def format_report(report: dict[str, Any]) -> str:
                            "warm-up and drain included)"),
         ("throughput", f"measured {_number(m['samples_per_s'], 1, '.0f')} samples/s, predicted "
                        f"{_number(p.get('samples_per_s'), 1, '.0f')} samples/s"),
+        *split_lines(report.get("time_split"), ratio),
         *[("memory", f"stage {m['stage']}: predicted {human_bytes(m['predicted_bytes'])}"
                      + (f", measured {human_bytes(m['measured_bytes'])} "
                         f"({m['measured_bytes'] / m['predicted_bytes']:.2f} of predicted)"

@@ -30,6 +30,7 @@ from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, ch
                      optimizer_scratch_of, schedule_of, tensor_degree)
 from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
 from .resume import ResumePoint, plan_side_text, resume_point
+from .time_split import split_of
 
 __all__ = ["Prepared", "prepare", "explain_plan"]
 
@@ -43,7 +44,7 @@ class Prepared:
     config: TrainConfig
     plan: Plan
     graph: LayerGraph
-    predicted: dict[str, float] = field(default_factory=dict)
+    predicted: dict[str, Any] = field(default_factory=dict)
     why: str = ""
     resume_from: str | None = None  # checkpoint directory to load before training
     complete: bool = False  # the checkpoint ends the run: only the outputs are written again
@@ -323,6 +324,8 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
         "samples_per_s": cfg.batch_size * n / sim.makespan_s if sim.makespan_s > 0 else float("inf"),
         "steady_samples_per_s": (sim.steady_minibatches_per_s or 0.0) * cfg.batch_size,
         "bubble_fraction": sim.bubble_fraction,
+        # where the simulated time goes, to set beside the run's (train/time_split.py)
+        "time_split": split_of(sim.trace, n),
     }
     return Prepared(cfg, plan, graph, predicted, explain_plan(plan, graph),
                     resume_from=str(point.directory) if point is not None else None,
