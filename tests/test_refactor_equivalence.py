@@ -29,7 +29,9 @@ the "no plan fits" message of a flush plan suggests sharding, ``schedule="auto"`
 record their ``sharding``, and auto's sharded candidates shard only the stages that need it
 (their simulated times and labels); and by issue 37's steps after the rank's last backward on
 virtual stages (interleaved, zb-v): the digests of their actions and traces only (38 values),
-every time, throughput, bubble, utilisation and memory peak unchanged.
+every time, throughput, bubble, utilisation and memory peak unchanged; and by issue 36's
+tensor-parallel degree search: ``schedule="auto"``'s candidates record their
+``tensor_parallel`` (1 in every case: one plan text, no number changed).
 """
 
 from __future__ import annotations

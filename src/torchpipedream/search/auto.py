@@ -42,7 +42,7 @@ from ..sim.simulator import Costs, simulate
 from ..util.units import human_bytes
 from .planner import plan as plan_one_kind
 
-__all__ = ["AUTO", "Candidate", "plan", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "recompute_where_needed", "shard_where_needed", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
+__all__ = ["AUTO", "Candidate", "plan", "plan_tensor_degrees", "tensor_degrees", "choose_schedule", "choose_layout", "local_layouts", "threads_per_worker", "candidate_kinds", "split_profiled", "recompute_where_needed", "shard_where_needed", "auto_summary", "auto_summary_lines", "auto_candidates_table"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Candidate:
     threads: int = 1  # torch threads per worker (choose_layout)
     recompute_stages: list[int] | None = None  # the stages that recompute, where only some do
     sharding: str = "replicate"  # what its replicated stages do with their weights (Stage.sharding)
+    tensor_parallel: int = 1  # processes per worker splitting its layers (Plan.tensor_parallel)
 
     @property
     def recomputed(self) -> str:
@@ -77,7 +78,8 @@ class Candidate:
         text = self.schedule if self.microbatches == 1 else f"{self.schedule}, {self.microbatches} microbatches"
         again = {"yes": ", recompute", "no": ""}.get(self.recomputed, f", recompute {self.recomputed}")
         shard = f", sharded {self.sharding}" if self.sharding != "replicate" else ""
-        return text + again + shard + (f", {self.threads} threads per worker" if self.threads != 1 else "")
+        tensor = f", tensor parallel ×{self.tensor_parallel}" if self.tensor_parallel != 1 else ""
+        return text + again + shard + tensor + (f", {self.threads} threads per worker" if self.threads != 1 else "")
 
 
 def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedream", allow_stale: bool = False,
@@ -91,7 +93,47 @@ def plan(graph: LayerGraph, topology: Topology | str, *, schedule: str = "pipedr
     if allow_stale:
         raise PlanError(f"allow_stale lets schedule='auto' choose an asynchronous kind; schedule={schedule!r} "
                         "is already chosen")
+    if options.get("tensor_parallel") == AUTO:
+        return plan_tensor_degrees(graph, topology, schedule=schedule, **options)
     return plan_one_kind(graph, topology, schedule=schedule, **options)
+
+
+def tensor_degrees(topology: Topology, kind: ScheduleKind) -> list[int]:
+    """The tensor-parallel degrees ``tensor_parallel="auto"`` tries for ``kind`` on
+    ``topology``: 1, and where the kind runs tensor parallelism (the synchronous kinds) every
+    power of two that makes whole workers of the innermost level's processes (a worker never
+    spans the innermost link: Megatron keeps tensor parallelism inside a server)."""
+    if kind.asynchronous:
+        return [1]
+    inner = topology.levels[0].count
+    return [t for t in (2 ** i for i in range(inner.bit_length())) if inner % t == 0]
+
+
+def plan_tensor_degrees(graph: LayerGraph, topology: Topology | str, *, schedule: str, **options: Any) -> Plan:
+    """:func:`~torchpipedream.search.planner.plan` of ``schedule`` at every degree of
+    :func:`tensor_degrees`; the plan the planner predicts fastest (ties: the smaller degree).
+    ``plan.meta["tensor_parallel_search"]`` lists each degree's prediction or why it could not
+    be planned."""
+    topo = Topology.from_any(topology)
+    options.pop("tensor_parallel", None)
+    tried: list[dict[str, Any]] = []
+    best: Plan | None = None
+    for t in tensor_degrees(topo, schedule_kind(schedule)):
+        try:
+            made = plan_one_kind(graph, topo, schedule=schedule, tensor_parallel=t, **options)
+        except PlanError as exc:
+            tried.append({"tensor_parallel": t, "error": str(exc)})
+            continue
+        took = made.predicted["time_per_minibatch_s"]
+        tried.append({"tensor_parallel": t, "time_per_minibatch_s": took, "config": made.config})
+        if best is None or took < best.predicted["time_per_minibatch_s"]:
+            best = made
+    if best is None:
+        raise PlanError("tensor_parallel auto: no degree can be planned: "
+                        + "; ".join(f"{x['tensor_parallel']}: {x['error']}" for x in tried))
+    best.meta["tensor_parallel_search"] = tried
+    log.info("tensor_parallel auto: degree %d of %s", best.tensor_parallel, [x["tensor_parallel"] for x in tried])
+    return best
 
 
 def candidate_kinds(allow_stale: bool, split_profiled: bool = True, virtual_stages: bool = True) -> list[str]:
@@ -162,7 +204,8 @@ def choose_schedule(
     budget = budget if budget is not None else topo.memory_bytes
     asked = bool(plan_options.pop("recompute", False))
     search = _Search(graph, names, kinds is not None, counts, batch_size or graph(1).batch_size, minibatches,
-                     budget, asked, threads, host_costs, progress, plan_options.pop("sharding", "replicate"))
+                     budget, asked, threads, host_costs, progress, plan_options.pop("sharding", "replicate"),
+                     plan_options.pop("tensor_parallel", 1))
     recomputes = [True] if asked else ([False, True] if budget is not None else [False])
     tried = search.candidates(topo, plan_options, recomputes, report=True)
     ok = search.ranked(tried)
@@ -232,6 +275,11 @@ class _Search:
     host_costs: Callable[[Plan, int], dict[str, Any]] | None
     progress: Callable[[Candidate, Plan | None], None] | None
     sharding: str = "replicate"  # asked for; "replicate": sharding tried too under a budget
+    tensor_parallel: int | str = 1  # asked for; "auto": every degree of tensor_degrees
+
+    def degrees(self, kind: ScheduleKind, topo: Topology) -> list[int]:
+        """The tensor-parallel degrees tried for ``kind``."""
+        return tensor_degrees(topo, kind) if self.tensor_parallel == AUTO else [int(self.tensor_parallel)]
 
     def shardings(self, kind: ScheduleKind) -> list[str]:
         """The sharding options tried for ``kind``: the one asked for (none where the kind cannot
@@ -252,8 +300,10 @@ class _Search:
             for m in self.counts if kind.microbatched else [1]:
                 if self.batch and m > self.batch:
                     continue
-                for recompute, sharding in itertools.product(recomputes, self.shardings(kind)):
-                    cand, plan = self._candidate(name, m, recompute, topo, dict(options, sharding=sharding))
+                for recompute, sharding, t in itertools.product(recomputes, self.shardings(kind),
+                                                                self.degrees(kind, topo)):
+                    cand, plan = self._candidate(name, m, recompute, topo,
+                                                 dict(options, sharding=sharding, tensor_parallel=t))
                     tried.append((cand, plan))
                     if self.progress is not None and report:
                         self.progress(cand, plan)
@@ -262,7 +312,8 @@ class _Search:
     def _candidate(self, name: str, m: int, recompute: bool, topo: Topology,
                    options: dict[str, Any]) -> tuple[Candidate, Plan | None]:
         """One candidate planned and simulated, or the planner's reason it cannot be."""
-        cand = Candidate(name, m, recompute, threads=self.threads, sharding=options["sharding"])
+        cand = Candidate(name, m, recompute, threads=self.threads, sharding=options["sharding"],
+                         tensor_parallel=options["tensor_parallel"])
         try:
             plan = plan_one_kind(self.graph(m), topo, schedule=name, microbatches=m, recompute=recompute, **options)
             if recompute and not self.asked and self.budget is not None:
@@ -292,7 +343,8 @@ class _Search:
         order = {n: i for i, n in enumerate(self.names)}
         ok = [(c, p) for c, p in tried if p is not None and c.time_per_minibatch_s is not None]
         ok.sort(key=lambda cp: (cp[0].time_per_minibatch_s, cp[0].peak_memory_bytes or 0, cp[0].recompute,
-                                cp[0].sharding != "replicate", cp[0].microbatches, order[cp[0].schedule]))
+                                cp[0].sharding != "replicate", cp[0].tensor_parallel, cp[0].microbatches,
+                                order[cp[0].schedule]))
         return ok
 
     def fastest_without_budget(self, topo: Topology, plan_options: dict[str, Any]) -> dict[str, Any] | None:
@@ -432,7 +484,7 @@ def auto_summary_lines(auto: Any) -> list[str]:
         if not free:
             lines.append(f"memory budget {human_bytes(budget)} per worker")
         elif all(free.get(k) == auto["chosen"].get(k)
-                 for k in ("schedule", "microbatches", "recompute", "config", "sharding")):
+                 for k in ("schedule", "microbatches", "recompute", "config", "sharding", "tensor_parallel")):
             lines.append(f"memory budget {human_bytes(budget)} per worker: gave up nothing (the fastest plan fits)")
         else:
             cost = auto["chosen"]["time_per_minibatch_s"] / free["time_per_minibatch_s"] - 1
@@ -451,7 +503,8 @@ def auto_candidates_table(plan: Plan) -> str:
     for c in cands:
         again = c.recomputed
         config = c.config + (f" ×{c.threads} threads" if c.threads != 1 else "") + \
-            (f" {c.sharding}" if c.sharding != "replicate" else "")
+            (f" {c.sharding}" if c.sharding != "replicate" else "") + \
+            (f" tensor ×{c.tensor_parallel}" if c.tensor_parallel != 1 else "")
         if c.error:
             rows.append((c.schedule, str(c.microbatches), again, "-", "does not fit", c.error[:60]))
         else:

@@ -55,14 +55,28 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
                    help="shard every replicated stage over its replicas (FSDP2; flush and gpipe), priced with the "
                         "shards' memory and collectives; --shard alone means zero3")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+    p.add_argument("--tensor-parallel", type=_tensor_degree, default=1, metavar="T",
                    help="every worker is T processes of the innermost level splitting its Linear pairs and "
-                        "transformer blocks (the synchronous kinds); priced with their all-reduces "
-                        "(default: %(default)s)")
+                        "transformer blocks (the synchronous kinds); priced with their all-reduces; 'auto': the "
+                        "fastest predicted of 1, 2, 4, ... up to the innermost level's processes (with --schedule "
+                        "auto or all: for every candidate) (default: %(default)s)")
     p.add_argument("--method", default="fast", choices=["fast", "hierarchical"],
                    help="fast: exact bisection (default); hierarchical: the paper's DP, for comparison")
     p.add_argument("--out", "-o", default=None, help="where to write the plan JSON")
     p.set_defaults(handler=run)
+
+
+def _tensor_degree(text: str) -> int | str:
+    """--tensor-parallel: a positive whole number or "auto"."""
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number or 'auto', got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
                    memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute,
                    chunks=args.chunks, sharding=args.shard)
     if args.tensor_parallel != 1:
-        if args.schedule in (AUTO, ALL):
-            raise CommandError(f"--tensor-parallel is planned for one kind; give --schedule flush, gpipe, zb-h1, "
-                               f"zb-h2, interleaved or zb-v, not {args.schedule}")
+        if args.schedule in (AUTO, ALL) and args.tensor_parallel != AUTO:
+            raise CommandError(f"--tensor-parallel {args.tensor_parallel} is planned for one kind; give --schedule "
+                               f"flush, gpipe, zb-h1, zb-h2, interleaved or zb-v, not {args.schedule}, or "
+                               "--tensor-parallel auto (each candidate at every degree)")
         options["tensor_parallel"] = args.tensor_parallel
     if args.schedule == ALL:
         if args.microbatches != 1:
@@ -103,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
     print(p.table())
     if args.schedule in (AUTO, ALL):
         print(auto_candidates_table(p))
+    for tried in p.meta.get("tensor_parallel_search", []):
+        print(f"tensor parallel ×{tried['tensor_parallel']}: " + (
+            f"does not fit: {tried['error']}" if "error" in tried else
+            f"{tried['config']}, predicted {tried['time_per_minibatch_s'] * 1e3:.3f} ms per minibatch"))
     if args.out:
         with writing(args.out, "--out") as out:
             p.save(out)
