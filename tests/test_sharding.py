@@ -254,7 +254,7 @@ def test_train_and_plan_take_shard(tmp_path, capsys) -> None:
                  "--shard", "zero2"]) == 0
     assert "4 zero2" in capsys.readouterr().out
     assert main(["train", "--schedule", "2bw", "--shard", "--out", str(tmp_path / "no")]) == 2
-    assert "--shard zero3 splits replicated stages with FSDP2, which runs under flush and gpipe" in \
+    assert "--shard zero3 splits replicated stages with FSDP2, which runs under flush, gpipe, zb-h1 and zb-h2" in \
         capsys.readouterr().err
 
 
@@ -297,7 +297,7 @@ def test_verify_takes_shard(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "2-2, stages 0, 1 sharded zero2" in text and text.count(": OK") == 1 and "MISMATCH" not in text
     assert main(["verify", "--shard"]) == 2
-    assert "--shard zero3 runs under flush and gpipe, not --schedule pipedream" in capsys.readouterr().err
+    assert "--shard zero3 runs under flush, gpipe, zb-h1 and zb-h2, not --schedule pipedream" in capsys.readouterr().err
 
 
 def test_sharded_checkpoints_are_dcp_folders_that_load_without_running_code(results: dict, checkpoints: str,

@@ -117,8 +117,10 @@ class ScheduleKind:
     @property
     def can_shard(self) -> bool:
         """Replicated stages may shard their weights over their replicas (``Stage.sharding``,
-        FSDP2): one weight version, whole backwards, replicated stages (flush, gpipe)."""
-        return self.version_rule is VersionRule.BATCH and not self.split_backward and not self.virtual_stages
+        FSDP2): one weight version and replicated stages (flush, gpipe, zb-h1, zb-h2; under the
+        last two a sharded stage's B runs its whole backward, as FSDP2 reduces the weights'
+        gradients when a whole backward ends, and its W is empty)."""
+        return self.version_rule is VersionRule.BATCH and not self.virtual_stages
 
     @property
     def stashes_weights(self) -> bool:
@@ -244,6 +246,14 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
 
 #: The kind names in registry order (for ``choices=`` and messages).
 KIND_NAMES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
+
+
+#: The kinds whose replicated stages may be sharded with FSDP2, for messages ("flush, gpipe, zb-h1 and zb-h2").
+SHARDING_KINDS_TEXT: str = _listing([k.name for k in SCHEDULE_KINDS.values() if k.can_shard])
 
 
 def schedule_kind(kind: str | ScheduleKind) -> ScheduleKind:

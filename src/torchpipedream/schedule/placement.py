@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ..plans.kinds import SCHEDULE_KINDS, ScheduleKind, VersionRule, schedule_kind
+from ..plans.kinds import SCHEDULE_KINDS, SHARDING_KINDS_TEXT, ScheduleKind, VersionRule, schedule_kind
 from ..plans.plan import Plan
 
 __all__ = ["replica_of", "update_of", "num_updates", "warmup_depth", "interleaved_warmup", "v_shape_inflight",
@@ -136,9 +136,9 @@ def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str
 def sharding_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None:
     """Why this kind cannot run the plan's sharded stages (``Stage.sharding``: FSDP2 over a
     stage's replicas), naming the stage, or None. Sharding needs one weight version per stage
-    (FSDP2 shards the module's parameters, not stashes of older ones: pipedream, 2bw and naive
-    keep several) and one whole backward per microbatch (FSDP2 reduces the weights' gradients
-    when the backward ends; the zero-bubble kinds split it, and run straight pipelines anyway);
+    (FSDP2 shards the module's parameters, not stashes of older ones: pipedream, 2bw, zb-2bw
+    and naive keep several). Under zb-h1 and zb-h2 a sharded stage's B runs its whole backward
+    (FSDP2 reduces the weights' gradients when a backward ends) and its W is empty;
     a parameter shared by stages is stepped by the TR actions, outside FSDP2: refused too.
     Asks :func:`tensor_parallel_support_problem` first (the plan's third dimension)."""
     info = schedule_kind(kind)
@@ -149,10 +149,7 @@ def sharding_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None
     first = plan.stages[sharded[0]]
     if info.asynchronous:
         return (f"stage {sharded[0]} is sharded ({first.sharding}): {info.name} keeps several weight versions of a "
-                "stage, which torch's FSDP2 does not shard; use flush or gpipe, or sharding 'replicate'")
-    if info.split_backward:
-        return (f"stage {sharded[0]} is sharded ({first.sharding}): {info.name} splits the backward, and FSDP2 "
-                "reduces the weights' gradients when a whole backward ends; use flush or gpipe")
+                f"stage, which torch's FSDP2 does not shard; use one of {SHARDING_KINDS_TEXT}, or sharding 'replicate'")
     for t in plan.tied:
         on = [s for s in t.stages if plan.stages[s].sharded]
         if on:

@@ -60,7 +60,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..model.graph import Block, LayerGraph, SharedParameter, measured_sum
-from ..plans.kinds import AUTO, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
+from ..plans.kinds import AUTO, SHARDING_KINDS_TEXT, ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from ..plans.memory import (DEFAULT_OPTIMIZER_STATE_FACTOR, NO_SCRATCH, StageActivations, memory_terms,
                             scratch_of_options, stage_activations, stage_memory_bytes, working_key)
 from ..plans.plan import SHARDINGS, Plan, PlanError, Stage, TiedParameter, looped_rank, v_shape_rank
@@ -1103,14 +1103,14 @@ def _options_record(*, optimizer_scratch: tuple[float, float], sharding: str = "
 
 
 def _check_sharding(sharding: str, kind: ScheduleKind, method: str) -> None:
-    """``sharding`` is one of the plan's, for a kind that shards (flush, gpipe) and the exact search."""
+    """``sharding`` is one of the plan's, for a kind that shards (``ScheduleKind.can_shard``) and the exact search."""
     if sharding not in SHARDINGS:
         raise PlanError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r:.40}")
     if sharding == "replicate":
         return
     if not kind.can_shard:
-        raise PlanError(f"sharding {sharding!r} runs under flush and gpipe (one weight version, whole backwards, "
-                        f"replicated stages), not {kind.name}")
+        raise PlanError(f"sharding {sharding!r} runs under {SHARDING_KINDS_TEXT} (one weight version, replicated "
+                        f"stages), not {kind.name}")
     if method != "fast":
         raise PlanError(f"sharding {sharding!r} is planned by method='fast' only")
 

@@ -361,6 +361,7 @@ class _Charges:
             tied[k] = _allreduce_among_s(costs, members, t.bytes)
             tied_moved[k] = int(ring_allreduce_share(len(members)) * t.bytes)
         wg = costs.weight_grad_s if costs.weight_grad_s is not None else [WEIGHT_GRAD_SHARE * b for b in costs.backward_s]
+        wg = [0.0 if _fsdp_sharded(st) else w for st, w in zip(plan.stages, wg)]  # B runs the whole backward
         return cls(forward=forward, backward=backward,
                    weight_grad=[min(w, b) * slow for w, b in zip(wg, costs.backward_s)],
                    step=[u * slow for u in steps], copy=[b / costs.copy_Bps for b in params],
@@ -382,14 +383,25 @@ def _split_backward_ms(plan: Plan, split: bool) -> tuple[list[float], list[float
     halves the profile timed (``Stage.input_grad_ms`` / ``weight_grad_ms``), B + W and W as
     timed; otherwise the unsplit backward with ``WEIGHT_GRAD_SHARE`` of it as W. The first
     stage's B has no input to differentiate: its W is one backward over its weights, whose
-    cost is the unsplit one."""
+    cost is the unsplit one. An FSDP2-sharded stage's B runs its whole backward and its W
+    nothing (runtime/sharding.py: FSDP2 reduces the gradients when a whole backward ends)."""
     first, rest = plan.stages[0], plan.stages[1:]
     timed = [(st.input_grad_ms, st.weight_grad_ms) for st in rest]
     if split and all(b is not None and w is not None for b, w in timed):
-        return ([first.backward_ms] + [b + w for b, w in timed],  # type: ignore[operator]
-                [first.backward_ms] + [float(w) for _, w in timed])  # type: ignore[arg-type]
-    return ([st.backward_ms for st in plan.stages],
-            [first.backward_ms] + [WEIGHT_GRAD_SHARE * st.backward_ms for st in rest])
+        backward = [first.backward_ms] + [b + w for b, w in timed]  # type: ignore[operator]
+        weight = [first.backward_ms] + [float(w) for _, w in timed]  # type: ignore[arg-type]
+    else:
+        backward = [st.backward_ms for st in plan.stages]
+        weight = [first.backward_ms] + [WEIGHT_GRAD_SHARE * st.backward_ms for st in rest]
+    for s, st in enumerate(plan.stages):
+        if _fsdp_sharded(st):
+            backward[s], weight[s] = st.backward_ms, 0.0
+    return backward, weight
+
+
+def _fsdp_sharded(stage: Any) -> bool:
+    """Whether FSDP2 shards ``stage`` over its replicas (its whole backward runs in B)."""
+    return stage.sharded and stage.replicas > 1
 
 
 def _allreduce_among_s(costs: Costs, ranks: list[int], nbytes: float) -> float:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..plans.kinds import AUTO, KIND_NAMES, schedule_kind
+from ..plans.kinds import AUTO, KIND_NAMES, SHARDING_KINDS_TEXT, schedule_kind
 from ..plans.plan import SHARDINGS, Plan, PlanError
 from ..plans.topology import Topology, TopologyError, parse_bytes
 
@@ -234,8 +234,8 @@ def _check_shard(cfg: TrainConfig) -> None:
     if cfg.shard == "replicate":
         return
     if cfg.schedule != AUTO and not schedule_kind(cfg.schedule).can_shard:
-        raise TrainError(f"--shard {cfg.shard} splits replicated stages with FSDP2, which runs under flush and gpipe "
-                         f"(one weight version, whole backwards), not --schedule {cfg.schedule}")
+        raise TrainError(f"--shard {cfg.shard} splits replicated stages with FSDP2, which runs under "
+                         f"{SHARDING_KINDS_TEXT} (one weight version), not --schedule {cfg.schedule}")
     if cfg.straight:
         raise TrainError(f"--shard {cfg.shard} with --straight: a straight plan has no replicas to shard over")
 

@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage (each backward runs its forward again)")
     p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
-                   help="shard every replicated stage over its replicas (FSDP2; flush and gpipe), priced with the "
+                   help="shard every replicated stage over its replicas (FSDP2; flush, gpipe, zb-h1, zb-h2), priced with the "
                         "shards' memory and collectives; --shard alone means zero3")
     p.add_argument("--tensor-parallel", type=_tensor_degree, default=1, metavar="T",
                    help="every worker is T processes of the innermost level splitting its Linear pairs and "

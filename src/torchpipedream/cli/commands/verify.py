@@ -9,7 +9,7 @@ import functools
 import logging
 from typing import Any
 
-from ...plans.kinds import KIND_NAMES, schedule_kind
+from ...plans.kinds import KIND_NAMES, SHARDING_KINDS_TEXT, schedule_kind
 from ...plans.plan import Plan
 from ...plans.topology import Topology
 from ...train import OPTIMIZERS, TrainConfig, TrainError
@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
                         "torch.nn.utils.clip_grad_norm_ on the whole model")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
     p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
-                   help="shard the plan's replicated stages over their replicas (FSDP2; flush and gpipe); "
+                   help="shard the plan's replicated stages over their replicas (FSDP2; flush, gpipe, zb-h1, zb-h2); "
                         "--shard alone means zero3")
     p.add_argument("--plan", dest="plan_file", default=None, help="check this plan.json instead of planning")
     p.add_argument("--seed", type=int, default=0, help="the model's initialisation seed (default: %(default)s)")
@@ -88,7 +88,7 @@ def _handle(args: argparse.Namespace) -> int:
             raise CommandError(f"{flag} must be a number >= 0, got {tolerance}")
     cannot = [k for k in kinds if args.shard != "replicate" and not schedule_kind(k).can_shard]
     if cannot:
-        raise CommandError(f"--shard {args.shard} runs under flush and gpipe, not --schedule {cannot[0]}")
+        raise CommandError(f"--shard {args.shard} runs under {SHARDING_KINDS_TEXT}, not --schedule {cannot[0]}")
     if not 0 <= args.weight_decay < float("inf"):
         raise CommandError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     cfg = TrainConfig(model=args.model, schedule=kinds[0], workers=args.workers, batch_size=args.batch_size,
