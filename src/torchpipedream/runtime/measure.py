@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "measure_local_costs",
+    "measure_local_costs_of",
     "measure_message_overhead",
     "measure_allreduce",
     "measure_copy_bandwidth",
@@ -63,19 +64,64 @@ def measure_local_costs(plan: "Plan", microbatches: int = 1,
     on the 2-core development machine.
     """
     m = max(1, int(microbatches))
-    largest = int(max(st.parameter_bytes for st in plan.stages))
-    out: dict[str, Any] = {"copy_Bps": measure_copy_bandwidth(largest),
-                           "accumulate_Bps": measure_accumulate_bandwidth(largest)}
-    if plan.num_stages > 1:
-        cut = max(st.output_bytes for st in plan.stages[:-1]) // m
-        out["message_overhead_s"] = measure_message_overhead(int(cut))
-    if any(st.replicas > 1 for st in plan.stages):
-        # the runtime reduces one flat buffer: the weights' gradients plus a sample-count slot
-        out["allreduce_s"] = [measure_allreduce(int(st.parameter_bytes) + 4, st.replicas) if st.replicas > 1 else None
-                              for st in plan.stages]
+    out = _in_process_costs(plan)
+    out.update(_group_costs(plan, [_run_group(*job) for job in _group_jobs(plan, m)]))
     if make_step is not None and plan.num_workers > 1:
         out["compute_slowdown"] = measure_concurrency_slowdown(plan.num_workers, seconds=1.0, make_step=make_step)
     return out
+
+
+def measure_local_costs_of(requests: Sequence[tuple["Plan", int]]) -> list[dict[str, Any]]:
+    """:func:`measure_local_costs` of each ``(plan, microbatches)`` of ``requests`` (no
+    ``make_step``), in order: the same measurements per plan, but the spawned ones of all
+    plans run one after another in one launch per group size (all of them in one launch on
+    local workers of two processes) instead of a launch each. A launch costs each process its
+    start-up (about 1.5 s on the 2-core development machine, most of a measurement's time):
+    ``schedule="auto"`` asks for a dozen plan shapes or more."""
+    jobs = [_group_jobs(plan, max(1, int(m))) for plan, m in requests]
+    answers = _run_jobs([job for plan_jobs in jobs for job in plan_jobs])
+    out = []
+    for (plan, _), plan_jobs in zip(requests, jobs):
+        costs = _in_process_costs(plan)
+        costs.update(_group_costs(plan, [answers.pop(0) for _ in plan_jobs]))
+        out.append(costs)
+    return out
+
+
+#: One spawned measurement: (target, workers, nbytes, repeats, timeout_s, what), as _run_group takes it
+_Job = tuple[Any, int, int, int, float, str]
+
+
+def _group_jobs(plan: "Plan", m: int) -> list[_Job]:
+    """The spawned measurements a plan's host costs need, in the order :func:`_group_costs`
+    reads them: the message overhead at the largest cut's microbatch message (pipelines), then
+    each replicated stage's all-reduce of one flat buffer (the weights' gradients plus a
+    sample-count slot, as the runtime reduces it) among its replicas."""
+    jobs: list[_Job] = []
+    if plan.num_stages > 1:
+        cut = max(st.output_bytes for st in plan.stages[:-1]) // m
+        jobs.append((_message_overhead, 2, int(cut), 50, 60.0, "message overhead"))
+    for st in plan.stages:
+        if st.replicas > 1:
+            jobs.append((_allreduce, st.replicas, int(st.parameter_bytes) + 4, 20, 60.0, "all-reduce"))
+    return jobs
+
+
+def _group_costs(plan: "Plan", answers: list[float]) -> dict[str, Any]:
+    """The ``Costs.from_plan`` overrides from the answers of :func:`_group_jobs` (in its order)."""
+    left = iter(answers)
+    out: dict[str, Any] = {}
+    if plan.num_stages > 1:
+        out["message_overhead_s"] = next(left)
+    if any(st.replicas > 1 for st in plan.stages):
+        out["allreduce_s"] = [next(left) if st.replicas > 1 else None for st in plan.stages]
+    return out
+
+
+def _in_process_costs(plan: "Plan") -> dict[str, Any]:
+    """The copy and accumulation bandwidths at the largest stage's weights (measured here)."""
+    largest = int(max(st.parameter_bytes for st in plan.stages))
+    return {"copy_Bps": measure_copy_bandwidth(largest), "accumulate_Bps": measure_accumulate_bandwidth(largest)}
 
 
 def measure_loopback_bandwidth(nbytes: int = 16 * 2**20, repeats: int = 5, timeout_s: float = 60.0) -> float:
@@ -303,47 +349,76 @@ def _gemm_step() -> Callable[[], None]:
 def _run_group(target: Any, workers: int, nbytes: int, repeats: int, timeout_s: float, what: str) -> float:
     """Run the measurement ``target(rank, world, nbytes, repeats) -> float`` on ``workers``
     spawned one-thread processes joined by a gloo group; rank 0's answer."""
+    return _launch(workers, [(target, nbytes, repeats, timeout_s, what)])[0]
+
+
+def _run_jobs(jobs: Sequence[_Job]) -> list[float]:
+    """The answers of spawned measurements ``jobs`` (as :func:`_run_group` takes each), in
+    order: those of one group size run one after another in one launch of that many processes."""
+    answers: list[float] = [0.0] * len(jobs)
+    for workers in sorted({job[1] for job in jobs}):
+        mine = [i for i, job in enumerate(jobs) if job[1] == workers]
+        got = _launch(workers, [(jobs[i][0],) + tuple(jobs[i][2:]) for i in mine])
+        for i, answer in zip(mine, got):
+            answers[i] = answer
+    return answers
+
+
+def _launch(workers: int, jobs: Sequence[tuple[Any, int, int, float, str]]) -> list[float]:
+    """Run the measurements ``jobs`` (each ``(target, nbytes, repeats, timeout_s, what)``: see
+    :func:`_run_group`) one after another on ``workers`` spawned one-thread processes joined by
+    one gloo group; rank 0's answer to each. Each answer has its job's ``timeout_s``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_group_worker, args=(target, r, workers, port, nbytes, repeats, queue))
-             for r in range(workers)]
+    work = [(target, nbytes, repeats) for target, nbytes, repeats, _, _ in jobs]
+    procs = [ctx.Process(target=_group_worker, args=(r, workers, port, work, queue)) for r in range(workers)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout_s
+    answers = []
     try:
-        while True:  # poll, so that a process that dies is reported at once, not at the deadline
-            try:
-                result = queue.get(timeout=0.2)
-                break
-            except queues.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    why = f"a measuring process exited with code {dead[0]}" if dead else f"no answer in {timeout_s:g} s"
-                    raise RuntimeError(f"{what} measurement failed: {why} (run it from a script's "
-                                       "`if __name__ == '__main__':` block: it spawns processes)") from None
+        for _, _, _, timeout_s, what in jobs:
+            result = _answer(queue, procs, timeout_s, what)
+            if isinstance(result, str):
+                raise RuntimeError(f"{what} measurement failed: {result}")
+            answers.append(float(result))
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
-    if isinstance(result, str):
-        raise RuntimeError(f"{what} measurement failed: {result}")
-    return float(result)
+    return answers
 
 
-def _group_worker(target: Any, rank: int, world: int, port: int, nbytes: int, repeats: int, queue: Any) -> None:
-    """One measuring process: join the group, measure, put rank 0's answer (or the error, as
-    one line) on ``queue``."""
+def _answer(queue: Any, procs: Sequence[Any], timeout_s: float, what: str) -> Any:
+    """The next answer on ``queue`` (a number, or an error as one line); RuntimeError when a
+    measuring process dies or none comes within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # poll, so that a process that dies is reported at once, not at the deadline
+        try:
+            return queue.get(timeout=0.2)
+        except queues.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                why = f"a measuring process exited with code {dead[0]}" if dead else f"no answer in {timeout_s:g} s"
+                raise RuntimeError(f"{what} measurement failed: {why} (run it from a script's "
+                                   "`if __name__ == '__main__':` block: it spawns processes)") from None
+
+
+def _group_worker(rank: int, world: int, port: int, work: Sequence[tuple[Any, int, int]], queue: Any) -> None:
+    """One measuring process: join the group, run each measurement ``(target, nbytes,
+    repeats)`` of ``work`` in turn, put rank 0's answer to each (or the first error, as one
+    line, and stop) on ``queue``."""
     tune_own_process()  # allocate as launch()'s workers do
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        answer = target(rank, world, nbytes, repeats)
-        if rank == 0:
-            queue.put(answer)
+        for target, nbytes, repeats in work:
+            answer = target(rank, world, nbytes, repeats)
+            if rank == 0:
+                queue.put(answer)
         dist.destroy_process_group()
     except Exception as exc:  # reported to the parent as one line
         if rank == 0:

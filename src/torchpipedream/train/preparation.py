@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from time import monotonic
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from ..plans.kinds import AUTO, schedule_kind
 from ..plans.plan import Plan, PlanError
 from ..plans.topology import Topology, parse_bytes
 from ..runtime.checkpoint import CheckpointError, saved_shapes, shape_mismatch
-from ..runtime.measure import measure_local_costs
+from ..runtime.measure import measure_local_costs, measure_local_costs_of
 from ..runtime.pipeline import PRECISIONS
 from ..schedule.build import build_schedule
 from ..schedule.placement import virtual_support_problem
@@ -211,11 +212,57 @@ def measured_host_costs(plan: Plan, m: int) -> dict[str, Any]:
     beside that)."""
     if plan.num_workers < 2:
         return {}
-    key = (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
+    key = _shape_key(plan, m)
     cached = _host_costs_measured.get(key)
     if cached is None or monotonic() - cached[0] > HOST_COSTS_REUSE_S:
         cached = _host_costs_measured[key] = (monotonic(), measure_local_costs(plan, m))
     return dict(cached[1])
+
+
+def _shape_key(plan: Plan, m: int) -> Any:
+    """What a host-cost measurement depends on: the microbatch count and each stage's replicas,
+    weight bytes and output bytes."""
+    return (m, tuple((st.replicas, st.parameter_bytes, st.output_bytes) for st in plan.stages))
+
+
+def _measure_ahead(search: Callable[[Callable[[Plan, int], dict[str, Any]]], Plan]) -> None:
+    """Measure at once the host costs of every plan shape ``search(host_costs)`` will ask
+    ``measured_host_costs`` for (and has no fresh measurement of), and keep them as it would:
+    the same measurements per shape (``runtime.measure.measure_local_costs_of``), their
+    spawned processes started once for all shapes instead of once per shape. The shapes are
+    found by running the search once with no host costs, its log quiet (its predictions are
+    not the run's): the plans it compares do not depend on the costs, only their ranking."""
+    asked: dict[Any, tuple[Plan, int]] = {}
+
+    def record(plan: Plan, m: int) -> dict[str, Any]:
+        key = _shape_key(plan, m)
+        cached = _host_costs_measured.get(key)
+        if plan.num_workers >= 2 and (cached is None or monotonic() - cached[0] > HOST_COSTS_REUSE_S):
+            asked.setdefault(key, (plan, m))
+        return {}
+
+    with _quiet(choose_layout.__module__, make_plan.__module__, simulate.__module__):
+        search(record)
+    if asked:
+        when = monotonic()
+        for key, costs in zip(asked, measure_local_costs_of(list(asked.values()))):
+            _host_costs_measured[key] = (when, costs)
+
+
+@contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """Drop the records the loggers ``names`` make inside the block (their configuration kept)."""
+    def drop(record: logging.LogRecord) -> bool:
+        return False
+
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
 
 
 def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int,
@@ -235,7 +282,13 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int,
             layouts = local_layouts(workers, os.cpu_count() or 1)
             log.info("--schedule auto: planning every schedule kind and microbatch count for %s",
                      ", ".join(f"{w} workers × {t} threads" for w, t in layouts))
-            return choose_layout(profiled, layouts, lambda w: _topology(cfg, w, check=False), **options)
+
+            def search(costs: Callable[[Plan, int], dict[str, Any]]) -> Plan:
+                return choose_layout(profiled, layouts, lambda w: _topology(cfg, w, check=False),
+                                     **dict(options, host_costs=costs))
+
+            _measure_ahead(search)  # every candidate's shape in one launch, not one launch each
+            return search(host_costs)
         log.info("--schedule auto: planning every schedule kind and microbatch count")
         return choose_schedule(lambda m: profiled(m, 1), _topology(cfg, workers), **options)
     except PlanError as exc:
