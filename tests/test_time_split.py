@@ -53,15 +53,22 @@ def _split(ranks: dict[str, tuple[float, float, float]], passes: dict[str, float
     return {"ranks": {r: dict(zip(TERMS, v)) for r, v in ranks.items()}, "passes": passes}
 
 
-def test_the_largest_miss_is_the_rank_and_term_furthest_above_its_prediction() -> None:
-    predicted = _split({"0": (2e-3, 1e-3, 0.0), "1": (3e-3, 0.5e-3, 0.0)}, {"stage 0 F": 1e-3, "stage 1 B": 2e-3})
-    measured = _split({"0": (2.5e-3, 4e-3, 0.2e-3), "1": (5e-3, 1e-3, 0.1e-3)}, {"stage 0 F": 1.1e-3,
+def test_the_miss_is_named_on_the_busiest_rank_whose_waits_are_the_rest_of_the_gap() -> None:
+    """Rank 1 computes most (the bottleneck): rank 0's extra waits follow from it. The run took
+    3 ms more per minibatch than predicted; rank 1's compute took 2.5 of them, its time between
+    actions 0.1, and the remaining 0.4 are transfers and waits."""
+    predicted = _split({"0": (2e-3, 2e-3, 0.0), "1": (3.5e-3, 0.5e-3, 0.0)}, {"stage 0 F": 1e-3, "stage 1 B": 2e-3})
+    measured = _split({"0": (2.2e-3, 4.8e-3, 0.0), "1": (6e-3, 0.9e-3, 0.1e-3)}, {"stage 0 F": 1.1e-3,
                                                                                   "stage 1 B": 4e-3})
     miss = largest_miss(measured, predicted)
-    assert miss["rank"] == 0 and miss["term"] == "transfers and waits"
-    assert miss["excess_s"] == pytest.approx(3e-3)
+    assert miss["rank"] == 1 and miss["term"] == "compute"
+    assert miss["excess_s"] == pytest.approx(2.5e-3) and miss["gap_s"] == pytest.approx(3e-3)
     assert miss["pass"] == "stage 1 B" and miss["pass_ratio"] == pytest.approx(2.0)
-    assert largest_miss(predicted, measured) is None  # nothing above its prediction
+    # the same gap with rank 1's compute as predicted: transfers and waits took it
+    slow_messages = _split({"0": (2e-3, 5e-3, 0.0), "1": (3.5e-3, 3.5e-3, 0.0)}, {})
+    miss = largest_miss(slow_messages, predicted)
+    assert miss["rank"] == 1 and miss["term"] == "transfers and waits" and miss["excess_s"] == pytest.approx(3e-3)
+    assert largest_miss(predicted, measured) is None  # faster than predicted: nothing missed
 
 
 def test_the_report_lists_ranks_and_names_the_miss_only_when_the_run_fell_short() -> None:
@@ -70,7 +77,8 @@ def test_the_report_lists_ranks_and_names_the_miss_only_when_the_run_fell_short(
     rows = split_lines({"measured": measured, "predicted": predicted}, throughput_ratio=0.5)
     assert rows[0] == ("time split", "rank 0: compute 6.00 ms (predicted 2.00), transfers and waits 1.00 ms "
                                      "(predicted 1.00), outside actions 0.00 ms (predicted 0.00) per minibatch")
-    assert rows[1][0] == "missed most" and rows[1][1].startswith("compute on rank 0, +4.00 ms per minibatch")
+    assert rows[1][0] == "missed most" and rows[1][1].startswith(
+        "compute on rank 0 (the busiest), +4.00 of the +4.00 ms per minibatch the run took over its prediction")
     assert "stage 0 F (3.00×)" in rows[1][1]
     assert [r[0] for r in split_lines({"measured": measured, "predicted": predicted}, 0.95)] == ["time split"]
     # a run prepared before the split existed (resumed from an older checkpoint) prints none

@@ -4,9 +4,10 @@ The run's prediction is a simulated trace of the same schedule; the run leaves a
 of its last epoch. Both are split the same way (``Trace.time_split``): per rank, seconds per
 minibatch computing, in transfers and waits (transfers and all-reduces, a wait for the peer
 included) and outside any action (the engine, idle), and per stage and compute kind
-(``Trace.pass_time``). When the run is slower than predicted, the report names the term whose
-measured time exceeds its prediction most, and the compute pass furthest above its own, so
-that a user can tell a slow kernel (compute) from slow messages or a late peer
+(``Trace.pass_time``). When the run is slower than predicted, the report names, on the busiest
+rank (the bottleneck: the others' extra waits follow from it), the term whose measured time
+exceeds its prediction most, and the compute pass furthest above its own, so that a user can
+tell a slow kernel (compute) from slow messages or a late peer
 (transfers and waits) from the library's own overhead (outside actions).
 """
 
@@ -33,18 +34,27 @@ def split_of(trace: Trace, minibatches: int) -> dict[str, Any]:
 
 
 def largest_miss(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, Any] | None:
-    """The rank and term whose measured seconds per minibatch exceed the prediction most
-    (``excess_s``), and the compute pass with the largest measured / predicted ratio; None when
-    nothing exceeds its prediction or a side is missing."""
-    rows = [(m[t] - predicted["ranks"][r][t], r, t) for r, m in measured.get("ranks", {}).items()
-            if r in predicted.get("ranks", {}) for t in TERMS]
-    if not rows or max(rows)[0] <= 0:
+    """What made the run slower than predicted, on its busiest rank (the most seconds per
+    minibatch computing and between actions: the pipeline's bottleneck; the others' extra
+    waits follow from it): that rank's term whose excess over its prediction is largest
+    (``excess_s``), where its compute and outside-actions excesses are its own and the rest of
+    the run's excess per minibatch is counted as transfers and waits; and the compute pass with
+    the largest measured / predicted ratio. None when the run was not slower or a side is missing."""
+    ranks = [r for r in measured.get("ranks", {}) if r in predicted.get("ranks", {})]
+    if not ranks:
         return None
-    excess, rank, term = max(rows)
-    ratios = [(measured["passes"][p] / t, p) for p, t in predicted.get("passes", {}).items()
-              if t > 0 and p in measured.get("passes", {})]
+    m, p = measured["ranks"], predicted["ranks"]
+    busiest = max(ranks, key=lambda r: m[r]["compute"] + m[r]["outside actions"])
+    gap = sum(m[busiest].values()) - sum(p[busiest].values())
+    if gap <= 0:
+        return None
+    own = {t: m[busiest][t] - p[busiest][t] for t in ("compute", "outside actions")}
+    excess = dict(own, **{"transfers and waits": gap - sum(own.values())})
+    term = max(TERMS, key=lambda t: excess[t])
+    ratios = [(measured["passes"][name] / t, name) for name, t in predicted.get("passes", {}).items()
+              if t > 0 and name in measured.get("passes", {})]
     worst = max(ratios) if ratios else None
-    return {"rank": int(rank), "term": term, "excess_s": excess,
+    return {"rank": int(busiest), "term": term, "excess_s": excess[term], "gap_s": gap,
             "pass": worst[1] if worst else None, "pass_ratio": worst[0] if worst else None}
 
 
@@ -64,7 +74,8 @@ def split_lines(split: dict[str, Any] | None, throughput_ratio: float | None) ->
     if throughput_ratio is not None and throughput_ratio < NAMED_BELOW:
         miss = largest_miss(measured, predicted)
         if miss is not None:
-            text = f"{miss['term']} on rank {miss['rank']}, {miss['excess_s'] * 1e3:+.2f} ms per minibatch over its prediction"
+            text = (f"{miss['term']} on rank {miss['rank']} (the busiest), {miss['excess_s'] * 1e3:+.2f} of the "
+                    f"{miss['gap_s'] * 1e3:+.2f} ms per minibatch the run took over its prediction")
             if miss["pass"] is not None:
                 text += f"; the compute furthest above its prediction: {miss['pass']} ({miss['pass_ratio']:.2f}×)"
             rows.append(("missed most", text))
