@@ -16,7 +16,9 @@ How a sharded stage runs:
 * The engine calls the stage module as it is (no weight aliases: FSDP2 installs the gathered
   weights itself) and back-propagates without naming the parameters, so FSDP2's hooks see
   every backward: each microbatch's weight gradient is reduce-scattered when its backward
-  ends and summed into the shards (``DTensor`` ``.grad``).
+  ends and summed into the shards (``DTensor`` ``.grad``). Under zb-h1 and zb-h2 a sharded
+  stage therefore does not split its backward: its B runs the whole of it and its W is empty
+  (``Engine._backward``).
 * Every F and B is therefore a collective of the stage's replicas. The schedule's replicas of
   a sharded stage take equal shares of each batch (``build._check_sharded_shares``), and the
   validator runs the lists with every such F/B as a collective (``validate._ShardedRun``):

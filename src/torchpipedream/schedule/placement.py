@@ -117,7 +117,7 @@ def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str
     None. A tensor-parallel stage runs torch's DTensor layers with one weight version (the kinds
     that stash several are refused, as for sharding) and no parameter shared across stages
     (their TR steps run outside the tensor layout: not yet). Its replicas may replicate or shard
-    (FSDP2 over the (data, tensor) mesh: flush and gpipe, ``sharding_support_problem``); a worker
+    (FSDP2 over the (data, tensor) mesh: ``sharding_support_problem``); a worker
     may hold several stages (interleaved, zb-v); the zero-bubble kinds' weight pass
     differentiates the DTensor parameters themselves (``TensorParallelWeights.tensors``)."""
     info = schedule_kind(kind)
