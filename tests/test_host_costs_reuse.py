@@ -58,7 +58,7 @@ def test_every_shape_a_search_asks_for_is_measured_in_one_call_before_it(monkeyp
         said.info("priced %d shapes", 4)
         return [costs(two, 2), costs(two, 4), costs(two, 2), costs(one, 2)]
 
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger=said.name)  # on the logger itself: another test may have set its level
     preparation._measure_ahead(search)
     assert batches == [[(2, 2), (2, 4)]]  # each shape once, one worker's none
     assert "priced" not in caplog.text  # the search that finds the shapes says nothing

@@ -54,11 +54,25 @@ def _profiled(name: str):
 def _plans(name: str, batches: list) -> tuple[list[Plan], object]:
     graph = _graph(name, batches)
     chosen = make_plan(graph, Topology.local(2), schedule="flush", microbatches=2)
-    straight = make_plan(graph, Topology.local(2), schedule="flush", microbatches=2, straight=True)
+    if graph.tied:  # the shared parameter's copies on two stages: cut right after its first user
+        straight = _split_tie(graph)
+    else:
+        straight = make_plan(graph, Topology.local(2), schedule="flush", microbatches=2, straight=True)
     plans = [chosen, straight, dataclasses.replace(straight, schedule="pipedream")]
     if name == "gpt2":
         plans.append(dataclasses.replace(straight, schedule="2bw"))
     return plans, graph
+
+
+def _split_tie(graph) -> Plan:
+    """A straight 2-stage flush plan whose cut follows the block of the first layer that uses
+    the model's shared parameter (GPT-2's and T5's tied embedding), so that its other users sit
+    on the second stage. The planner's own straight cut of these small models follows their
+    one-iteration profile: on a loaded machine it kept every user on one stage (seen once in CI)."""
+    blocks = graph.linearize()
+    first = next(k for k, b in enumerate(blocks) if set(b.layers) & set(graph.tied[0].layers))
+    stages = [[n for b in blocks[:first + 1] for n in b.layers], [n for b in blocks[first + 1:] for n in b.layers]]
+    return Plan.straight(stages, schedule="flush", microbatches=2)
 
 
 @pytest.mark.parametrize("name", sorted(zoo.FACTORIES))
@@ -73,7 +87,8 @@ def test_zoo_model_trains_as_its_schedule_says(name):
     straight = plans[1]
     assert straight.num_stages == 2 and all(st.replicas == 1 for st in straight.stages)
     if name in ("gpt2", "t5"):  # tied input and output embeddings, split by the straight plan
-        assert graph.tied and straight.tied and len(straight.tied[0].stages) == 2
+        holders = {s for s, st in enumerate(straight.stages) for layer in graph.tied[0].layers if layer in st.layers}
+        assert holders == {0, 1}
 
 
 def test_the_pipedream_check_can_fail():
