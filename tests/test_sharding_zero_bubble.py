@@ -122,3 +122,19 @@ def test_the_validator_proves_it_and_the_simulator_puts_the_whole_backward_in_b(
     assert w0 and all(e.duration_s <= 1000 / costs.accumulate_Bps * 1.000001 for e in w0)
     # B: the whole backward, and the shards' gathers and reduce-scatters of FSDP2
     assert b0 and all(e.duration_s >= 2.0e-3 / 4 for e in b0)
+
+
+def test_train_says_why_its_zero_bubble_plan_shards_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """`train --shard --schedule zb-h1` plans one worker per stage: the warning says to give a
+    plan file with replicated stages (and says nothing of the kind for flush)."""
+    import logging
+    from types import SimpleNamespace
+
+    from torchpipedream.train import preparation
+
+    caplog.set_level(logging.WARNING, logger=preparation.__name__)
+    for kind in ("zb-h1", "flush"):
+        preparation._warn_if_nothing_sharded(SimpleNamespace(shard="zero3"), Plan.straight([["a"], ["b"]], schedule=kind))
+    zb, flush = [r.getMessage() for r in caplog.records]
+    assert "nothing is sharded; the planner plans zb-h1 with one worker per stage: give --plan a file" in zb
+    assert flush.endswith("so nothing is sharded")

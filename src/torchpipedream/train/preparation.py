@@ -138,7 +138,10 @@ def _warn_if_nothing_sharded(cfg: TrainConfig, plan: Plan) -> None:
     """``--shard`` on a plan without a replicated stage shards nothing: say so (the planner found
     no replicated stage worth its workers)."""
     if cfg.shard != "replicate" and not any(st.sharded for st in plan.stages):
-        log.warning("--shard %s: the plan (%s) has no replicated stage, so nothing is sharded", cfg.shard, plan.summary)
+        why = (f"; the planner plans {plan.schedule} with one worker per stage: give --plan a file with replicated "
+               "stages to shard them") if schedule_kind(plan.schedule).split_backward else ""
+        log.warning("--shard %s: the plan (%s) has no replicated stage, so nothing is sharded%s", cfg.shard,
+                    plan.summary, why)
 
 
 def _sharded(cfg: TrainConfig, plan: Plan) -> Plan:
