@@ -64,6 +64,9 @@ def test_the_miss_is_named_on_the_busiest_rank_whose_waits_are_the_rest_of_the_g
     assert miss["rank"] == 1 and miss["term"] == "compute"
     assert miss["excess_s"] == pytest.approx(2.5e-3) and miss["gap_s"] == pytest.approx(3e-3)
     assert miss["pass"] == "stage 1 B" and miss["pass_ratio"] == pytest.approx(2.0)
+    # the pass is the busiest rank's own: rank 0's forward 5x off is not named for rank 1
+    measured["passes"]["stage 0 F"] = 5e-3
+    assert largest_miss(dict(measured, stages={"0": [0], "1": [1]}), predicted)["pass"] == "stage 1 B"
     # the same gap with rank 1's compute as predicted: transfers and waits took it
     slow_messages = _split({"0": (2e-3, 5e-3, 0.0), "1": (3.5e-3, 3.5e-3, 0.0)}, {})
     miss = largest_miss(slow_messages, predicted)
@@ -88,3 +91,4 @@ def test_the_report_lists_ranks_and_names_the_miss_only_when_the_run_fell_short(
 def test_split_of_writes_json_keys() -> None:
     out = split_of(_trace(), 2)
     assert set(out["ranks"]) == {"0", "1"} and set(out["passes"]) == {"stage 0 F", "stage 0 B", "stage 1 F"}
+    assert out["stages"] == {"0": [0], "1": [1]}

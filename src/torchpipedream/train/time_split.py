@@ -27,10 +27,14 @@ LISTED_RANKS = 4
 
 
 def split_of(trace: Trace, minibatches: int) -> dict[str, Any]:
-    """``trace``'s time split per minibatch, as JSON: ``ranks`` (rank → term → seconds) and
-    ``passes`` ("stage S K" → seconds)."""
+    """``trace``'s time split per minibatch, as JSON: ``ranks`` (rank → term → seconds),
+    ``passes`` ("stage S K" → seconds) and ``stages`` (rank → the stages it ran)."""
+    stages: dict[str, set[int]] = {}
+    for e in trace.events:
+        stages.setdefault(str(e.rank), set()).add(e.stage)
     return {"ranks": {str(r): terms for r, terms in trace.time_split(minibatches).items()},
-            "passes": {f"stage {s} {k}": t for (s, k), t in sorted(trace.pass_time(minibatches).items())}}
+            "passes": {f"stage {s} {k}": t for (s, k), t in sorted(trace.pass_time(minibatches).items())},
+            "stages": {r: sorted(held) for r, held in sorted(stages.items())}}
 
 
 def largest_miss(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, Any] | None:
@@ -38,8 +42,9 @@ def largest_miss(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[st
     minibatch computing and between actions: the pipeline's bottleneck; the others' extra
     waits follow from it): that rank's term whose excess over its prediction is largest
     (``excess_s``), where its compute and outside-actions excesses are its own and the rest of
-    the run's excess per minibatch is counted as transfers and waits; and the compute pass with
-    the largest measured / predicted ratio. None when the run was not slower or a side is missing."""
+    the run's excess per minibatch is counted as transfers and waits; and, of its stages, the
+    compute pass with the largest measured / predicted ratio. None when the run was not slower
+    or a side is missing."""
     ranks = [r for r in measured.get("ranks", {}) if r in predicted.get("ranks", {})]
     if not ranks:
         return None
@@ -51,8 +56,9 @@ def largest_miss(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[st
     own = {t: m[busiest][t] - p[busiest][t] for t in ("compute", "outside actions")}
     excess = dict(own, **{"transfers and waits": gap - sum(own.values())})
     term = max(TERMS, key=lambda t: excess[t])
+    held = measured.get("stages", {}).get(busiest)  # its own passes (all where a split predates the record)
     ratios = [(measured["passes"][name] / t, name) for name, t in predicted.get("passes", {}).items()
-              if t > 0 and name in measured.get("passes", {})]
+              if t > 0 and name in measured.get("passes", {}) and (held is None or int(name.split()[1]) in held)]
     worst = max(ratios) if ratios else None
     return {"rank": int(busiest), "term": term, "excess_s": excess[term], "gap_s": gap,
             "pass": worst[1] if worst else None, "pass_ratio": worst[0] if worst else None}
