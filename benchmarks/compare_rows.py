@@ -344,11 +344,17 @@ def as_given(work: Workload, plan):
     """A one-stage ``plan`` of the split model as the same plan of the model as given: with no
     cut, splitting wide layers only slows them down (fc_heavy's split model runs at about 0.94
     of the given one's speed: benchmarks/one_worker.py)."""
+    x, _ = work.make_batch(work.batch_size, torch.Generator().manual_seed(0))
+    return dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], layers=layer_names(work.build(), x))])
+
+
+def layer_names(model: nn.Module, sample: Any) -> list[str]:
+    """The names of ``model``'s layers as the profiler and the planner name them (one quick
+    profile: the names, not the times, are wanted)."""
     from torchpipedream.model.profiler import profile
 
-    x, _ = work.make_batch(work.batch_size, torch.Generator().manual_seed(0))
-    names = [layer.name for layer in profile(work.build(), x, warmup=0, iters=1, split_backward=False).layers]
-    return dataclasses.replace(plan, stages=[dataclasses.replace(plan.stages[0], layers=names)])
+    return [layer.name for layer in profile(model, sample, warmup=0, iters=1, num_threads=None,
+                                            split_backward=False).layers]
 
 
 def _baseline_jobs(work: Workload, procs: int, windows: int, microbatches: int, suffix: str) -> list:

@@ -49,11 +49,10 @@ PLAIN, TPD = "plain loop", "torchpipedream, one worker"
 def _one_stage_plan(model, sample):
     """The one-stage plan of ``model``: every layer of its graph on worker 0 (flush, one
     microbatch), as ``--schedule auto`` plans a host where no pipeline pays."""
-    from torchpipedream.model.profiler import profile
+    from compare_rows import layer_names
     from torchpipedream.plans.plan import Plan
 
-    graph = profile(model, sample, warmup=0, iters=1, num_threads=None, split_backward=False)
-    return Plan.straight([[layer.name for layer in graph.layers]], schedule="flush", microbatches=1)
+    return Plan.straight([layer_names(model, sample)], schedule="flush", microbatches=1)
 
 
 def _contenders(work, split_parts: int) -> dict:

@@ -533,20 +533,18 @@ class Engine:
             if len(grads) != len(ctx.outputs):
                 raise RuntimeError(f"rank {self.rank}: B{microbatch} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
             roots, grad_outputs = ctx.outputs, grads
-        if (self.stage, microbatch) in self._split and self.weights.sharded and not params:
-            # An FSDP2-sharded stage under a split-backward kind: FSDP2 reduce-scatters the weights'
-            # gradients when a whole backward ends, so B runs the whole backward and W has nothing left
-            if roots:
-                torch.autograd.backward(roots, grad_tensors=grad_outputs)
-            self._weight_work[microbatch] = (None, ctx, version)
-        elif (self.stage, microbatch) in self._split:
+        split = (self.stage, microbatch) in self._split
+        if split and (params or not self.weights.sharded):
             # B: the inputs' gradients now (sent by SG), the weights' at this microbatch's W
             work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
             self._weight_work[microbatch] = (work, ctx, version)
         elif self.weights.sharded:
             if roots:  # into everything the graph holds: FSDP2's gathered weights, whose hooks reduce them
                 torch.autograd.backward(roots, grad_tensors=grad_outputs)
-            self._weights_done(ctx, version)
+            if split:  # FSDP2 reduces the weights' gradients when a whole backward ends: W has nothing left
+                self._weight_work[microbatch] = (None, ctx, version)
+            else:
+                self._weights_done(ctx, version)
         else:
             wrt = params + ctx.leaves
             if wrt and roots:
