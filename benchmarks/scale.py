@@ -131,7 +131,8 @@ def _plan_case(shape: TransformerShape, gpu: GPUSpec, gpus: int, batch: int, fla
             "time_per_minibatch_s": p.predicted["time_per_minibatch_s"],
             "model_tflops_per_gpu": sps * model_flops / gpus / 1e12,
             "hardware_tflops_per_gpu": sps * (hardware_flops if recompute else model_flops) / gpus / 1e12,
-            "peak_memory_bytes": p.predicted["peak_memory_bytes"], "bottleneck": p.predicted.get("bottleneck")}
+            "peak_memory_bytes": p.predicted["peak_memory_bytes"], "bottleneck": p.predicted.get("bottleneck"),
+            "feasibility_checks": p.meta["feasibility_checks"]}
 
 
 def _child(conn: Any, *args: Any) -> None:

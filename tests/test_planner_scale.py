@@ -8,18 +8,21 @@ stages, replicas, ranks and prediction are compared, not the time (benchmarks/sc
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from torchpipedream.model.analytic_profiles import A100_80GB, GPT3_175B, OPTIMIZER_STATE_FACTOR, transformer_graph
 from torchpipedream.plans.topology import Topology
-from torchpipedream.search.planner import plan
+from torchpipedream.search.planner import _ChainTerms, _planning_blocks, _Problem, plan
 
 #: stage k's replicas, recorded with the dense test: 16 replicas of the first stage, 46
 #: single-worker stages, 2 replicas of the last.
 EXPECTED_REPLICAS = [16] + [1] * 46 + [2]
 #: each stage's (first block, last block) of the linearised chain, as recorded
 EXPECTED_BLOCKS = [[0, 2]] + [[k, k + 1] for k in range(3, 95, 2)] + [[95, 97]]
-EXPECTED_CHECKS = 73  # feasibility tests of the chain it chose, as recorded
+#: feasibility tests of the chain it chose: 73 as recorded with one test per depth; 13 since one
+#: packed test over every stage count screens the depths (``_DepthScreen``), with the same plan
+EXPECTED_CHECKS = 13
 EXPECTED_MINIBATCH_S = 690.0458863338054
 
 
@@ -44,3 +47,27 @@ def test_gpt3_on_64_gpus_plans_the_recorded_stages(gpt3_plan) -> None:
     assert gpt3_plan.meta["feasibility_checks"] == EXPECTED_CHECKS
     assert gpt3_plan.predicted["time_per_minibatch_s"] == pytest.approx(EXPECTED_MINIBATCH_S, rel=1e-12)
     assert gpt3_plan.predicted["peak_memory_bytes"] <= A100_80GB.memory_bytes
+
+
+def test_one_screen_answers_every_depth_as_that_depths_own_test() -> None:
+    """``feasible_depths`` of the deepest problem says, for each stage count, what the test of
+    that depth alone says: without a bottleneck (memory alone rules out the shallow depths), just
+    above the best plan's bottleneck and below it."""
+    graph, topo = _gpt3_on_64()
+    blocks = _planning_blocks(graph, True)
+    cache = _ChainTerms()
+
+    def problem(depth: int) -> _Problem:
+        return _Problem(blocks, topo, "flush", 1536, A100_80GB.memory_bytes, OPTIMIZER_STATE_FACTOR, depth, False,
+                        True, cache=cache)
+
+    deepest = problem(64)
+    depths = [1, 20, 47, 48, 49, 56, 63, 64]
+    seen = []
+    for T in (float("inf"), 6.7e5, 6.6e5):
+        screen = deepest.feasible_depths(T, 64, True)
+        assert screen is not None and len(screen) == 65
+        alone = [problem(d).feasible(T, 64, True, False)[0] for d in depths]
+        assert [bool(screen[d]) for d in depths] == alone, T
+        seen += alone
+    assert any(seen) and not all(seen)

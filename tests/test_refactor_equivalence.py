@@ -31,7 +31,10 @@ record their ``sharding``, and auto's sharded candidates shard only the stages t
 virtual stages (interleaved, zb-v): the digests of their actions and traces only (38 values),
 every time, throughput, bubble, utilisation and memory peak unchanged; and by issue 36's
 tensor-parallel degree search: ``schedule="auto"``'s candidates record their
-``tensor_parallel`` (1 in every case: one plan text, no number changed).
+``tensor_parallel`` (1 in every case: one plan text, no number changed); and by issue 36's
+depth screen (one packed test over every stage count instead of one test per depth): the
+``meta.feasibility_checks`` count of 9 budgeted flush plans only (one more, or fewer where
+memory rules out the shallow depths), every stage, time and memory unchanged.
 """
 
 from __future__ import annotations

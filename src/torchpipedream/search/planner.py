@@ -487,6 +487,29 @@ class _Problem:
         """:meth:`feasible` for a memory budget and classes whose replicas share microbatches."""
         N = self.N
         counts = 1 if self.num_stages is None else self.num_stages + 1
+        reach, reached, inok, cut_ok = self._packed_reach(T, workers, counts)
+        final = counts - 1 if self.num_stages is not None else 0
+        s_end = _end_rank(_count_bit(reach[N], final), workers, exact_end)
+        if s_end < 0:
+            return False, None
+        if not record:
+            return True, None
+        stages = []
+        jj, c, s = N, final, s_end
+        while jj > 0:
+            cp = c - 1 if counts > 1 else 0
+            i, r = self._packed_choice(self._packed_options(jj, T, workers, reached, inok), reach, cp, s - 1,
+                                       cut_ok[jj - 1] if jj < N else None)
+            stages.append((i, jj - 1, s - r))
+            jj, c, s = i, cp, r
+        stages.reverse()
+        return True, stages
+
+    def _packed_reach(self, T: float, workers: int, counts: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The packed DP at bottleneck T: reach[j1, word, s] (bit c: blocks 0..j1-1 fit on ranks
+        0..s-1 in c stages), which boundaries any stage reaches, and the in/out cut tests."""
+        N = self.N
         reach = np.zeros((N + 1, (counts + 63) // 64, workers + 1), dtype=np.uint64)
         reach[0, 0, 0] = 1
         reached = np.zeros(N + 1, dtype=bool)
@@ -503,23 +526,19 @@ class _Problem:
                 hit |= ends
             reach[j + 1, :, 1:] = _next_count(hit, counts)
             reached[j + 1] = reach[j + 1].any()
-        final = counts - 1 if self.num_stages is not None else 0
-        ends = ((reach[N, final // 64] >> np.uint64(final % 64)) & np.uint64(1)).astype(bool)
-        s_end = _end_rank(ends, workers, exact_end)
-        if s_end < 0:
-            return False, None
-        if not record:
-            return True, None
-        stages = []
-        jj, c, s = N, final, s_end
-        while jj > 0:
-            cp = c - 1 if counts > 1 else 0
-            i, r = self._packed_choice(self._packed_options(jj, T, workers, reached, inok), reach, cp, s - 1,
-                                       cut_ok[jj - 1] if jj < N else None)
-            stages.append((i, jj - 1, s - r))
-            jj, c, s = i, cp, r
-        stages.reverse()
-        return True, stages
+        return reach, reached, inok, cut_ok
+
+    def feasible_depths(self, T: float, workers: int, exact_end: bool) -> np.ndarray | None:
+        """Per stage count c = 0..num_stages, whether exactly c stages fit at bottleneck T: one
+        packed test answers every depth at once (the count bits of a deeper problem evolve as a
+        shallower one's do), so depths that cannot reach a cap are dismissed together. None
+        where the packed test does not apply (no budget, or replicas that do not share)."""
+        if self.memory is None or not self.shared or self.num_stages is None:
+            return None
+        self.checks += 1
+        counts = self.num_stages + 1
+        reach, _, _, _ = self._packed_reach(T, workers, counts)
+        return np.array([_end_rank(_count_bit(reach[self.N], c), workers, exact_end) >= 0 for c in range(counts)])
 
     def _packed_options(self, j1: int, T: float, workers: int, reached: np.ndarray, inok: np.ndarray
                         ) -> list[list[tuple[int, np.ndarray, np.ndarray]]]:
@@ -804,6 +823,11 @@ def _end_rank(ends: np.ndarray, workers: int, exact_end: bool) -> int:
         return workers if ends[workers] else -1
     hits = np.nonzero(ends)[0]
     return int(hits[0]) if len(hits) else -1
+
+
+def _count_bit(words: np.ndarray, c: int) -> np.ndarray:
+    """Bit c of packed stage-count words (words, ranks) as a bool array over ranks."""
+    return ((words[c // 64] >> np.uint64(c % 64)) & np.uint64(1)).astype(bool)
 
 
 def _next_count(hit: np.ndarray, counts: int) -> np.ndarray:
@@ -1390,23 +1414,57 @@ def _search_depths(problem: Any, blocks: Sequence[Block], W: int, num_stages: in
         depths = list(range(1, min(len(blocks), W) + 1))
     result: tuple[float, list[tuple[int, int, int]]] | None = None
     checks = 0
+    screen = _DepthScreen(problem(deepest), W, not allow_fewer) if len(depths) > 1 and not allow_fewer else None
     for depth in depths:
         factor = first.kind.fill_drain_factor(first.mu, depth) if depth else 1.0
         if result is not None and blocks_total_ms(blocks) / W * factor >= result[0]:
             break
-        prob = first if depth == num_stages else problem(depth)
         cap = math.inf if result is None else result[0] * (1 - 1e-12) / factor
+        if screen is not None and depth is not None and not screen.may_fit(depth, cap):
+            continue
+        prob = first if depth == num_stages else problem(depth)
         if allow_fewer and budgeted:
             found = [_search(prob, workers, True, rtol, cap) for workers in range(1, W + 1)]
         else:
             found = [_search(prob, W, not allow_fewer, rtol, cap)]
         checks += prob.checks
+        if screen is not None and all(r is None for r in found):
+            screen.missed()
         for r in found:
             if r is not None and (result is None or r[0] * factor < result[0] * (1 - 1e-12)):
                 result = (r[0] * factor, r[1])
     if result is None:
         raise _nothing_fits(problem(num_stages), first.memory, W, allow_fewer, num_stages, straight)
-    return result[1], checks
+    return result[1], checks + (screen.checks if screen is not None else 0)
+
+
+class _DepthScreen:
+    """Which depths can still reach a cap, from one packed test over every stage count
+    (``_Problem.feasible_depths``) instead of one test per depth. Feasibility only grows with
+    the bottleneck, and a depth's cap only falls, so a depth that fails the screen fails its own
+    test. A screen is taken at the first depth, and again after a depth it let through found
+    nothing under its cap (the screen was taken at a looser cap and may let more through)."""
+
+    def __init__(self, deepest: Any, workers: int, exact_end: bool) -> None:
+        self._prob, self._workers, self._exact_end = deepest, workers, exact_end
+        self._fits: np.ndarray | None = None
+        self._applies = deepest.memory is not None and deepest.shared
+
+    @property
+    def checks(self) -> int:
+        return self._prob.checks
+
+    def may_fit(self, depth: int, cap: float) -> bool:
+        """False only where ``depth`` stages certainly do not fit at bottleneck ``cap``."""
+        if not self._applies:
+            return True
+        if self._fits is None:
+            self._fits = self._prob.feasible_depths(cap, self._workers, self._exact_end)
+        return self._fits is None or bool(self._fits[depth])
+
+    def missed(self) -> None:
+        """A depth the screen let through found nothing: screen again at the next cap."""
+        self._fits = None
 
 
 def blocks_total_ms(blocks: Sequence[Block]) -> float:
