@@ -186,8 +186,8 @@ def test_the_cuts_worth_simulating_include_the_best_where_one_block_moves_stop_s
 
     times = [8.0, 8.0, 9.0, 4.0, 6.0, 4.0]
 
-    def score(stages):
-        return [sum(times[i:j + 1]) for i, j, _ in stages]
+    def stage_time(k, i, j):
+        return sum(times[i:j + 1])
 
     def busiest(bounds) -> float:
         load = [0.0, 0.0]
@@ -200,7 +200,7 @@ def test_the_cuts_worth_simulating_include_the_best_where_one_block_moves_stop_s
     if many:  # as if the model had too many blocks to try every cut
         monkeypatch.setattr(planner, "EXHAUSTIVE_CUTS", 1)
     start = [(0, 0, 1), (1, 1, 1), (2, 3, 1), (4, 5, 1)]
-    cuts = planner._worker_cuts([None] * 6, start, v_shape_rank, 2, score)
+    cuts = planner._worker_cuts([None] * 6, start, v_shape_rank, 2, stage_time)
     assert cuts[-1] == start and len(cuts) == len({tuple(c) for c in cuts})
     values = [busiest([i for i, _, _ in c] + [6]) for c in cuts]
     if not many:
@@ -231,3 +231,24 @@ def test_train_takes_virtual_stages_and_refuses_a_plan_of_another_placement(tmp_
     with pytest.raises(TrainError, match="--schedule flush: the plan puts several stages on one worker .* use "
                                          "interleaved, zb-v"):
         _choose_plan(TrainConfig(plan_file=str(path), schedule="flush"), graph, 2, None)
+
+
+def test_the_cut_search_charges_each_stage_what_evaluate_charges_it() -> None:
+    """``_straight_stage_ms`` (the virtual planner's per-stage score, cached) equals, bit for
+    bit, each stage's time plus outgoing transfer in ``evaluate`` of whole straight cuts, on a
+    profile with weights and transfers across a two-level topology."""
+    import itertools
+
+    from torchpipedream.model.profiles import load_profile
+    from torchpipedream.plans.topology import Topology
+    from torchpipedream.search.planner import _planning_blocks, evaluate, _straight_stage_ms
+
+    blocks = _planning_blocks(load_profile("alexnet"), False)
+    topo = Topology.from_any("2x2:10GB/s,1.25GB/s")
+    n, stages = len(blocks), 4
+    for inner in itertools.islice(itertools.combinations(range(1, n), stages - 1), 0, None, 37):
+        bounds = [0, *inner, n]
+        cut = [(bounds[k], bounds[k + 1] - 1, 1) for k in range(stages)]
+        ev = evaluate(blocks, topo, cut, "flush", 4)
+        expected = [ev.stage_ms[k] + (ev.cut_ms[k] if k < stages - 1 else 0.0) for k in range(stages)]
+        assert [_straight_stage_ms(blocks, topo, 4, stages, k, i, j) for k, (i, j, _) in enumerate(cut)] == expected

@@ -1265,13 +1265,12 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
     cut = [(i, j, 1) for i, j in deep.meta["blocks"]]
     f = options["optimizer_state_factor"]
 
-    def stage_times(trial: list[tuple[int, int, int]]) -> list[float]:
-        ev = evaluate(blocks, wide, trial, "flush", deep.microbatches, f)
-        return [ev.stage_ms[k] + (ev.cut_ms[k] if k < len(ev.cut_ms) else 0.0) for k in range(len(trial))]
+    stage_time = functools.lru_cache(maxsize=None)(
+        functools.partial(_straight_stage_ms, blocks, wide, deep.microbatches, len(cut)))
 
     chosen: tuple[float, Plan] | None = None
     over: list[float] = []
-    for trial in _worker_cuts(blocks, cut, rank_of, workers, stage_times):
+    for trial in _worker_cuts(blocks, cut, rank_of, workers, stage_time):
         built = deep if trial == cut else _build_plan(  # the deep plan's options (its optimizer scratch) hold
             graph, blocks, wide, trial, "flush", deep.microbatches, f, budget, deep.meta["planning_time_s"],
             deep.meta["feasibility_checks"], dict(deep.meta["planner"], rebalanced_for_workers=True))
@@ -1291,6 +1290,20 @@ def _plan_virtual(graph: LayerGraph, topo: Topology, schedule: str, chunks: int,
                         f"(the least: {format_bytes(min(over))})" if over else
                         f"{schedule}: no cut of the model into {workers * chunks} stages fits the budget")
     return chosen[1]
+
+
+def _straight_stage_ms(blocks: Sequence[Block], topology: Topology, microbatches: int, num_stages: int,
+                      k: int, i: int, j: int) -> float:
+    """What :func:`evaluate` charges stage k (blocks i..j, on rank k) of a straight flush
+    pipeline of ``num_stages`` stages per minibatch, its compute and its outgoing transfer, by
+    the same arithmetic: ``_plan_virtual`` scores tens of thousands of cuts from these, cached
+    per (k, i, j), instead of evaluating each cut."""
+    compute = sum(b.compute_ms for b in blocks[i:j + 1])
+    own = sum(b.parameter_bytes for b in blocks[i:j + 1])
+    ms = stage_time_ms(compute, own, 1, topology.allreduce_bandwidth([k]), "flush", microbatches) + 0.0
+    if k == num_stages - 1:
+        return ms + 0.0
+    return ms + 2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth([k, k + 1]))
 
 
 def _placed(graph: LayerGraph, topo: Topology, schedule: str, deep: Plan, chunks: int, rank_of: Any) -> Plan:
@@ -1319,18 +1332,20 @@ def _placed(graph: LayerGraph, topo: Topology, schedule: str, deep: Plan, chunks
     return p
 
 
-#: Cuts of a virtual plan searched exhaustively up to this many candidates (50-70 µs each:
-#: vgg16's 4 stages on 2 workers, 6545 cuts, about 0.4 s; resnet50's 632710 take the local search).
+#: Cuts of a virtual plan searched exhaustively up to this many candidates (each one sum of
+#: cached stage times: vgg16's 4 stages on 2 workers, 6545 cuts; resnet50's 632710 take the
+#: local search).
 EXHAUSTIVE_CUTS = 40000
 #: How many of the exhaustive search's best cuts ``_plan_virtual`` simulates.
 SIMULATED_CUTS = 4
 
 
 def _worker_cuts(blocks: Sequence[Block], stages: list[tuple[int, int, int]], rank_of: Any, workers: int,
-                 score: Any) -> list[list[tuple[int, int, int]]]:
+                 stage_time: Any) -> list[list[tuple[int, int, int]]]:
     """Cuts of the same stage count as ``stages`` (first block, last block, 1) worth simulating,
-    lowest busiest-worker time first (worker of stage k: ``rank_of(k, workers)``; ``score(stages)``
-    gives each stage's time per minibatch, its compute and its outgoing transfer): the
+    lowest busiest-worker time first (worker of stage k: ``rank_of(k, workers)``; ``stage_time(k,
+    i, j)`` gives stage k's time per minibatch over blocks i..j, its compute and its outgoing
+    transfer): the
     ``SIMULATED_CUTS`` best of every cut where there are at most ``EXHAUSTIVE_CUTS``; the local
     optimum reached by moving each boundary in turn to its best place between its neighbours
     until none moves (moving one block at a time stopped short on small_cnn's V, measured 0.86×
@@ -1341,10 +1356,12 @@ def _worker_cuts(blocks: Sequence[Block], stages: list[tuple[int, int, int]], ra
     def as_stages(bounds: list[int]) -> list[tuple[int, int, int]]:
         return [(bounds[k], bounds[k + 1] - 1, 1) for k in range(len(bounds) - 1)]
 
+    owner = [rank_of(k, workers) for k in range(len(stages))]
+
     def busiest(bounds: list[int]) -> float:
         load = [0.0] * workers
-        for k, t in enumerate(score(as_stages(bounds))):
-            load[rank_of(k, workers)] += t
+        for k in range(len(bounds) - 1):
+            load[owner[k]] += stage_time(k, bounds[k], bounds[k + 1] - 1)
         return max(load)
 
     found: list[tuple[float, list[int]]] = []
