@@ -283,3 +283,28 @@ def test_a_rank_that_dies_on_its_way_out_is_reported_with_how_far_it_got(tmp_pat
     assert text == ("worker rank 1 exited with code -6 (killed by a signal if negative), "
                     "after it had passed the final barrier")
     assert _root_cause({0: -9}, tmp_path, []).endswith("(killed by a signal if negative)")
+
+
+def test_a_script_without_a_main_guard_fails_naming_the_guard_even_with_large_arguments(tmp_path) -> None:
+    """A script that calls launch() at its top level, with arguments larger than a pipe's
+    buffer: each worker imports the script again (spawn) and fails before it starts. The call
+    ends with an error naming the ``__main__`` guard, not a hang (before, the launching process
+    waited for good writing the arguments to a worker that was gone)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent("""
+        from torchpipedream.runtime import launch
+
+        def f(rank, blob):
+            return len(blob)
+
+        print(launch(f, 2, b"x" * 300_000, timeout_s=60))
+    """))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("torchpipedream.runtime.launcher.LaunchError: worker rank"), done.stderr[-2000:]
+    assert "before it started" in last and '`if __name__ == "__main__":` guard' in last

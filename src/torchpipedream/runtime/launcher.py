@@ -51,7 +51,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,10 +138,11 @@ def _meet(store: Any, rank: int, world: int) -> None:
     store.wait([f"started/{r}" for r in range(world)])
 
 
-def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, timeouts: tuple[float, float],
+def _worker(rank: int, nprocs: int, port: int, backend: str, timeouts: tuple[float, float],
             outdir: str, threads: int, huge_pages: bool, keep_freed: bool, marks: Any) -> None:
-    """One launched process: tuned, started (``fn`` and ``args`` loaded), met with its peers,
-    in the process group; then ``fn(rank, *args)``. ``timeouts``: (comm_timeout_s, startup_timeout_s)."""
+    """One launched process: tuned, started (``fn`` and ``args`` loaded from the launch's
+    folder), met with its peers, in the process group; then ``fn(rank, *args)``. ``timeouts``:
+    (comm_timeout_s, startup_timeout_s)."""
     tune_own_process(huge_pages=huge_pages, keep_freed=keep_freed)  # before the first tensor
     # Pipeline(measure_memory=True) runs PyTorch's profiler, whose Kineto library otherwise prints
     # two lines to stderr per run; this process is ours (a user's own setting is kept).
@@ -151,7 +152,7 @@ def _worker(rank: int, payload: bytes, nprocs: int, port: int, backend: str, tim
     loopback = loopback_interface()
     if loopback is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo listens on loopback only
-    fn, args = pickle.loads(payload)  # imports the user's modules: part of starting
+    fn, args = pickle.loads((Path(outdir) / PAYLOAD_FILE).read_bytes())  # imports the user's modules: starting
     liveness.attach(marks, rank)  # started
     torch.set_num_threads(threads)
     if backend == "nccl":
@@ -239,11 +240,26 @@ def _stall_message(marks: Any, stall_s: float, nprocs: int) -> str:
             f"All {nprocs} workers were killed")
 
 
-def _root_cause(failed: dict[int, int], outdir: Path, running: list[int]) -> str:
+#: The file of a launch's private folder that holds ``(fn, args)`` pickled: the workers read it
+#: rather than receive it through the spawn start method's pipe, which blocks the launching
+#: process for good on a payload larger than the pipe's buffer when a worker dies before it
+#: reads (a script without a ``__main__`` guard: each worker runs it again and fails).
+PAYLOAD_FILE = "payload.pickle"
+
+#: Why a worker that exited with an error before it started most likely did (its own error,
+#: which Python printed to stderr, names it).
+NOT_STARTED_HINT = (" before it started (while its interpreter imported the launching script and fn's modules; "
+                    "Python's error is printed above). If the script that calls launch() has no "
+                    "`if __name__ == \"__main__\":` guard, each worker runs the script again when it imports it "
+                    "(the spawn start method) and fails: put the call under that guard")
+
+
+def _root_cause(failed: dict[int, int], outdir: Path, running: list[int], unstarted: Sequence[int] = ()) -> str:
     """The error to report: a rank whose own code failed (with its traceback), else one that
-    died without a word (killed), else the first rank that stopped because a peer failed (its
-    message alone: the traceback of a rank that only saw a peer fail says nothing more). Ranks
-    still running when the others gave up (hung, stopped) are named: they are killed next."""
+    died without a word (killed; with a hint where it died before it started: ``unstarted``),
+    else the first rank that stopped because a peer failed (its message alone: the traceback of
+    a rank that only saw a peer fail says nothing more). Ranks still running when the others
+    gave up (hung, stopped) are named: they are killed next."""
     def text(rank: int, kind: str) -> str | None:
         path = outdir / f"error_{rank}.{kind}.txt"
         return path.read_text() if path.exists() else None
@@ -257,6 +273,8 @@ def _root_cause(failed: dict[int, int], outdir: Path, running: list[int]) -> str
         if text(rank, "consequence") is None:
             phase = outdir / f"phase_{rank}.txt"
             where = f", after it {phase.read_text()}" if phase.exists() else ""
+            if rank in unstarted and failed[rank] > 0:
+                where = NOT_STARTED_HINT
             return f"worker rank {rank} exited with code {failed[rank]} (killed by a signal if negative){where}{still}"
     rank = min(failed)
     first_line = (text(rank, "consequence") or "").splitlines()[0]
@@ -324,9 +342,10 @@ def launch(
     marks = mp.get_context("spawn").Array("d", nprocs, lock=False)  # 0.0 until a worker starts
     try:
         with tempfile.TemporaryDirectory(prefix="tpd_launch_") as outdir:
+            (Path(outdir) / PAYLOAD_FILE).write_bytes(payload)  # a private folder (mkdtemp: owner only)
             ctx = mp.start_processes(
                 _worker,
-                args=(payload, nprocs, port, backend, (comm_timeout_s, startup_timeout_s), outdir, threads,
+                args=(nprocs, port, backend, (comm_timeout_s, startup_timeout_s), outdir, threads,
                       huge_pages, keep_freed_memory, marks),
                 nprocs=nprocs, join=False, start_method="spawn",
             )
@@ -389,7 +408,7 @@ def _watch_workers(processes: list[Any], marks: Any, outdir: Path, timeout_s: fl
             raise LaunchError(_stall_message(marks, stall_timeout_s, nprocs))  # type: ignore[arg-type]
         if failed:
             running = [r for r, p in enumerate(processes) if p.exitcode is None]
-            raise LaunchError(_root_cause(failed, outdir, running))
+            raise LaunchError(_root_cause(failed, outdir, running, [r for r in failed if marks[r] == 0.0]))
     finally:
         for p in processes:
             if p.is_alive():
