@@ -1300,9 +1300,9 @@ def _straight_stage_ms(blocks: Sequence[Block], topology: Topology, microbatches
     per (k, i, j), instead of evaluating each cut."""
     compute = sum(b.compute_ms for b in blocks[i:j + 1])
     own = sum(b.parameter_bytes for b in blocks[i:j + 1])
-    ms = stage_time_ms(compute, own, 1, topology.allreduce_bandwidth([k]), "flush", microbatches) + 0.0
+    ms = stage_time_ms(compute, own, 1, topology.allreduce_bandwidth([k]), "flush", microbatches) + 0.0  # + no exchange
     if k == num_stages - 1:
-        return ms + 0.0
+        return ms
     return ms + 2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth([k, k + 1]))
 
 
@@ -1431,7 +1431,9 @@ def _search_depths(problem: Any, blocks: Sequence[Block], W: int, num_stages: in
         depths = list(range(1, min(len(blocks), W) + 1))
     result: tuple[float, list[tuple[int, int, int]]] | None = None
     checks = 0
-    screen = _DepthScreen(problem(deepest), W, not allow_fewer) if len(depths) > 1 and not allow_fewer else None
+    # one packed test screens the depths where there is one (a budget, replicas sharing microbatches)
+    screen = _DepthScreen(problem(deepest), W) if len(depths) > 1 and budgeted and first.shared and not allow_fewer \
+        else None
     for depth in depths:
         factor = first.kind.fill_drain_factor(first.mu, depth) if depth else 1.0
         if result is not None and blocks_total_ms(blocks) / W * factor >= result[0]:
@@ -1462,10 +1464,9 @@ class _DepthScreen:
     test. A screen is taken at the first depth, and again after a depth it let through found
     nothing under its cap (the screen was taken at a looser cap and may let more through)."""
 
-    def __init__(self, deepest: Any, workers: int, exact_end: bool) -> None:
-        self._prob, self._workers, self._exact_end = deepest, workers, exact_end
+    def __init__(self, deepest: Any, workers: int) -> None:
+        self._prob, self._workers = deepest, workers
         self._fits: np.ndarray | None = None
-        self._applies = deepest.memory is not None and deepest.shared
 
     @property
     def checks(self) -> int:
@@ -1473,10 +1474,8 @@ class _DepthScreen:
 
     def may_fit(self, depth: int, cap: float) -> bool:
         """False only where ``depth`` stages certainly do not fit at bottleneck ``cap``."""
-        if not self._applies:
-            return True
         if self._fits is None:
-            self._fits = self._prob.feasible_depths(cap, self._workers, self._exact_end)
+            self._fits = self._prob.feasible_depths(cap, self._workers, True)
         return self._fits is None or bool(self._fits[depth])
 
     def missed(self) -> None:
