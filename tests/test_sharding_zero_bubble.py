@@ -136,5 +136,19 @@ def test_train_says_why_its_zero_bubble_plan_shards_nothing(caplog: pytest.LogCa
     for kind in ("zb-h1", "flush"):
         preparation._warn_if_nothing_sharded(SimpleNamespace(shard="zero3"), Plan.straight([["a"], ["b"]], schedule=kind))
     zb, flush = [r.getMessage() for r in caplog.records]
-    assert "nothing is sharded; the planner plans zb-h1 with one worker per stage: give --plan a file" in zb
+    assert ("nothing is sharded; the planner plans zb-h1 with one worker per stage: to shard its stages, write a "
+            "plan with replicated stages and give it to train --plan") in zb
     assert flush.endswith("so nothing is sharded")
+
+
+def test_plan_says_why_its_zero_bubble_plan_shards_nothing(capsys: pytest.CaptureFixture) -> None:
+    """`plan --shard --schedule zb-h1` warns on stderr as train does; a plan that shards keeps quiet."""
+    from torchpipedream.cli import main
+
+    assert main(["plan", "vgg16", "-t", "4:1GB/s", "--schedule", "zb-h1", "--microbatches", "4", "--shard"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("torchpipedream plan: warning: --shard zero3: the plan (straight ×4) has no replicated stage")
+    assert "the planner plans zb-h1 with one worker per stage" in err
+    assert main(["plan", "vgg16", "-t", "4:1GB/s", "--schedule", "flush", "--microbatches", "4", "--stages", "1",
+                 "--shard"]) == 0
+    assert capsys.readouterr().err == ""

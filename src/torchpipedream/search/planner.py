@@ -1082,6 +1082,17 @@ def plan(
                        time.perf_counter() - t0, checks, options)
 
 
+def nothing_sharded(plan: Plan, sharding: str) -> str | None:
+    """Why ``plan`` shards nothing although ``sharding`` ("zero3", "zero2") was asked for, or
+    None: it has no replicated stage, because the planner found none worth its workers or (the
+    zero-bubble kinds) plans one worker per stage."""
+    if sharding == "replicate" or any(st.sharded for st in plan.stages):
+        return None
+    why = (f"; the planner plans {plan.schedule} with one worker per stage: to shard its stages, write a plan "
+           "with replicated stages and give it to train --plan") if schedule_kind(plan.schedule).split_backward else ""
+    return f"the plan ({plan.summary}) has no replicated stage, so nothing is sharded{why}"
+
+
 #: :func:`plan`'s keyword arguments.
 _PLAN_ARGUMENTS = ("schedule", "straight", "num_stages", "allow_fewer_workers", "memory_bytes", "microbatches",
                    "optimizer_state_factor", "optimizer_scratch", "method", "rtol", "recompute", "chunks", "sharding",

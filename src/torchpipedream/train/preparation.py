@@ -24,7 +24,7 @@ from ..runtime.pipeline import PRECISIONS
 from ..schedule.build import build_schedule
 from ..schedule.placement import virtual_support_problem
 from ..search.auto import choose_layout, choose_schedule, local_layouts, threads_per_worker
-from ..search.planner import plan as make_plan
+from ..search.planner import nothing_sharded, plan as make_plan
 from ..sim.simulator import Costs, simulate
 from ..util.units import human_bytes
 from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
@@ -137,11 +137,9 @@ def _choose_plan(cfg: TrainConfig, graph: LayerGraph, workers: int, saved_plan: 
 def _warn_if_nothing_sharded(cfg: TrainConfig, plan: Plan) -> None:
     """``--shard`` on a plan without a replicated stage shards nothing: say so (the planner found
     no replicated stage worth its workers)."""
-    if cfg.shard != "replicate" and not any(st.sharded for st in plan.stages):
-        why = (f"; the planner plans {plan.schedule} with one worker per stage: give --plan a file with replicated "
-               "stages to shard them") if schedule_kind(plan.schedule).split_backward else ""
-        log.warning("--shard %s: the plan (%s) has no replicated stage, so nothing is sharded%s", cfg.shard,
-                    plan.summary, why)
+    why = nothing_sharded(plan, cfg.shard)
+    if why is not None:
+        log.warning("--shard %s: %s", cfg.shard, why)
 
 
 def _sharded(cfg: TrainConfig, plan: Plan) -> Plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ...model.profiles import load_profile
@@ -82,6 +83,7 @@ def _tensor_degree(text: str) -> int | str:
 def run(args: argparse.Namespace) -> int:
     # lazy: every command module loads at start-up; the planner loads when `plan` runs (--help and show start sooner)
     from ...search.auto import auto_candidates_table, choose_schedule, plan
+    from ...search.planner import nothing_sharded
 
     if args.out:
         check_output(args.out, "--out")
@@ -116,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.graph}: {len(graph)} layers, {len(graph.linearize())} blocks; topology {topo.to_spec()} "
           f"({topo.num_workers} workers)")
     print(p.table())
+    why = nothing_sharded(p, args.shard) if args.schedule not in (AUTO, ALL) else None
+    if why is not None:
+        print(f"torchpipedream plan: warning: --shard {args.shard}: {why}", file=sys.stderr)
     if args.schedule in (AUTO, ALL):
         print(auto_candidates_table(p))
     for tried in p.meta.get("tensor_parallel_search", []):
