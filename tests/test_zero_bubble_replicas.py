@@ -35,6 +35,9 @@ SHAPES = {
     "1-2-1": [(NAMES[:3], 1), (NAMES[3:7], 2), (NAMES[7:], 1)],
     "3-1": [(NAMES[:7], 3), (NAMES[7:], 1)],
     "1-3": [(NAMES[:4], 1), (NAMES[4:], 3)],
+    # the input stage replicated: each replica's 1F1B warm-up is shorter than the pipeline's depth,
+    # which ZB-H1 and ZB-H2 still hold (the validator used to refuse these for holding it)
+    "2-1-1": [(NAMES[:3], 2), (NAMES[3:6], 1), (NAMES[6:], 1)],
 }
 #: name -> (kind, shape, microbatches, optimizer, options): m = 3 leaves replicas uneven shares
 CASES: dict[str, dict] = {
@@ -113,3 +116,52 @@ def test_every_replica_splits_its_backward_and_all_reduces_after_its_last_w(kind
                 for u in range(minibatches):
                     ar = next(i for i, a in enumerate(actions) if a.kind is Kind.ALLREDUCE and a.id == u)
                     assert all(i < ar for i in w if actions[i].id // m == u), (rank, u)
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("replicas,m", [((2, 1, 1), 4), ((2, 1, 1), 8), ((3, 1, 1), 6), ((1, 2, 1), 8),
+                                        ((2, 2), 8), ((1, 3), 3)])
+def test_the_memory_model_charges_what_a_replicated_zero_bubble_order_holds(kind: str, replicas: tuple, m: int) -> None:
+    """Each replica of a ZB-H1 (ZB-H2) pipeline n stages deep holds n (2n − 1) microbatches from
+    their F to their W, at most the ⌈μ/r⌉ it runs, however the stages are replicated: counted on
+    the built order, proven by the validator, and charged by the planner's memory model (the
+    plan's per-stage memory), which equals the simulator's peak of the same schedule."""
+    from torchpipedream.model.profiles import load_profile
+    from torchpipedream.plans.topology import Topology
+    from torchpipedream.search.planner import _build_plan, _planning_blocks, best_split_for_replicas
+    from torchpipedream.sim.simulator import Costs, simulate
+
+    graph, topo = load_profile("alexnet"), Topology.from_any(f"{sum(replicas)}:10GB/s")
+    blocks = _planning_blocks(graph, False)
+    _, stages = best_split_for_replicas(blocks, topo, list(replicas), kind, m)
+    p = _build_plan(graph, blocks, topo, stages, kind, m, 2.0, None, 0.0, 0, {"microbatches": m})
+    sched = build_schedule(p, kind, minibatches=2, microbatches=m)
+    validate_schedule(sched)
+    n = len(replicas)
+    for rank, actions in sched.actions.items():
+        held = peak = 0
+        for a in actions:
+            held += (a.kind is Kind.FORWARD) - (a.kind is Kind.WEIGHT_GRAD)
+            peak = max(peak, held)
+        local = -(-m // p.stages[p.stage_of_rank(rank)[0]].replicas)
+        assert peak == min(n if kind == "zb-h1" else 2 * n - 1, local), (rank, peak)
+    simulated = simulate(sched, Costs.from_plan(p, microbatches=m)).peak_memory_bytes
+    assert [st.memory_bytes for st in p.stages] == pytest.approx(simulated, rel=1e-9)
+    assert [p.stage_memory_bytes(s) for s in range(n)] == pytest.approx(simulated, rel=1e-9)
+
+
+@pytest.mark.parametrize("kind,replicas,m", [("zb-h1", (1, 3, 1), 6), ("zb-h1", (1, 2, 1, 1), 8),
+                                             ("zb-h2", (1, 3, 1), 12)])
+def test_a_replicated_shape_whose_order_deadlocks_is_refused_before_it_runs(kind: str, replicas: tuple,
+                                                                            m: int) -> None:
+    """A known limit of the zero-bubble orders with replicas (docs/schedules.md): these shapes
+    deadlock, and the validator says so, naming the cycle, before anything runs."""
+    from torchpipedream.schedule.validate import ScheduleError
+
+    stages, first = [], 0
+    for s, r in enumerate(replicas):
+        stages.append(Stage([f"l{s}"], replicas=r, ranks=list(range(first, first + r))))
+        first += r
+    sched = build_schedule(Plan(stages=stages, schedule=kind, microbatches=m), kind, minibatches=2)
+    with pytest.raises(ScheduleError, match="deadlock: cycle"):
+        validate_schedule(sched)

@@ -123,6 +123,13 @@ class ScheduleKind:
         return self.version_rule is VersionRule.BATCH and not self.virtual_stages
 
     @property
+    def replicates_split_stages(self) -> bool:
+        """(split kinds) a stage may have replicas, each running the kind's order over its own
+        microbatches and all-reducing after its last W: the split kinds that flush with one
+        stage per worker (zb-h1, zb-h2; zb-2bw and the virtual zb-v run one worker per stage)."""
+        return self.split_backward and self.flushes and not self.virtual_stages
+
+    @property
     def stashes_weights(self) -> bool:
         """A microbatch's backward uses the weights its forward used, kept until then."""
         return self.version_rule is VersionRule.STASHED

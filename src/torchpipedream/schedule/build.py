@@ -35,10 +35,6 @@ from .placement import (num_updates, replica_of, sharding_support_problem, tied_
 
 __all__ = ["build_schedule", "schedule_from_order", "ScheduleBuildError"]
 
-#: The split-backward kinds whose orders give each replica of a replicated stage its own
-#: microbatches (the all-reduce follows the replica's last W of the update).
-REPLICATED_SPLIT_KINDS = ("zb-h1", "zb-h2")
-
 
 # --------------------------------------------------------------------- pass 2: updates, versions
 def _add_updates(ctx: BuildContext, stage: int, items: list[ComputeItem]) -> list[ComputeItem | tuple[str, int]]:
@@ -347,7 +343,7 @@ def build_schedule(
     if info.microbatched and not info.flushes:
         _check_shares(plan, info.name, m)
     _check_sharded_shares(plan, m)
-    if info.split_backward and info.name not in REPLICATED_SPLIT_KINDS and any(st.replicas > 1 for st in plan.stages):
+    if info.split_backward and not info.replicates_split_stages and any(st.replicas > 1 for st in plan.stages):
         bad = next(i for i, st in enumerate(plan.stages) if st.replicas > 1)
         raise ScheduleBuildError(
             f"{info.name} runs a straight pipeline (one worker per stage); stage {bad} has "
