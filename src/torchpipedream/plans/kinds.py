@@ -129,6 +129,15 @@ class ScheduleKind:
         stage per worker (zb-h1, zb-h2; zb-2bw and the virtual zb-v run one worker per stage)."""
         return self.split_backward and self.flushes and not self.virtual_stages
 
+    def replica_inflight(self, depth: int, replicas: int) -> int:
+        """(kinds that replicate split stages) microbatches a replica of a stage of ``replicas``
+        holds from F to W in a pipeline ``depth`` stages deep, before the cap of the ⌈μ/r⌉ it
+        runs: ZB-H1's order times each pass by its microbatch's place in the batch, so a replica
+        holds its share of the n in flight, ⌈n/r⌉; ZB-H2's holds 2n − 1 of its own."""
+        if self.double_warmup:
+            return 2 * depth - 1
+        return -(-depth // max(1, replicas))
+
     @property
     def stashes_weights(self) -> bool:
         """A microbatch's backward uses the weights its forward used, kept until then."""

@@ -212,7 +212,11 @@ def zb_h1(ctx: BuildContext) -> ComputeOrder:
         s3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
 
     The order of each stage is the building block repeated every three steps and sorted by
-    time; the runtime and the simulator then run it as early as dependencies allow.
+    time; the runtime and the simulator then run it as early as dependencies allow. A replica of
+    a replicated stage takes its microbatches' passes at the times the block gives them by their
+    place in the batch, so its order is a part of the straight pipeline's, which cannot
+    deadlock, and it holds its share of the n in flight, ⌈n/r⌉ (timed by its own count of
+    microbatches, a replica ran the next microbatch's F before a B the stage above waited for).
     """
     n = ctx.plan.num_stages
     out: ComputeOrder = {}
@@ -220,8 +224,8 @@ def zb_h1(ctx: BuildContext) -> ComputeOrder:
         offsets = _zb_h1_offsets(n, s)
         for replica in range(st.replicas):  # a replica runs the block over its own microbatches
             items: list[ComputeItem] = []
-            for batch in ctx.batches_of(s, replica):
-                timed = [(off + 3 * k, rank, ComputeItem(kind, i)) for k, i in enumerate(batch)
+            for batch in ctx.batches_of(s, replica):  # microbatch i's passes at its place in the batch
+                timed = [(off + 3 * (i % ctx.microbatches), rank, ComputeItem(kind, i)) for i in batch
                          for rank, (kind, off) in enumerate(zip((Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD),
                                                                 offsets))]
                 items += [c for _, _, c in sorted(timed, key=lambda x: (x[0], x[1]))]

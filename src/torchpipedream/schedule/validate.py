@@ -89,9 +89,8 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
     depth ⌈(workers in stages ≥ s)/r_s⌉ (n − s, 0-indexed, in a straight pipeline; +1 version with
     vertical sync); naive: 1 version; 2bw: 2 versions; flush: 1 version, warm-up depth
     activations; gpipe: 1 version, every local microbatch of a batch; zb-h1: 1 version, the
-    pipeline's depth n of activations on every stage (held until W; the input stage's warm-up
-    in a straight pipeline), or the stage's own warm-up where deeper; zb-h2: twice that − 1;
-    interleaved: 1 version, its rank's warm-up depth (``interleaved_warmup``), at most the
+    pipeline's depth n of activations (held until W; a replica of r its share, ⌈n/r⌉); zb-h2:
+    2n − 1 (a replica as many of its own); both at most the ⌈μ/r⌉ a replica runs; interleaved: 1 version, its rank's warm-up depth (``interleaved_warmup``), at most the
     batch; zb-v: 1 version, the chunks a worker holds at most (``v_shape_inflight``), at most the
     batch; zb-2bw: 2 versions, 2bw's depth where m ≥ n − 1, else two batches (2m) on every stage.
     """
@@ -105,13 +104,13 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
         return {s: (1, min(microbatches, interleaved_warmup(plan, st.ranks[0], microbatches)))
                 for s, st in enumerate(plan.stages)}
     out = {}
-    # zero-bubble kinds delay W until a stage holds the pipeline's depth of microbatches (the
-    # input stage's warm-up in a straight pipeline; their orders keep it with replicas too)
-    first = plan.num_stages if info.split_backward else warmup_depth(plan, 0)
+    first = warmup_depth(plan, 0)
     for s, st in enumerate(plan.stages):
-        w = warmup_depth(plan, s)
-        out[s] = (info.max_versions(w, vertical_sync),
-                  info.max_inflight(w, math.ceil(microbatches / st.replicas), first))
+        w, local = warmup_depth(plan, s), math.ceil(microbatches / st.replicas)
+        held = info.max_inflight(w, local, first)
+        if info.replicates_split_stages:  # their orders' count at the pipeline's depth, of the replica's share
+            held = min(info.replica_inflight(plan.num_stages, st.replicas), local)
+        out[s] = (info.max_versions(w, vertical_sync), held)
     return out
 
 

@@ -238,8 +238,6 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
             copies[s] += t.bytes
     kind = schedule_kind(schedule)
     first_depth = in_flight(workers - ranks[0][0], stages[0][2]) if stages else 0
-    if kind.replicates_split_stages:  # ZB-H1, ZB-H2: their order's count at this depth, whatever the replicas
-        first_depth = len(stages)
     for s, (i, j, m) in enumerate(stages):
         compute = sum(b.compute_ms for b in blocks[i:j + 1])
         own = sum(b.parameter_bytes for b in blocks[i:j + 1])  # without copies of shared parameters
@@ -247,8 +245,8 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         bw = topology.allreduce_bandwidth(ranks[s])
         stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches, sharding) + exchange[s])
         ar_ms.append(shared_sync_ms(own, m, bw, sharding, microbatches) + exchange[s])
-        warmup = 1 if kind.replicates_split_stages else in_flight(workers - ranks[s][0], m)
-        depth = kind.inflight_depth(warmup, first_depth, microbatches)
+        depth = kind.replica_inflight(len(stages), m) if kind.replicates_split_stages else \
+            kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth, microbatches)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
                                       optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch,
                                       sharding=sharding))
