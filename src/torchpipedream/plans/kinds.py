@@ -155,18 +155,30 @@ class ScheduleKind:
             return warmup + (1 if vertical_sync else 0)
         return 2 if self.version_rule is VersionRule.PREVIOUS_BATCH else 1
 
-    def max_inflight(self, warmup: int, local_microbatches: int, first_warmup: int | None = None) -> int:
-        """Microbatches whose activations a replica holds at most: the warm-up depth, or for
-        ``forwards_first`` kinds every microbatch of a batch that the replica runs, or for
-        ``split_backward`` kinds :meth:`inflight_depth` (at most one batch where the kind
-        flushes, two for zb-2bw)."""
+    def max_inflight(self, warmup: int, local_microbatches: int, first_warmup: int | None, stages: int,
+                     replicas: int = 1) -> int:
+        """Microbatches whose activations a replica of ``replicas`` holds at most, in a pipeline
+        of ``stages`` stages: the warm-up depth, or for ``forwards_first`` kinds every
+        microbatch of a batch that the replica runs, or for ``split_backward`` kinds
+        :meth:`stage_inflight` (at most one batch where the kind flushes, two for zb-2bw)."""
         if self.forwards_first:
             return local_microbatches
         if self.split_backward:
             batches = 1 if self.flushes else 2
-            return min(self.inflight_depth(warmup, first_warmup, local_microbatches),
+            return min(self.stage_inflight(warmup, first_warmup, stages, replicas, local_microbatches),
                        batches * max(1, local_microbatches))
         return warmup
+
+    def stage_inflight(self, warmup: int, first_warmup: int | None, stages: int, replicas: int,
+                       microbatches: int | None = None) -> int:
+        """The in-flight count the memory model charges a replica of ``replicas`` whose warm-up
+        depth is ``warmup``, in a pipeline of ``stages`` stages whose input stage's warm-up is
+        ``first_warmup`` (``memory_terms`` caps it at the ⌈μ/r⌉ the replica runs): the kinds that
+        replicate split stages count what their orders hold (:meth:`replica_inflight`), the
+        others :meth:`inflight_depth`."""
+        if self.replicates_split_stages:
+            return self.replica_inflight(stages, replicas)
+        return self.inflight_depth(warmup, first_warmup, microbatches)
 
     def inflight_depth(self, depth: int, first_depth: int | None, microbatches: int | None = None) -> int:
         """The in-flight count the memory model charges a stage whose warm-up depth is

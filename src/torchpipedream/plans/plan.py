@@ -587,11 +587,7 @@ class Plan:
         f = options.get("optimizer_state_factor", 2.0)
         depth = -(-(self.num_workers - st.ranks[0]) // st.replicas)
         first = -(-(self.num_workers - self.stages[0].ranks[0]) // self.stages[0].replicas)
-        info = schedule_kind(kind)
-        if info.replicates_split_stages:  # ZB-H1, ZB-H2: their orders' count at this depth
-            depth = info.replica_inflight(self.num_stages, st.replicas)
-        else:
-            depth = info.inflight_depth(depth, first, mu)  # zb-2bw: the input stage's, or more
+        depth = schedule_kind(kind).stage_inflight(depth, first, self.num_stages, st.replicas, mu)
         return model_memory_bytes(kind, self.held_parameter_bytes(s), st.activations, depth, mu, f, st.recompute,
                                   st.replicas, scratch_of_options(options), st.sharding)
 

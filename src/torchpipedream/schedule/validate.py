@@ -106,11 +106,9 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
     out = {}
     first = warmup_depth(plan, 0)
     for s, st in enumerate(plan.stages):
-        w, local = warmup_depth(plan, s), math.ceil(microbatches / st.replicas)
-        held = info.max_inflight(w, local, first)
-        if info.replicates_split_stages:  # their orders' count at the pipeline's depth, of the replica's share
-            held = min(info.replica_inflight(plan.num_stages, st.replicas), local)
-        out[s] = (info.max_versions(w, vertical_sync), held)
+        w = warmup_depth(plan, s)
+        out[s] = (info.max_versions(w, vertical_sync),
+                  info.max_inflight(w, math.ceil(microbatches / st.replicas), first, plan.num_stages, st.replicas))
     return out
 
 

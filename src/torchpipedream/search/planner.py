@@ -245,8 +245,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         bw = topology.allreduce_bandwidth(ranks[s])
         stage_ms.append(stage_time_ms(compute, own, m, bw, schedule, microbatches, sharding) + exchange[s])
         ar_ms.append(shared_sync_ms(own, m, bw, sharding, microbatches) + exchange[s])
-        depth = kind.replica_inflight(len(stages), m) if kind.replicates_split_stages else \
-            kind.inflight_depth(in_flight(workers - ranks[s][0], m), first_depth, microbatches)
+        depth = kind.stage_inflight(in_flight(workers - ranks[s][0], m), first_depth, len(stages), m, microbatches)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
                                       optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch,
                                       sharding=sharding))
