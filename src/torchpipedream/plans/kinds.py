@@ -132,11 +132,11 @@ class ScheduleKind:
     def replica_inflight(self, depth: int, replicas: int) -> int:
         """(kinds that replicate split stages) microbatches a replica of a stage of ``replicas``
         holds from F to W in a pipeline ``depth`` stages deep, before the cap of the ⌈μ/r⌉ it
-        runs: ZB-H1's order times each pass by its microbatch's place in the batch, so a replica
-        holds its share of the n in flight, ⌈n/r⌉; ZB-H2's holds 2n − 1 of its own."""
-        if self.double_warmup:
-            return 2 * depth - 1
-        return -(-depth // max(1, replicas))
+        runs: each replica's order is the straight stage's with the other replicas' microbatches
+        left out, so it holds its share of the straight stage's in flight: ⌈n/r⌉ of ZB-H1's n,
+        ⌈(2n − 1)/r⌉ of ZB-H2's 2n − 1."""
+        held = 2 * depth - 1 if self.double_warmup else depth
+        return -(-held // max(1, replicas))
 
     @property
     def stashes_weights(self) -> bool:

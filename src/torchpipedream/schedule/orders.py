@@ -268,10 +268,22 @@ def zb_h2(ctx: BuildContext) -> ComputeOrder:
 
         s0: F0 F1 F2 F3 F4 F5 F6 B0 W0 F7 B1 W1 B2 W2 B3 W3 B4 W4 B5 W5 B6 W6 B7 W7   (m = 8, n = 4)
         s3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 W0 F7 B7 W1 W2 W3 W4 W5 W6 W7
+
+    A replica of a replicated stage runs the straight stage's order of each batch with the other
+    replicas' microbatches left out: its order is a part of the straight pipeline's, which cannot
+    deadlock, and it holds its share of the 2n − 1 in flight, ⌈(2n − 1)/r⌉ (the stage's rule
+    applied to a replica's own microbatches deadlocked 1-3-1 and 1-2-1-1 at 12 microbatches).
     """
-    n = ctx.plan.num_stages
-    return {(s, replica): [c for batch in ctx.batches_of(s, replica) for c in _zb_h2_batch(batch, n, s)]
-            for s, st in enumerate(ctx.plan.stages) for replica in range(st.replicas)}
+    n, m = ctx.plan.num_stages, ctx.microbatches
+    out: ComputeOrder = {}
+    for s, st in enumerate(ctx.plan.stages):
+        for replica in range(st.replicas):
+            items: list[ComputeItem] = []
+            for t, batch in enumerate(ctx.batches_of(s, replica)):
+                mine = set(batch)
+                items += [c for c in _zb_h2_batch(list(range(t * m, t * m + m)), n, s) if c.microbatch in mine]
+            out[(s, replica)] = items
+    return out
 
 
 def interleaved(ctx: BuildContext) -> ComputeOrder:
