@@ -1,8 +1,19 @@
+import os
 from pathlib import Path
 
 import pytest
 
 from torchpipedream.model.profiles import reference_profile_path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (README's test command runs two test processes on this two-core
+    machine), torch in each test process on one thread: two processes of two threads each
+    oversubscribe the cores, and OpenMP's spinning threads then burn the time the other needs."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
