@@ -213,22 +213,37 @@ def zb_h1(ctx: BuildContext) -> ComputeOrder:
 
     The order of each stage is the building block repeated every three steps and sorted by
     time; the runtime and the simulator then run it as early as dependencies allow. A replica of
-    a replicated stage takes its microbatches' passes at the times the block gives them by their
-    place in the batch, so its order is a part of the straight pipeline's, which cannot
-    deadlock, and it holds its share of the n in flight, ⌈n/r⌉ (timed by its own count of
-    microbatches, a replica ran the next microbatch's F before a B the stage above waited for).
+    a replicated stage runs the stage's order without the other replicas' microbatches
+    (:func:`_replicas_follow_the_stage`), so it holds its share of the n in flight, ⌈n/r⌉ (timed
+    by its own count of microbatches, a replica ran the next microbatch's F before a B the stage
+    above waited for).
     """
     n = ctx.plan.num_stages
+
+    def batch_order(ids: list[int], s: int) -> list[ComputeItem]:  # the block's passes, by time
+        offsets = _zb_h1_offsets(n, s)
+        timed = [(off + 3 * k, ComputeItem(kind, i)) for k, i in enumerate(ids)
+                 for kind, off in zip((Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD), offsets)]
+        return [c for _, c in sorted(timed, key=lambda x: x[0])]  # F, B and W never share a time
+
+    return _replicas_follow_the_stage(ctx, batch_order)
+
+
+def _replicas_follow_the_stage(ctx: BuildContext,
+                               batch_order: Callable[[list[int], int], list[ComputeItem]]) -> ComputeOrder:
+    """Each replica's order: ``batch_order(ids of batch t, stage)``, the straight stage's order of
+    a batch, with the other replicas' microbatches left out. Every replica's order is then a part
+    of the straight pipeline's, which cannot deadlock, and a replica of r holds its share of what
+    the straight stage holds in flight (the zero-bubble kinds, whose orders the stage's own rule
+    applied to a replica's microbatches deadlocked: zb-h1's 1-3-1 at 6 microbatches, zb-h2's at 12)."""
+    m = ctx.microbatches
     out: ComputeOrder = {}
     for s, st in enumerate(ctx.plan.stages):
-        offsets = _zb_h1_offsets(n, s)
-        for replica in range(st.replicas):  # a replica runs the block over its own microbatches
+        for replica in range(st.replicas):
             items: list[ComputeItem] = []
-            for batch in ctx.batches_of(s, replica):  # microbatch i's passes at its place in the batch
-                timed = [(off + 3 * (i % ctx.microbatches), rank, ComputeItem(kind, i)) for i in batch
-                         for rank, (kind, off) in enumerate(zip((Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD),
-                                                                offsets))]
-                items += [c for _, _, c in sorted(timed, key=lambda x: (x[0], x[1]))]
+            for t, batch in enumerate(ctx.batches_of(s, replica)):
+                mine = set(batch)
+                items += [c for c in batch_order(list(range(t * m, t * m + m)), s) if c.microbatch in mine]
             out[(s, replica)] = items
     return out
 
@@ -269,21 +284,12 @@ def zb_h2(ctx: BuildContext) -> ComputeOrder:
         s0: F0 F1 F2 F3 F4 F5 F6 B0 W0 F7 B1 W1 B2 W2 B3 W3 B4 W4 B5 W5 B6 W6 B7 W7   (m = 8, n = 4)
         s3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 W0 F7 B7 W1 W2 W3 W4 W5 W6 W7
 
-    A replica of a replicated stage runs the straight stage's order of each batch with the other
-    replicas' microbatches left out: its order is a part of the straight pipeline's, which cannot
-    deadlock, and it holds its share of the 2n − 1 in flight, ⌈(2n − 1)/r⌉ (the stage's rule
-    applied to a replica's own microbatches deadlocked 1-3-1 and 1-2-1-1 at 12 microbatches).
+    A replica of a replicated stage runs the stage's order without the other replicas'
+    microbatches (:func:`_replicas_follow_the_stage`), so it holds its share of the 2n − 1 in
+    flight, ⌈(2n − 1)/r⌉.
     """
-    n, m = ctx.plan.num_stages, ctx.microbatches
-    out: ComputeOrder = {}
-    for s, st in enumerate(ctx.plan.stages):
-        for replica in range(st.replicas):
-            items: list[ComputeItem] = []
-            for t, batch in enumerate(ctx.batches_of(s, replica)):
-                mine = set(batch)
-                items += [c for c in _zb_h2_batch(list(range(t * m, t * m + m)), n, s) if c.microbatch in mine]
-            out[(s, replica)] = items
-    return out
+    n = ctx.plan.num_stages
+    return _replicas_follow_the_stage(ctx, lambda ids, s: _zb_h2_batch(ids, n, s))
 
 
 def interleaved(ctx: BuildContext) -> ComputeOrder:
