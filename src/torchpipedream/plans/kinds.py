@@ -124,9 +124,9 @@ class ScheduleKind:
 
     @property
     def replicates_split_stages(self) -> bool:
-        """(split kinds) a stage may have replicas, each running the kind's order over its own
-        microbatches and all-reducing after its last W: the split kinds that flush with one
-        stage per worker (zb-h1, zb-h2; zb-2bw and the virtual zb-v run one worker per stage)."""
+        """(split kinds) a stage may have replicas, each running the stage's order without the
+        other replicas' microbatches and all-reducing after its last W: the split kinds that
+        flush with one stage per worker (zb-h1, zb-h2; zb-2bw and the virtual zb-v run one worker per stage)."""
         return self.split_backward and self.flushes and not self.virtual_stages
 
     def replica_inflight(self, depth: int, replicas: int) -> int:

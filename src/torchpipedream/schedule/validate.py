@@ -89,10 +89,11 @@ def bounds(plan: Plan, kind: str | ScheduleKind, microbatches: int, vertical_syn
     depth ⌈(workers in stages ≥ s)/r_s⌉ (n − s, 0-indexed, in a straight pipeline; +1 version with
     vertical sync); naive: 1 version; 2bw: 2 versions; flush: 1 version, warm-up depth
     activations; gpipe: 1 version, every local microbatch of a batch; zb-h1: 1 version, the
-    pipeline's depth n of activations (held until W; a replica of r its share, ⌈n/r⌉); zb-h2:
-    2n − 1 (a replica as many of its own); both at most the ⌈μ/r⌉ a replica runs; interleaved: 1 version, its rank's warm-up depth (``interleaved_warmup``), at most the
-    batch; zb-v: 1 version, the chunks a worker holds at most (``v_shape_inflight``), at most the
-    batch; zb-2bw: 2 versions, 2bw's depth where m ≥ n − 1, else two batches (2m) on every stage.
+    pipeline's depth n of activations (held until W); zb-h2: 2n − 1; a replica of r its share
+    of either (``ScheduleKind.replica_inflight``), at most the ⌈μ/r⌉ it runs; interleaved: 1
+    version, its rank's warm-up depth (``interleaved_warmup``), at most the batch; zb-v: 1
+    version, the chunks a worker holds at most (``v_shape_inflight``), at most the batch;
+    zb-2bw: 2 versions, 2bw's depth where m ≥ n − 1, else two batches (2m) on every stage.
     """
     try:
         info = schedule_kind(kind)

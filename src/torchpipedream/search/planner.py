@@ -1311,7 +1311,7 @@ def _straight_stage_ms(blocks: Sequence[Block], topology: Topology, microbatches
     per (k, i, j), instead of evaluating each cut."""
     compute = sum(b.compute_ms for b in blocks[i:j + 1])
     own = sum(b.parameter_bytes for b in blocks[i:j + 1])
-    ms = stage_time_ms(compute, own, 1, topology.allreduce_bandwidth([k]), "flush", microbatches) + 0.0  # + no exchange
+    ms = stage_time_ms(compute, own, 1, topology.allreduce_bandwidth([k]), "flush", microbatches)  # no exchange
     if k == num_stages - 1:
         return ms
     return ms + 2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth([k, k + 1]))
