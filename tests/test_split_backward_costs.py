@@ -95,7 +95,7 @@ def _chain(split: tuple[float, float] | None, layers: int = 4) -> LayerGraph:
 def test_stages_sum_their_layers_split_and_the_simulator_charges_it(tmp_path) -> None:
     g = _chain((1.5, 1.5))
     assert [b.weight_grad_ms for b in g.linearize()] == [1.5] * 4
-    p = make_plan(g, "2:10GB/s", schedule="zb-h1", microbatches=2)
+    p = make_plan(g, "2:10GB/s", schedule="zb-h1", microbatches=2, straight=True)
     assert [(st.input_grad_ms, st.weight_grad_ms) for st in p.stages] == [(3.0, 3.0), (3.0, 3.0)]
     p.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json").stages[1].weight_grad_ms == 3.0
@@ -106,11 +106,11 @@ def test_stages_sum_their_layers_split_and_the_simulator_charges_it(tmp_path) ->
     # unsplit kinds charge the unsplit backward; an untimed split falls back on the assumed share
     flush = make_plan(g, "2:10GB/s", schedule="flush", microbatches=2, straight=True)
     assert Costs.from_plan(flush, 2).backward_s[1] == pytest.approx(4.0 / 1e3 / 2)
-    untimed = Costs.from_plan(make_plan(_chain(None), "2:10GB/s", schedule="zb-h1", microbatches=2), 2)
+    untimed = Costs.from_plan(make_plan(_chain(None), "2:10GB/s", schedule="zb-h1", microbatches=2, straight=True), 2)
     assert untimed.weight_grad_s[1] == pytest.approx(WEIGHT_GRAD_SHARE * 4.0 / 1e3 / 2)
 
     def makespan(graph: LayerGraph) -> float:
-        q = make_plan(graph, "2:10GB/s", schedule="zb-h1", microbatches=2)
+        q = make_plan(graph, "2:10GB/s", schedule="zb-h1", microbatches=2, straight=True)
         return simulate(build_schedule(q, "zb-h1", minibatches=8, microbatches=2), Costs.from_plan(q, 2)).makespan_s
 
     # a split that costs 1.5x the backward predicts a slower run than one that costs what it does

@@ -121,9 +121,9 @@ def _chain(n: int) -> LayerGraph:
     return LayerGraph(layers=layers, edges=[(f"l{i}", f"l{i + 1}") for i in range(n - 1)], batch_size=8)
 
 
-def test_the_planner_plans_zb_h1_straight_and_charges_the_input_stages_depth_everywhere() -> None:
+def test_a_straight_zb_h1_plan_charges_the_input_stages_depth_everywhere() -> None:
     graph = _chain(8)
-    zb = make_plan(graph, "local:4", schedule="zb-h1", microbatches=8)
+    zb = make_plan(graph, "local:4", schedule="zb-h1", microbatches=8, straight=True)
     flush = make_plan(graph, "local:4", schedule="flush", microbatches=8, straight=True)
     assert [st.replicas for st in zb.stages] == [1, 1, 1, 1]
     assert zb.predicted["time_per_minibatch_s"] < flush.predicted["time_per_minibatch_s"]  # a third of the bubble
@@ -193,10 +193,10 @@ def test_zb_h2_shapes_validate_and_hold_at_most_2n_minus_1(n: int, m: int) -> No
     assert all(v == min(2 * n - 1, m) for v in schedule_stats(s).max_inflight.values())
 
 
-def test_the_planner_charges_zb_h2_twice_the_depth_less_one() -> None:
+def test_the_planner_charges_a_straight_zb_h2_stage_twice_the_depth_less_one() -> None:
     graph = _chain(8)
-    h2 = make_plan(graph, "local:4", schedule="zb-h2", microbatches=8)
-    h1 = make_plan(graph, "local:4", schedule="zb-h1", microbatches=8)
+    h2 = make_plan(graph, "local:4", schedule="zb-h2", microbatches=8, straight=True)
+    h1 = make_plan(graph, "local:4", schedule="zb-h1", microbatches=8, straight=True)
     flush = make_plan(graph, "local:4", schedule="flush", microbatches=8, straight=True)
     assert [st.replicas for st in h2.stages] == [1, 1, 1, 1]
     assert h2.predicted["time_per_minibatch_s"] < h1.predicted["time_per_minibatch_s"]

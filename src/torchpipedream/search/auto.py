@@ -286,9 +286,7 @@ class _Search:
         shard), or under a memory budget "replicate" and "zero3" where it can."""
         if self.sharding != "replicate":
             return [self.sharding] if kind.can_shard else []
-        # the planner plans the zero-bubble kinds straight: no replicas to shard
-        return ["replicate", "zero3"] if kind.can_shard and not kind.split_backward and self.budget is not None \
-            else ["replicate"]
+        return ["replicate", "zero3"] if kind.can_shard and self.budget is not None else ["replicate"]
 
     def candidates(self, topo: Topology, options: dict[str, Any], recomputes: list[bool],
                    report: bool) -> list[tuple[Candidate, Plan | None]]:

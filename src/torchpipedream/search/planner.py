@@ -68,6 +68,7 @@ from ..plans.topology import Level, Topology, format_bytes
 from ..schedule.build import build_schedule
 from ..sim.costs import MS_PER_S, paper_allreduce, paper_transfer, ring_allreduce_share, sharded_passes
 from ..sim.simulator import Costs, simulate
+from .replica_round_trip import replica_round_trip_ms
 from .tensor_parallel import tensor_parallel_graph, worker_topology
 
 __all__ = [
@@ -256,8 +257,12 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
     for s, c in enumerate(cut_ms):
         if c > t:
             t, what, where = c, f"transfer between stages {s} and {s + 1}", s
-    return Evaluation(stage_ms, ar_ms, cut_ms, mem, t, what, where, ranks,
-                      t * fill_drain_factor(schedule, microbatches, len(stages)))
+    minibatch = t * fill_drain_factor(schedule, microbatches, len(stages))
+    links = [topology.span_bandwidth(ranks[s] + ranks[s + 1]) for s in range(len(stages) - 1)]
+    waits, waiting = replica_round_trip_ms(blocks, stages, links, kind, microbatches, ar_ms, sharding != "replicate")
+    if waits > minibatch:  # zb-h1, zb-h2: a replica holds too few microbatches to stay busy
+        minibatch, what, where = waits, f"stage {waiting}'s round trip (its replicas wait for input gradients)", waiting
+    return Evaluation(stage_ms, ar_ms, cut_ms, mem, t, what, where, ranks, minibatch)
 
 
 # ------------------------------------------------------------------ the exact fast search
@@ -548,7 +553,7 @@ class _Problem:
         I = np.nonzero(reached[:j1])[0]
         comp = self.compute_prefix[j1] - self.compute_prefix[I]
         w = self.weight_prefix[j1] - self.weight_prefix[I]
-        togo = (workers - np.arange(workers))[None, :]  # workers from r to the end
+        togo = self._held(workers)
         dmax = self._cache.single_depths(self, j1)[I]
         mmem1 = np.where(dmax[:, None] > 0, -(-togo // np.maximum(dmax[:, None], 1)), _INF_M)
         single = np.maximum(self.mmin(0, comp, w, T)[:, None], mmem1) <= 1  # (nI, workers)
@@ -678,6 +683,17 @@ class _Problem:
 
         return best, besti, shared_starts
 
+    def _held(self, workers: int) -> np.ndarray:
+        """(1, workers): the in-flight count a stage starting at rank r holds on one worker (a
+        replica of m holds ⌈that/m⌉): the workers from r to the end, or under the split kinds the
+        input stage's count (ZB-H1), 2n − 1 (ZB-H2) or 2μ (zb-2bw) with n the stage count if set,
+        else the workers (at least the stages)."""
+        togo = (workers - np.arange(workers))[None, :]  # workers from r to the end
+        if self.kind.split_backward:
+            first = self.num_stages or workers
+            togo = np.array([[self.kind.inflight_depth(int(d), first, self.mu) for d in togo[0]]], dtype=togo.dtype)
+        return togo
+
     def _needs_with_budget(self, j1: int, T: float, workers: int, reach: np.ndarray, inok: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray, Any]:
         """With a memory budget a later start is no longer always better (memory grows with the
@@ -688,10 +704,7 @@ class _Problem:
         I = np.nonzero(reach[:j1].any(axis=(1, 2)))[0]
         comp = self.compute_prefix[j1] - self.compute_prefix[I]
         w = self.weight_prefix[j1] - self.weight_prefix[I]
-        togo = (workers - np.arange(workers))[None, :]  # workers from r to the end
-        if self.kind.split_backward:  # the input stage's count (ZB-H1), 2n − 1 (ZB-H2), or 2μ (zb-2bw)
-            first = self.num_stages or workers
-            togo = np.array([[self.kind.inflight_depth(int(d), first, self.mu) for d in togo[0]]], dtype=togo.dtype)
+        togo = self._held(workers)
         acts = self.activations(I, j1)
 
         def replicas_for_memory(replicas: int) -> np.ndarray:
@@ -1053,17 +1066,16 @@ def plan(
         PlanError: impossible requests (more stages than blocks or workers, nothing fits in memory).
     """
     t0, (topo, kind) = time.perf_counter(), _topology_and_kind(graph, topology, schedule)
-    if tensor_parallel != 1:  # with every other argument as given
-        given = locals()
-        return _plan_tensor_parallel(graph, topo, kind, t0, **{k: given[k] for k in _PLAN_ARGUMENTS})
-    schedule = kind.name
-    straight = True if kind.split_backward else straight  # zero-bubble kinds run one worker per stage
+    arguments = {k: v for k, v in locals().items() if k in _PLAN_ARGUMENTS}  # every argument as given
+    if tensor_parallel != 1:
+        return _plan_tensor_parallel(graph, topo, kind, t0, **arguments)
+    schedule, straight = kind.name, straight or (kind.split_backward and not kind.replicates_split_stages)
     if kind.virtual_stages:
         return _plan_virtual(graph, topo, schedule, _stages_per_worker(kind, chunks, num_stages, topo),
                              microbatches=microbatches, memory_bytes=memory_bytes, rtol=rtol, recompute=recompute,
                              optimizer_state_factor=optimizer_state_factor, optimizer_scratch=optimizer_scratch)
-    optimizer_scratch = _checked_search_options(method, optimizer_state_factor, optimizer_scratch, recompute,
-                                                (sharding, kind), hierarchical_ok=not straight and num_stages is None)
+    optimizer_scratch = _checked_search_options(method, optimizer_state_factor, optimizer_scratch, recompute, (
+        sharding, kind), hierarchical_ok=not straight and num_stages is None and not kind.split_backward)
     blocks = _planning_blocks(graph, recompute)
     _check_shape_request(len(graph), len(blocks), topo.num_workers, microbatches, num_stages, straight,
                          allow_fewer_workers)
@@ -1078,19 +1090,42 @@ def plan(
                               allow_fewer_workers=allow_fewer_workers, memory_bytes=memory, microbatches=microbatches,
                               optimizer_state_factor=optimizer_state_factor, recompute=recompute,
                               optimizer_scratch=optimizer_scratch, sharding=sharding)
-    return _build_plan(graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory,
-                       time.perf_counter() - t0, checks, options)
+    return _unless_straight_is_faster(graph, topo, _build_plan(
+        graph, blocks, topo, stages, schedule, microbatches, optimizer_state_factor, memory, time.perf_counter() - t0,
+        checks, options), arguments, t0)
+
+
+def _unless_straight_is_faster(graph: LayerGraph, topo: Topology, replicated: Plan, arguments: dict[str, Any],
+                               t0: float) -> Plan:
+    """``replicated``, or under zb-h1 and zb-h2 where it has replicas the straight plan of the
+    same request if that is not slower: the search balances the stages' busy time, but a
+    replica of a split stage holds only its share of the straight stage's microbatches and waits
+    on their round trips (search/replica_round_trip.py), which ``evaluate`` charges only once
+    the plan is made."""
+    if not schedule_kind(replicated.schedule).replicates_split_stages or all(
+            st.replicas == 1 for st in replicated.stages):
+        return replicated
+    try:
+        line = plan(graph, topo, **{**arguments, "straight": True})
+    except PlanError:  # a straight pipeline does not fit (memory, fewer blocks than workers)
+        return replicated
+    if line.predicted["time_per_minibatch_s"] > replicated.predicted["time_per_minibatch_s"]:
+        return replicated
+    line.meta["planner"]["straight"] = False  # what was asked: a replicated plan was weighed
+    line.meta["planning_time_s"] = time.perf_counter() - t0
+    log.debug("straight %s plan %s is not slower than the replicated %s", line.schedule, line.summary,
+              replicated.summary)
+    return line
 
 
 def nothing_sharded(plan: Plan, sharding: str) -> str | None:
     """Why ``plan`` shards nothing although ``sharding`` ("zero3", "zero2") was asked for, or
-    None: it has no replicated stage, because the planner found none worth its workers or (the
-    zero-bubble kinds) plans one worker per stage."""
+    None: it has no replicated stage, because the planner found none worth its workers (under
+    zb-h1 and zb-h2 a straight pipeline can be faster: replicas wait on round trips)."""
     if sharding == "replicate" or any(st.sharded for st in plan.stages):
         return None
-    why = (f"; the planner plans {plan.schedule} with one worker per stage: to shard its stages, write a plan "
-           "with replicated stages and give it to train --plan") if schedule_kind(plan.schedule).split_backward else ""
-    return f"the plan ({plan.summary}) has no replicated stage, so nothing is sharded{why}"
+    return (f"the plan ({plan.summary}) has no replicated stage, so nothing is sharded; to shard anyway, write a "
+            "plan with replicated stages and give it to train --plan")
 
 
 #: :func:`plan`'s keyword arguments.
@@ -1183,8 +1218,8 @@ def _checked_search_options(method: str, optimizer_state_factor: float, optimize
     stages: ``hierarchical_ok``), optimizer state factor, optimizer scratch, recompute flag or
     (sharding, kind) pair; the scratch as two floats."""
     if method == "hierarchical" and not hierarchical_ok:
-        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight nor num_stages; "
-                        "use method='fast'")
+        raise PlanError("method='hierarchical' (the paper's DP) supports neither straight, num_stages nor the "
+                        "zero-bubble kinds; use method='fast'")
     if sharding is not None:
         _check_sharding(*sharding, method)
     if method not in ("fast", "hierarchical"):

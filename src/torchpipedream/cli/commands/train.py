@@ -68,7 +68,7 @@ def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> N
     p.add_argument("--shard", nargs="?", const="zero3", default=d.shard, choices=["zero3", "zero2"],
                    help="shard every replicated stage over its replicas with torch's FSDP2 (ZeRO: weights, gradients "
                         "and optimizer state split; zero3 gathers the weights for each forward and backward, zero2 "
-                        "keeps them from a forward to its backward); flush and gpipe, and zb-h1 and zb-h2 with a plan file (the planner plans the zero-bubble kinds straight); the planner prices it. "
+                        "keeps them from a forward to its backward); flush, gpipe, zb-h1 and zb-h2; the planner prices it. "
                         "--shard alone means zero3 (default: replicate)")
     p.add_argument("--tensor-parallel", type=int, default=d.tensor_parallel, metavar="T",
                    help="every worker of the plan is T processes that split its stage's Linear pairs (an MLP's "
