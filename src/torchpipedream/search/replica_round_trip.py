@@ -10,7 +10,7 @@ come back through every later stage. A wave therefore takes
     max(c·F, F + RT) + c·(B + W)
 
 where F, B and W are the replica's per-microbatch forward, input-gradient and weight-gradient
-times and RT the round trip below it (the later stages' F + B and the transfers of both
+times (the backward split as the simulator splits it: ``sim.simulator.split_backward_ms``) and RT the round trip below it (the later stages' F + B and the transfers of both
 directions), and the replica's ⌈μ/r⌉ microbatches take ⌈⌈μ/r⌉/c⌉ waves after the earlier
 stages' first forwards reach it (and before their last input gradients leave). The bottleneck
 and fill model of ``planner.evaluate`` does not see this wait: a 4-2-1-1 plan whose stages
@@ -24,28 +24,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..model.graph import Block
+from ..model.graph import Block, measured_sum
 from ..plans.kinds import ScheduleKind
 from ..sim.costs import MS_PER_S, paper_transfer
-from ..sim.simulator import WEIGHT_GRAD_SHARE
+from ..sim.simulator import split_backward_ms
 
 __all__ = ["replica_round_trip_ms"]
-
-
-def _split_ms(blocks: Sequence[Block], first_stage: bool, sharded: bool) -> tuple[float, float, float]:
-    """(F, B, W) of one minibatch of a stage made of ``blocks``, as the simulator charges them:
-    the timed halves where the profile has them, else ``WEIGHT_GRAD_SHARE`` of the backward as
-    W; the first stage's B differentiates no input, and a sharded stage's B runs its whole
-    backward (``sim.simulator._split_backward_ms``)."""
-    forward = sum(b.forward_ms for b in blocks)
-    backward = sum(b.backward_ms for b in blocks)
-    if first_stage or sharded:
-        return forward, (0.0 if first_stage else backward), (backward if first_stage else 0.0)
-    timed = [b.input_grad_ms for b in blocks]
-    if all(t is not None for t in timed):
-        input_grad = float(sum(t for t in timed if t is not None))
-        return forward, input_grad, backward - input_grad
-    return forward, (1 - WEIGHT_GRAD_SHARE) * backward, WEIGHT_GRAD_SHARE * backward
 
 
 def replica_round_trip_ms(blocks: Sequence[Block], stages: Sequence[tuple[int, int, int]],
@@ -61,8 +45,14 @@ def replica_round_trip_ms(blocks: Sequence[Block], stages: Sequence[tuple[int, i
     if not kind.replicates_split_stages or all(m == 1 for _, _, m in stages):
         return 0.0, -1
     mu, n = max(1, microbatches), len(stages)
-    times = [_split_ms(blocks[i:j + 1], s == 0, sharded and m > 1) for s, (i, j, m) in enumerate(stages)]
-    F, B, W = ([t[k] / mu for t in times] for k in range(3))
+    runs = [blocks[i:j + 1] for i, j, _ in stages]
+    backward, weight = split_backward_ms(
+        [(sum(b.backward_ms for b in run), measured_sum(b.input_grad_ms for b in run),
+          measured_sum(b.weight_grad_ms for b in run)) for run in runs],
+        [sharded and m > 1 for _, _, m in stages])
+    F = [sum(b.forward_ms for b in run) / mu for run in runs]
+    B = [(t - w) / mu for t, w in zip(backward, weight)]
+    W = [w / mu for w in weight]
     cut = [2 * paper_transfer(blocks[j].cut_bytes / mu, bw, per_s=MS_PER_S)
            for (_, j, _), bw in zip(stages[:-1], cut_bandwidths)] + [0.0]
     worst, where = 0.0, -1

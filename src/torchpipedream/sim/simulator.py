@@ -44,7 +44,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..plans.kinds import SCHEDULE_KINDS
 from ..plans.memory import DEFAULT_OPTIMIZER_STATE_FACTOR, once_bytes, scratch_of_options, sharded_weight_bytes
@@ -59,7 +59,7 @@ from .trace import COMPUTE_KINDS, Event, Trace, _union_length
 # stash_copies, accumulating_backwards (schedule.versions) and DEFAULT_OPTIMIZER_STATE_FACTOR
 # (plans.memory) are re-exported: they were defined here before.
 __all__ = ["Costs", "SimResult", "simulate", "stash_copies", "accumulating_backwards", "DEFAULT_BANDWIDTH_BPS",
-           "WEIGHT_GRAD_SHARE", "DEFAULT_COPY_BPS", "DEFAULT_ACCUMULATE_BPS", "DEFAULT_OPTIMIZER_STATE_FACTOR"]
+           "WEIGHT_GRAD_SHARE", "split_backward_ms", "DEFAULT_COPY_BPS", "DEFAULT_ACCUMULATE_BPS", "DEFAULT_OPTIMIZER_STATE_FACTOR"]
 
 log = logging.getLogger(__name__)
 
@@ -379,23 +379,31 @@ def _weight_bytes(stage: Any, params: float, versions: int, optimizer_state_fact
 
 
 def _split_backward_ms(plan: Plan, split: bool) -> tuple[list[float], list[float]]:
-    """Each stage's backward and its W part (ms per minibatch). Under a split backward whose
-    halves the profile timed (``Stage.input_grad_ms`` / ``weight_grad_ms``), B + W and W as
-    timed; otherwise the unsplit backward with ``WEIGHT_GRAD_SHARE`` of it as W. The first
-    stage's B has no input to differentiate: its W is one backward over its weights, whose
-    cost is the unsplit one. An FSDP2-sharded stage's B runs its whole backward and its W
-    nothing (runtime/sharding.py: FSDP2 reduces the gradients when a whole backward ends)."""
-    first, rest = plan.stages[0], plan.stages[1:]
-    timed = [(st.input_grad_ms, st.weight_grad_ms) for st in rest]
-    if split and all(b is not None and w is not None for b, w in timed):
-        backward = [first.backward_ms] + [b + w for b, w in timed]  # type: ignore[operator]
-        weight = [first.backward_ms] + [float(w) for _, w in timed]  # type: ignore[arg-type]
+    """Each stage's backward and its W part (ms per minibatch): :func:`split_backward_ms` of the
+    plan's stages."""
+    times = [(st.backward_ms, st.input_grad_ms, st.weight_grad_ms) for st in plan.stages]
+    return split_backward_ms(times, [_fsdp_sharded(st) for st in plan.stages], split)
+
+
+def split_backward_ms(times: Sequence[tuple[float, float | None, float | None]], sharded: Sequence[bool],
+                      split: bool = True) -> tuple[list[float], list[float]]:
+    """Each stage's backward and its W part (ms), from its (backward, timed B, timed W) in
+    pipeline order: the simulator's rule, which the planner's round-trip term shares. Under a
+    split backward whose halves the profile timed for every stage after the first, B + W and W
+    as timed; otherwise the unsplit backward with ``WEIGHT_GRAD_SHARE`` of it as W. The first
+    stage's B has no input to differentiate: its W is one backward over its weights, whose cost
+    is the unsplit one. An FSDP2-sharded stage (``sharded[s]``) runs its whole backward in B and
+    nothing in W (runtime/sharding.py: FSDP2 reduces the gradients when a whole backward ends)."""
+    (first, _, _), rest = times[0], times[1:]
+    if split and all(b is not None and w is not None for _, b, w in rest):
+        backward = [first] + [b + w for _, b, w in rest]  # type: ignore[operator]
+        weight = [first] + [float(w) for _, _, w in rest]  # type: ignore[arg-type]
     else:
-        backward = [st.backward_ms for st in plan.stages]
-        weight = [first.backward_ms] + [WEIGHT_GRAD_SHARE * st.backward_ms for st in rest]
-    for s, st in enumerate(plan.stages):
-        if _fsdp_sharded(st):
-            backward[s], weight[s] = st.backward_ms, 0.0
+        backward = [t for t, _, _ in times]
+        weight = [first] + [WEIGHT_GRAD_SHARE * t for t, _, _ in rest]
+    for s, (t, _, _) in enumerate(times):
+        if sharded[s]:
+            backward[s], weight[s] = t, 0.0
     return backward, weight
 
 
