@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from typing import Callable
 
 import pytest
 import torch
@@ -146,6 +147,55 @@ def _llama(rank: int) -> dict:
     return {"state": pipe.state_dict(), "held": _held(pipe)}
 
 
+# ------------------------------------------------------------------ GPT-2 from transformers, as stage modules
+#: scenario -> (kind, clipping, blocks per stage): the output layer's weight is the token embedding's (shared
+#: by the first and the last stage); interleaved runs four stages on the two workers (stage k on worker k mod 2)
+GPT2_SCENARIOS = {"gpt2_flush": dict(kind="flush", clip=False, blocks=[1, 1]),
+                  "gpt2_zb_h1_clipped": dict(kind="zb-h1", clip=True, blocks=[1, 1]),
+                  "gpt2_interleaved": dict(kind="interleaved", clip=False, blocks=[1, 1, 1, 1])}
+GPT2_CLIP = 0.5
+
+
+def gpt2_model(layers: int = 2) -> nn.Module:
+    from torchpipedream.models.hf import gpt2
+    torch.manual_seed(0)
+    return gpt2(vocab_size=64, context=16, d_model=32, layers=layers, heads=4)
+
+
+def gpt2_data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    tokens = [torch.randint(0, 64, (4, 16), generator=g) for _ in range(n)]
+    return [(t, t) for t in tokens]
+
+
+def _gpt2_pipeline(kind: str, clip: bool, blocks: list[int]) -> Pipeline:
+    from torchpipedream.models.hf import gpt2_stages
+    plan = dataclasses.replace(Plan.looped([[f"stage{s}"] for s in range(len(blocks))], 2, schedule=kind,
+                                           microbatches=2), tensor_parallel=2)  # stage k on worker k mod 2
+    return Pipeline(gpt2_stages(gpt2_model(len(blocks)), blocks), plan, LLAMA_OPTIMIZER, loss_fn=causal_lm_loss,
+                    clip_grad_norm=GPT2_CLIP if clip else None, timeout_s=60)
+
+
+def _gpt2(rank: int, directory: str) -> dict:
+    """Each GPT-2 scenario's three minibatches on PP2 × TP2; and two minibatches saved, loaded by a
+    fresh PP2 × TP2 pipeline that trains the third."""
+    from torchpipedream.runtime.checkpoint import read_stage_states
+    out: dict = {}
+    for name, sc in GPT2_SCENARIOS.items():
+        pipe = _gpt2_pipeline(sc["kind"], sc["clip"], sc["blocks"])
+        pipe.train_minibatches(gpt2_data())
+        out[name] = {"state": pipe.state_dict(), "held": _held(pipe), "norms": pipe.grad_norms}
+    first = _gpt2_pipeline("flush", False, [1, 1])
+    first.train_minibatches(gpt2_data()[:2])
+    first.save_checkpoint(directory)
+    out["saved"], out["read"] = first.state_dict(), read_stage_states(directory)
+    again = _gpt2_pipeline("flush", False, [1, 1])
+    again.load_checkpoint(directory)
+    again.train_minibatches(gpt2_data()[2:])
+    out["resumed"] = again.state_dict()
+    return out
+
+
 # ------------------------------------------------------------------ the launch
 def _checkpoint(directory: str) -> dict:
     """Two minibatches on PP2 × TP2, saved; resumed on DP2-sharded × TP2 for the third."""
@@ -175,7 +225,8 @@ def _refusal(rank: int) -> str:
 
 def _worker(rank: int, directory: str) -> dict:
     torch.set_num_threads(1)
-    out: dict = {"checkpoint": _checkpoint(directory), "llama": _llama(rank), "refusal": _refusal(rank)}
+    out: dict = {"checkpoint": _checkpoint(directory), "llama": _llama(rank), "refusal": _refusal(rank),
+                 "gpt2": _gpt2(rank, directory + "_gpt2")}
     for name, sc in SCENARIOS.items():
         batches = data()
         pipe = _pipeline(sc, batches)
@@ -217,6 +268,17 @@ def test_tensor_parallel_pipeline_equals_one_process(results: dict, name: str) -
     assert got["trace_ranks"] == list(range(plan_of(sc).num_workers))
 
 
+def model_key(key: str, blocks: str, model_blocks: str, other: Callable[[str], str]) -> str:
+    """The model's name of a stage-list state key "<stage>.<name>" whose stage s holds block s
+    onwards (``blocks``: the stage's attribute of blocks, ``model_blocks``: the model's); ``other``
+    names the rest."""
+    stage, _, rest = key.partition(".")
+    if rest.startswith(blocks + "."):
+        index, tail = rest.split(".", 2)[1:]
+        return f"{model_blocks}.{int(index) + int(stage)}.{tail}"
+    return other(rest)
+
+
 def test_a_llama_from_transformers_trains_as_one_process_on_pp2_tp2(results: dict) -> None:
     """A Hugging Face Llama cut into two stage modules, its attention and MLP split over two tensor
     ranks by their layers' names (q/k/v/gate/up column-wise, o/down row-wise): the weights of
@@ -233,17 +295,69 @@ def test_a_llama_from_transformers_trains_as_one_process_on_pp2_tp2(results: dic
     got = results["llama"]["state"]
     compared = 0
     for key, value in got.items():
-        stage, _, rest = key.partition(".")
-        if rest.startswith("layers."):
-            index, tail = rest.split(".", 2)[1:]
-            name = f"model.layers.{int(index) + int(stage)}.{tail}"
-        else:
-            name = rest if rest.startswith("lm_head") else f"model.{rest}"
+        name = model_key(key, "layers", "model.layers", lambda rest: rest if rest.startswith("lm_head") else f"model.{rest}")
         torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4, msg=key)
         compared += 1
     assert compared == len(want)
     held, whole = results["llama"]["held"]
     assert held < 0.8 * whole  # the attention and MLP projections are split, not replicated
+
+
+def _gpt2_reference(clip: bool, layers: int = 2, n: int = 3) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """GPT-2 itself in one process: n steps on each minibatch's mean loss, clipped by the global norm
+    (its tied weight counted once) where asked; its state and the norms before clipping."""
+    lm = gpt2_model(layers)
+    opt = LLAMA_OPTIMIZER(lm.parameters())
+    norms = []
+    for x, y in gpt2_data(n):
+        opt.zero_grad()
+        causal_lm_loss(lm(x), y).backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(lm.parameters(), GPT2_CLIP)))
+        opt.step()
+    return lm.state_dict(), norms
+
+
+def _assert_gpt2_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> None:
+    """A GPT-2 pipeline of one block per stage's state (keys "<stage>.<its module's name>") against
+    the model's own."""
+    compared = set()
+    for key, value in got.items():
+        name = model_key(key, "h", "model.transformer.h",
+                         lambda rest: f"model.{rest}" if rest.startswith("lm_head") else f"model.transformer.{rest}")
+        assert type(value) is torch.Tensor, (label, key)  # gathered whole
+        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4, msg=f"{label}: {key}")
+        compared.add(name)
+    assert compared == set(want), (label, set(want) - compared)
+
+
+@pytest.mark.parametrize("name", list(GPT2_SCENARIOS))
+def test_gpt2_from_transformers_trains_as_one_process_on_pp2_tp2(results: dict, name: str) -> None:
+    """GPT-2 cut into two stage modules (``models.hf.gpt2_stages``), its Conv1D attention and MLP
+    split over two tensor ranks (c_attn by heads: each rank its heads' queries, keys and values;
+    c_fc column-wise; c_proj row-wise), its tied embedding and output layer kept equal across the
+    two stages: the weights (and, clipped, the global norms) of three steps of GPT-2 in one process."""
+    pytest.importorskip("transformers")
+    sc, got = GPT2_SCENARIOS[name], results["gpt2"][name]
+    want, norms = _gpt2_reference(sc["clip"], len(sc["blocks"]))
+    _assert_gpt2_state(got["state"], want, name)
+    assert got["norms"] == pytest.approx(norms, rel=1e-4)
+    assert all(n > GPT2_CLIP for n in norms) or not sc["clip"]  # clipping acted on every step
+    held, whole = got["held"]
+    assert held < 0.8 * whole  # the attention and MLP layers are split, not replicated
+
+
+def test_a_gpt2_checkpoint_of_split_heads_reads_whole_and_resumes_on_pp2_tp2(results: dict) -> None:
+    """The fused query/key/value layer's split (a strided shard, which DCP cannot save as one
+    chunk) is saved whole: the checkpoint read without a pipeline is the saved model, and a fresh
+    PP2 × TP2 pipeline that loads it (weights and momentum) and trains the third minibatch ends
+    where three steps in one process do."""
+    pytest.importorskip("transformers")
+    got = results["gpt2"]
+    assert set(got["read"]) == set(got["saved"])
+    for key, value in got["saved"].items():
+        torch.testing.assert_close(got["read"][key], value, atol=0, rtol=0, msg=key)
+    _assert_gpt2_state(got["resumed"], _gpt2_reference(False)[0], "resumed")
 
 
 def test_a_checkpoint_moves_from_pp2_tp2_to_sharded_tp2_and_to_one_process(results: dict, checkpoints: str) -> None:
@@ -293,6 +407,34 @@ def test_llama_blocks_are_split_by_their_layers_names() -> None:
         | {"layers.0.self_attn.o_proj": "rowwise", "layers.0.mlp.gate_proj": "colwise",
            "layers.0.mlp.up_proj": "colwise", "layers.0.mlp.down_proj": "rowwise"}
     assert named_blocks(first, 3) == {}  # 32 features do not split in three
+
+
+def test_gpt2_blocks_are_split_by_their_layers_names() -> None:
+    """GPT-2's Conv1D blocks: c_attn by heads ("qkv"), c_fc column-wise, both c_proj row-wise; none
+    where the degree does not divide the heads; a user's layout of them checked by name."""
+    pytest.importorskip("transformers")
+    from torchpipedream.models.hf import gpt2_stages
+    first, last = gpt2_stages(gpt2_model(), [1, 1])
+    assert named_blocks(first, 2) == {"h.0.attn.c_attn": "qkv", "h.0.attn.c_proj": "rowwise",
+                                      "h.0.mlp.c_fc": "colwise", "h.0.mlp.c_proj": "rowwise"}
+    assert named_blocks(first, 3) == {}  # 4 heads and 128 inner features do not split in three
+    assert "lm_head" not in named_blocks(last, 2)  # the output layer (tied to the embedding) stays whole
+    names = {n: f"0.{n}" for n, _ in first.named_parameters()}  # stage name -> the model's
+    assert stage_layout(first, 2, {"0.h.0.mlp.c_fc": "colwise"}, names) == {"h.0.mlp.c_fc": "colwise"}
+    for layout, message in (({"0.h.0.mlp.c_fc": "qkv"}, "'qkv' splits a GPT-2 attention's fused c_attn"),
+                            ({"0.h.0.ln_1": "colwise"}, "the module is a LayerNorm"),
+                            ({"0.h.0.attn.c_attn": "qkv"}, "4 heads of 8 features do not split evenly over 8")):
+        with pytest.raises(TensorLayoutError, match=message):
+            stage_layout(first, 8 if "c_attn" in str(layout) else 2, layout, names)
+
+
+def test_a_layout_that_splits_a_shared_parameter_or_fuses_under_fsdp2_is_refused_by_name() -> None:
+    from torchpipedream.runtime.tensor_parallel import split_layers_problem
+    layout = {"h.0.attn.c_attn": "qkv", "lm_head": "colwise"}
+    assert "splits 'lm_head', whose parameter is 'wte.weight'" in split_layers_problem(
+        layout, {"lm_head.weight": "'wte.weight'"}, None)
+    assert "sharded (zero3)" in split_layers_problem(layout, {}, "zero3")
+    assert split_layers_problem(layout, {"wte.weight": "'wte.weight'"}, None) is None
 
 
 def test_a_users_layout_is_checked_by_name() -> None:

@@ -113,6 +113,7 @@ FEATURE_OPTIONS: dict[str, Options] = {
     "sharded stage with recomputation": Options(sharded=True, recompute=True),
     "sharded stage with fp16": Options(sharded=True, precision="fp16"),
     "sharded stage, checkpoint resume onto another plan": Options(sharded=True, checkpoint=True),
+    "sharded stage with a shared parameter": Options(sharded=True, shared=True),
     "tensor parallel (×2)": Options(tensor_parallel=2),
     "tensor parallel with a replicated stage": Options(tensor_parallel=2, replicated=True),
     "tensor parallel with clip_grad_norm": Options(tensor_parallel=2, clip_grad_norm=1.0),
@@ -121,6 +122,7 @@ FEATURE_OPTIONS: dict[str, Options] = {
     "tensor parallel with fp16": Options(tensor_parallel=2, precision="fp16"),
     "tensor parallel, checkpoint resume onto another plan": Options(tensor_parallel=2, checkpoint=True),
     "tensor parallel with a sharded stage": Options(tensor_parallel=2, sharded=True),
+    "tensor parallel with a shared parameter": Options(tensor_parallel=2, shared=True),
 }
 
 FEATURES: tuple[str, ...] = tuple(FEATURE_OPTIONS)

@@ -79,22 +79,38 @@ def _reader(directory: Path) -> Any:
 
 def save_sharded(state: dict[str, torch.Tensor], directory: Path, group: Any) -> None:
     """``dcp.save`` of ``state`` (names -> tensors: shards or whole) into ``directory``, a
-    collective of ``group`` (the stage's replicas; each writes its shards)."""
+    collective of ``group`` (the stage's ranks; each writes its shards; a strided shard whole)."""
     # lazy: as above
     import torch.distributed.checkpoint as dcp
 
+    from .conv1d_styles import strided  # lazy: DTensor's placements, as above
+
+    # A strided shard on one mesh dimension (a fused projection's: conv1d_styles) is not one
+    # chunk of the whole tensor, and DCP would describe it as one: saved whole instead (its
+    # tensor ranks gather it, in the same order on each; DCP keeps one copy).
+    state = {k: v.full_tensor() if strided(v) else v for k, v in state.items()}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)), process_group=group)
 
 
 def load_sharded(targets: dict[str, torch.Tensor], directory: Path) -> None:
     """Fill ``targets`` (names -> tensors of this rank's layout: shards or whole) from the DCP
-    folder ``directory``, on this rank alone (no collective: any plan loads any checkpoint)."""
+    folder ``directory``, on this rank alone (no collective: any plan loads any checkpoint);
+    a strided shard (``save_sharded``) from the whole tensor."""
     # lazy: as above
     import torch.distributed.checkpoint as dcp
 
+    from .conv1d_styles import strided  # lazy: as above
+    from .sharding import shard_like
+
+    # a strided shard is read whole (as it was saved) and this rank's part taken from it
+    whole = {k: torch.empty(t.shape, dtype=t.dtype) if strided(t) else t for k, t in targets.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(targets, storage_reader=_reader(directory), no_dist=True)
+        dcp.load(whole, storage_reader=_reader(directory), no_dist=True)
+    with torch.no_grad():
+        for k, t in targets.items():
+            if whole[k] is not t:
+                t.to_local().copy_(shard_like(whole[k], t).to_local())
 
 
 def saved_tensor_specs(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:

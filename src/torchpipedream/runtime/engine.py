@@ -228,7 +228,8 @@ class Engine:
         self.tied = dict(tied or {})
         self.buffers = buffers
         # a sharded stage's weights are installed by FSDP2 itself (sharding.py): no slot to swap
-        names = set() if weights.sharded else set(weights.names).union(*(set(c.weights.names) for c in self.tied.values()))
+        # (a tensor-parallel stage's shared parameters are plain tensors with copies of their own)
+        names = (set() if weights.sharded else set(weights.names)).union(*(set(c.weights.names) for c in self.tied.values()))
         self._slots = _parameter_slots(module, names)
         self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
         self.scaler = scaler
@@ -534,7 +535,9 @@ class Engine:
                 raise RuntimeError(f"rank {self.rank}: B{microbatch} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
             roots, grad_outputs = ctx.outputs, grads
         split = (self.stage, microbatch) in self._split
-        if split and (params or not self.weights.sharded):
+        # FSDP2 holds the stage's weights (no tensor of them to name; its shared parameters' aside)
+        fsdp = self.weights.sharded and not self.weights.tensors(use_version)
+        if split and not fsdp:
             # B: the inputs' gradients now (sent by SG), the weights' at this microbatch's W
             work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
             self._weight_work[microbatch] = (work, ctx, version)

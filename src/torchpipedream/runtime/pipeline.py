@@ -76,6 +76,7 @@ from .process_exit import warn_if_default_group_pinned
 from .sharding import GatheredEvaluation, ShardedWeights, full_state_dict, shard_stage
 from .stage_split import model_state_names, split_stages
 from .tensor_parallel import (TensorLayoutError, TensorParallelWeights, check_layout_names, parallelize_stage,
+                              split_layers_problem,
                               stage_layout, stage_meshes)
 from .weights import OptimizerFactory, WeightVersions, updates_are_minibatch_means, wait_for
 
@@ -318,8 +319,8 @@ class Pipeline:
             tensor_layout, module_or_stages if isinstance(module_or_stages, nn.Module) else None)
         modules, local_tied = self._split_model(module_or_stages, sample)
         self._ar_group = self._make_replica_groups()
-        self._split_tensors(modules)  # tensor parallelism first, then FSDP2 over it (torch's order)
-        self._shard(modules)
+        self._split_tensors(modules, local_tied)  # tensor parallelism first, then FSDP2 over it (torch's order)
+        self._shard(modules, local_tied)
         weights = self._make_weights(modules, local_tied, optimizer)
         scaler = self._make_loss_scaler(precision, loss_scaling)
         self.clipper = self._make_clipper(weights)
@@ -410,10 +411,11 @@ class Pipeline:
                 mine = group
         return mine
 
-    def _split_tensors(self, modules: dict[int, nn.Module]) -> None:
+    def _split_tensors(self, modules: dict[int, nn.Module], local_tied: dict[int, dict[int, str]]) -> None:
         """With ``plan.tensor_parallel`` t > 1: the process groups of every worker (its t ranks)
         and of every stage (all its ranks), made on every rank in the same order, and this
-        rank's stage split over its worker's ranks (runtime/tensor_parallel.py)."""
+        rank's stage split over its worker's ranks (runtime/tensor_parallel.py); a shared
+        parameter (``local_tied``) stays whole (its copies are kept equal by the TR actions)."""
         t = self.plan.tensor_parallel
         self._stage_groups: dict[int, Any] = {}  # every rank of each stage held (their DCP checkpoint is a collective of it)
         self._data_mesh = None  # FSDP2's mesh where the stage is sharded too: the (data, tensor) mesh's first dimension
@@ -441,22 +443,34 @@ class Pipeline:
                 layout = stage_layout(modules[s], t, self._tensor_layout, self._state_names[s])
             except TensorLayoutError as exc:
                 raise PipelineError(f"stage {s}: {exc}") from None
+            self._check_split_layers(s, layout, local_tied[s])
             parallelize_stage(modules[s], tensor_mesh, layout)
+
+    def _check_split_layers(self, stage: int, layout: dict[str, Any], tied: dict[int, str]) -> None:
+        """Refuse, by name, what the stage's layout cannot split (``split_layers_problem``)."""
+        problem = split_layers_problem(layout, {local: f"{self.plan.tied[k].name!r}, which stages "
+                                                f"{self.plan.tied[k].stages} share" for k, local in tied.items()},
+                                       self.plan.stages[stage].sharding if self.plan.stages[stage].sharded else None)
+        if problem:
+            raise PipelineError(f"stage {stage}: {problem}")
 
     @property
     def _sharded(self) -> bool:
         """This rank's stage is sharded over its replicas (``Stage.sharding``; runtime/sharding.py)."""
         return self.plan.stages[self.stage].sharded
 
-    def _shard(self, modules: dict[int, nn.Module]) -> None:
+    def _shard(self, modules: dict[int, nn.Module], local_tied: dict[int, dict[int, str]]) -> None:
         """Shard this rank's stage over its replicas with FSDP2 where the plan says so (its
-        evaluation graph, if torch.export traced one, then runs with the gathered weights)."""
+        evaluation graph, if torch.export traced one, then runs with the gathered weights); a
+        parameter stages share stays whole, outside FSDP2 (its copies are the TR actions')."""
         if not self._sharded:
             return
         st = self.plan.stages[self.stage]
         if self.stage in self._eval_modules:  # torch.export's evaluation graph: the gathered weights
             self._eval_modules[self.stage] = GatheredEvaluation(self._eval_modules[self.stage], modules[self.stage])
-        shard_stage(modules[self.stage], self._ar_group, self.device, st.sharding, mesh=self._data_mesh)
+        module = modules[self.stage]
+        shared = {module.get_parameter(name) for name in local_tied[self.stage].values()}
+        shard_stage(module, self._ar_group, self.device, st.sharding, mesh=self._data_mesh, ignored=shared)
 
     def _make_tied_copies(self, modules: dict[int, nn.Module], factory: OptimizerFactory,
                           local_tied: dict[int, dict[int, str]]) -> dict[int, TiedCopy]:
@@ -499,17 +513,18 @@ class Pipeline:
                 if self.plan.tensor_parallel > 1:
                     st = self.plan.stages[s]
                     weights[s] = TensorParallelWeights(modules[s], factory, self.loss_reduction, self.plan.tensor_parallel,
-                                                       st.replicas, st.sharded, **self._weights_options(s))
+                                                       st.replicas, st.sharded, exclude=set(local_tied[s].values()),
+                                                       **self._weights_options(s))
                     continue
                 if self.plan.stages[s].sharded:
                     weights[s] = ShardedWeights(modules[s], factory, self.loss_reduction,
-                                                self.plan.stages[s].replicas, **self._weights_options(s))
+                                                self.plan.stages[s].replicas, exclude=set(local_tied[s].values()),
+                                                **self._weights_options(s))
                     continue
                 weights[s] = WeightVersions(modules[s], factory, self.loss_reduction,
                                             replicated=self._ar_group is not None,
                                             exclude=set(local_tied[s].values()), **self._weights_options(s))
-            if self.plan.tensor_parallel == 1 and not self.plan.stages[self.stage].sharded:
-                self.tied = self._make_tied_copies(modules, factory, local_tied)
+            self.tied = self._make_tied_copies(modules, factory, local_tied)
         except LRScheduleError as exc:
             raise PipelineError(str(exc)) from None
         return weights
@@ -530,8 +545,8 @@ class Pipeline:
         stages = self.plan.stages
         parts = [NormPart(w, 1.0 if stages[s].sharded or self.plan.tensor_parallel > 1 else 1.0 / stages[s].replicas)
                  for s, w in weights.items()]
-        for k, copy in self.tied.items():
-            copies = sum(self.plan.stages[ts].replicas for ts in self.plan.tied[k].stages)
+        for k, copy in self.tied.items():  # a copy on every tensor rank of every holder's replicas
+            copies = self.plan.tensor_parallel * sum(self.plan.stages[ts].replicas for ts in self.plan.tied[k].stages)
             parts.append(NormPart(copy.weights, 1.0 / copies, posted=True))
         group = dist.new_group(list(range(self.world_size)), timeout=datetime.timedelta(seconds=self.timeout_s)) \
             if self.distributed else None

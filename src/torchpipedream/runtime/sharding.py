@@ -85,11 +85,13 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.device, sharding: str,
-                mesh: Any = None) -> nn.Module:
+                mesh: Any = None, ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module`` (a stage, on ``device``) over the ranks of ``group`` with FSDP2, block
     by block and then as a whole; ``sharding`` "zero3" or "zero2". ``mesh``: FSDP2's DeviceMesh
     when given (a tensor-parallel stage's: its (data, tensor) mesh's data dimension), else one
-    of ``group``. Returns the module (FSDP2 shards in place)."""
+    of ``group``. ``ignored``: parameters FSDP2 leaves whole and alone (FSDP2's
+    ``ignored_params``: a parameter stages share, whose copies the TR actions keep equal).
+    Returns the module (FSDP2 shards in place)."""
     # lazy: the FSDP2 and DeviceMesh imports load torch.distributed's tensor machinery, which
     # plans and schedules never need
     from torch.distributed.device_mesh import DeviceMesh
@@ -99,8 +101,8 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.devic
     keep = sharding == "zero2"
     blocks = _blocks(module)
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=not keep)
-    fully_shard(module, mesh=mesh, reshard_after_forward=not keep)
+        fully_shard(block, mesh=mesh, reshard_after_forward=not keep, ignored_params=ignored or None)
+    fully_shard(module, mesh=mesh, reshard_after_forward=not keep, ignored_params=ignored or None)
     log.info("stage sharded (%s) over ranks %s in %d blocks", sharding, dist.get_process_group_ranks(group),
              len(blocks) + 1)
     return module

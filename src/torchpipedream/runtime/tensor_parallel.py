@@ -20,10 +20,13 @@ pipeline stage drives them:
   row-wise (``RowwiseParallel``: its input features split, its outputs all-reduced). One
   all-reduce per pair in the forward, one in the backward (DTensor's). :func:`named_blocks` adds
   attention and MLP blocks by their layers' names (Llama's q/k/v/gate/up column-wise, o/down
-  row-wise: torchtitan's plan, for stage modules built from Hugging Face blocks). Every other
-  layer runs whole on each tensor rank, as Megatron runs its layer norms.
-  ``Pipeline(tensor_layout=)`` gives a layout instead: the model's module names → ``"colwise"``,
-  ``"rowwise"`` or a ``ParallelStyle``; it must leave each stage's outputs whole. A model
+  row-wise: torchtitan's plan, for stage modules built from Hugging Face blocks), and GPT-2's
+  blocks of ``Conv1D`` layers (``c_fc`` column-wise, ``c_proj`` row-wise, the fused ``c_attn``
+  by heads, "qkv": ``conv1d_styles``). Every other layer runs whole on each tensor rank, as
+  Megatron runs its layer norms, and so does a parameter stages share (its copies are the TR
+  actions'). ``Pipeline(tensor_layout=)`` gives a layout instead: the model's module names →
+  ``"colwise"``, ``"rowwise"``, ``"qkv"`` or a ``ParallelStyle``; it must leave each stage's
+  outputs whole. A model
   torch.export traced has no layer modules left to wrap: ``Pipeline`` refuses it by name.
 * **Weights.** :class:`TensorParallelWeights`: one weight version, no aliases (DTensor
   parameters are used as they are), the stage module back-propagated into whatever it holds;
@@ -47,12 +50,14 @@ from .sharding import ShardedWeights, local_tensor
 from .weights import OptimizerFactory, wait_for
 
 __all__ = ["linear_pairs", "named_blocks", "COLWISE_NAMES", "ROWWISE_NAMES", "stage_layout", "stage_meshes", "parallelize_stage", "TensorParallelWeights", "TensorLayoutError",
-           "check_layout_names", "STYLE_NAMES"]
+           "check_layout_names", "STYLE_NAMES", "is_conv1d",
+           "split_layers_problem"]
 
 log = logging.getLogger(__name__)
 
-#: Layout values a user may write by name (``Pipeline(tensor_layout=)``).
-STYLE_NAMES = ("colwise", "rowwise")
+#: Layout values a user may write by name (``Pipeline(tensor_layout=)``): "qkv" is a fused
+#: query/key/value projection split by heads (GPT-2's ``c_attn``: ``conv1d_styles``).
+STYLE_NAMES = ("colwise", "rowwise", "qkv")
 
 #: Modules and functions that act on each element alone: what may sit between a column-wise and a
 #: row-wise Linear (they then act on each tensor rank's slice of the features).
@@ -147,14 +152,39 @@ COLWISE_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
 ROWWISE_NAMES = frozenset({"o_proj", "down_proj", "wo", "w2"})
 
 
+def _gpt2_block(block: nn.Module, degree: int) -> dict[str, str]:
+    """The layout of a GPT-2 attention (``c_attn`` fused query/key/value, ``c_proj``) or MLP
+    (``c_fc``, ``c_proj``) made of ``Conv1D`` layers, or {} (not one, or ``degree`` does not
+    divide its heads or its inner width)."""
+    convs = {n: m for n, m in block.named_children() if is_conv1d(m)}
+    if "c_proj" not in convs or ("c_attn" in convs) == ("c_fc" in convs):
+        return {}
+    if "c_attn" in convs:  # self-attention: three parts of split_size each, heads split whole
+        heads, width = getattr(block, "num_heads", 0), getattr(block, "split_size", 0)
+        if not heads or convs["c_attn"].nf != 3 * width or heads % degree or width % degree:
+            return {}
+        return {"c_attn": "qkv", "c_proj": "rowwise"}
+    return {} if convs["c_fc"].nf % degree else {"c_fc": "colwise", "c_proj": "rowwise"}
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face ``Conv1D`` (``conv1d_styles.is_conv1d``)."""
+    from .conv1d_styles import is_conv1d as conv1d  # lazy: that module imports DTensor (0.4 s)
+    return conv1d(module)
+
+
 def named_blocks(module: nn.Module, degree: int) -> dict[str, str]:
     """The layout of a stage's attention and MLP blocks by their layers' names (torchtitan's
     Llama plan): in every module whose Linear children include both :data:`COLWISE_NAMES` and
     :data:`ROWWISE_NAMES`, the first column-wise and the second row-wise, where ``degree``
-    divides every width split. Attention then runs on each tensor rank's share of the heads
-    (its code must take the head count from the projections' widths, as Hugging Face's does)."""
+    divides every width split; GPT-2's Conv1D blocks alike (``c_attn`` by heads, "qkv";
+    ``c_fc`` column-wise; ``c_proj`` row-wise). Attention then runs on each tensor rank's share
+    of the heads (Llama's code takes the head count from the projections' widths; GPT-2's is
+    told: :func:`parallelize_stage`)."""
     layout: dict[str, str] = {}
     for parent, block in module.named_modules():
+        prefix = f"{parent}." if parent else ""
+        layout.update({prefix + n: style for n, style in _gpt2_block(block, degree).items()})
         linears = {n: m for n, m in block.named_children() if isinstance(m, nn.Linear)}
         col = [n for n in linears if n in COLWISE_NAMES]
         row = [n for n in linears if n in ROWWISE_NAMES]
@@ -163,7 +193,6 @@ def named_blocks(module: nn.Module, degree: int) -> dict[str, str]:
         widths = [linears[n].out_features for n in col] + [linears[n].in_features for n in row]
         if any(w % degree for w in widths):
             continue
-        prefix = f"{parent}." if parent else ""
         layout.update({prefix + n: "colwise" for n in col} | {prefix + n: "rowwise" for n in row})
     return layout
 
@@ -192,23 +221,61 @@ def stage_layout(module: nn.Module, degree: int, given: Mapping[str, Any] | None
     """The layout of one stage: ``given`` (keyed by the model's module names, translated to the
     stage's through ``model_names``: stage parameter name -> model's) restricted to the stage's
     modules, else :func:`linear_pairs` and :func:`named_blocks`. Every split module must be a
-    Linear (or Embedding, for a ParallelStyle) whose split dimension ``degree`` divides."""
+    Linear or GPT-2 Conv1D (or Embedding, for a ParallelStyle) whose split dimension ``degree``
+    divides."""
     if given is None:
         pairs = linear_pairs(module, degree)
         return pairs | {n: style for n, style in named_blocks(module, degree).items() if n not in pairs}
     stage_name = {m.rpartition(".")[0]: s.rpartition(".")[0] for s, m in model_names.items()}
     layout = {stage_name[name]: style for name, style in given.items() if name in stage_name}
     for name, style in layout.items():
-        sub = module.get_submodule(name)
-        if isinstance(style, str) and not isinstance(sub, nn.Linear):
-            raise TensorLayoutError(f"tensor_layout[{name!r}] = {style!r}: the module is a {type(sub).__name__}, "
-                                    "and 'colwise' / 'rowwise' split an nn.Linear (give a ParallelStyle for others)")
-        if isinstance(sub, nn.Linear):
-            width = sub.out_features if style == "colwise" else sub.in_features
-            if width % degree:
-                raise TensorLayoutError(f"tensor_layout[{name!r}]: {type(sub).__name__} with {width} features does not "
-                                        f"split evenly over {degree} tensor ranks")
+        _check_style(name, module.get_submodule(name), style, degree, module)
     return layout
+
+
+def _check_style(name: str, sub: nn.Module, style: Any, degree: int, stage: nn.Module) -> None:
+    """A user's layout entry checked against the stage's module: a style name on an nn.Linear or
+    a GPT-2 Conv1D ("qkv" on an attention's fused ``c_attn`` only), its split width divisible
+    by ``degree``."""
+    if not isinstance(style, str):
+        return
+    conv = is_conv1d(sub)
+    if not (conv or isinstance(sub, nn.Linear)):
+        raise TensorLayoutError(f"tensor_layout[{name!r}] = {style!r}: the module is a {type(sub).__name__}, "
+                                "and 'colwise' / 'rowwise' split an nn.Linear or a transformers Conv1D "
+                                "(give a ParallelStyle for others)")
+    if style == "qkv":
+        parent = stage.get_submodule(name.rpartition(".")[0])
+        if not conv or name.rpartition(".")[2] != "c_attn" or _gpt2_block(parent, 1).get("c_attn") != "qkv":
+            raise TensorLayoutError(f"tensor_layout[{name!r}] = 'qkv' splits a GPT-2 attention's fused c_attn "
+                                    f"(a Conv1D of 3 × split_size outputs), not a {type(sub).__name__} there")
+        if not _gpt2_block(parent, degree):
+            raise TensorLayoutError(f"tensor_layout[{name!r}]: the attention's {parent.num_heads} heads of "
+                                    f"{parent.split_size // parent.num_heads} features do not split evenly over "
+                                    f"{degree} tensor ranks")
+        return
+    inputs, outputs = (sub.nx, sub.nf) if conv else (sub.in_features, sub.out_features)
+    width = outputs if style == "colwise" else inputs
+    if width % degree:
+        raise TensorLayoutError(f"tensor_layout[{name!r}]: {type(sub).__name__} with {width} features does not "
+                                f"split evenly over {degree} tensor ranks")
+
+
+def split_layers_problem(layout: Mapping[str, Any], shared: Mapping[str, str], sharding: str | None) -> str | None:
+    """Why a stage cannot split its layers as ``layout`` says, naming the layer, or None:
+    ``shared`` (a stage parameter's name -> what shares it) must stay whole on each tensor rank
+    (the TR actions keep its copies equal), and a fused query/key/value split ("qkv") is not
+    run under FSDP2 (``sharding``: the stage's, None where it replicates) yet."""
+    for local, what in shared.items():
+        owner = local.rpartition(".")[0]
+        if owner in layout:
+            return (f"tensor_layout splits {owner!r}, whose parameter is {what}; a shared parameter stays whole "
+                    "on each tensor rank: leave that layer out of the layout")
+    fused = [name for name, style in layout.items() if style == "qkv"]
+    if fused and sharding is not None:
+        return (f"the stage is sharded ({sharding}) and its layout splits {fused[0]!r} by heads ('qkv'): FSDP2 over "
+                "a fused projection's split is not supported yet; use sharding 'replicate' there")
+    return None
 
 
 def stage_meshes(grid: list[list[int]], data_group: dist.ProcessGroup | None, tensor_group: dist.ProcessGroup,
@@ -234,15 +301,27 @@ def parallelize_stage(module: nn.Module, mesh: Any, layout: Mapping[str, Any]) -
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {name: styles[s]() if isinstance(s, str) else s for name, s in layout.items()}
+    plan = {name: (_conv1d_style(s) if is_conv1d(module.get_submodule(name)) else styles[s]()) if isinstance(s, str)
+            else s for name, s in layout.items()}
     if plan:
         parallelize_module(module, mesh, plan)
+        fused = {name for name, s in layout.items() if s == "qkv"}
+        if fused:
+            from .conv1d_styles import localize_attention  # lazy: as above
+            localize_attention(module, fused, mesh.size())
         log.info("stage split over tensor ranks %s: %s", mesh.mesh.tolist(),
                  ", ".join(f"{n} {s}" for n, s in layout.items()))
     else:
         log.warning("tensor parallelism: a stage has no layer to split (no Linear pair; give tensor_layout): "
                     "each of its tensor ranks runs it whole")
     return module
+
+
+def _conv1d_style(style: str) -> Any:
+    """The ParallelStyle of a Conv1D for a style name (conv1d_styles)."""
+    from .conv1d_styles import Conv1DColwise, Conv1DRowwise  # lazy: DTensor, as parallelize_stage's
+
+    return Conv1DRowwise() if style == "rowwise" else Conv1DColwise(fused=3 if style == "qkv" else 1)
 
 
 def _parts(t: torch.Tensor) -> int:

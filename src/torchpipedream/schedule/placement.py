@@ -115,8 +115,9 @@ def tied_support_problem(plan: Plan, kind: str | ScheduleKind, vertical_sync: bo
 def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None:
     """Why this kind cannot run the plan's tensor parallelism (``Plan.tensor_parallel``), or
     None. A tensor-parallel stage runs torch's DTensor layers with one weight version (the kinds
-    that stash several are refused, as for sharding) and no parameter shared across stages
-    (their TR steps run outside the tensor layout: not yet). Its replicas may replicate or shard
+    that stash several are refused, as for sharding); a parameter shared across stages stays
+    whole on each tensor rank, each rank's copy kept equal with its counterparts' by the TR
+    actions (the runtime refuses a layout that splits it). Its replicas may replicate or shard
     (FSDP2 over the (data, tensor) mesh: ``sharding_support_problem``); a worker
     may hold several stages (interleaved, zb-v); the zero-bubble kinds' weight pass
     differentiates the DTensor parameters themselves (``TensorParallelWeights.tensors``)."""
@@ -127,9 +128,6 @@ def tensor_parallel_support_problem(plan: Plan, kind: str | ScheduleKind) -> str
     if info.asynchronous:
         return (f"tensor_parallel {t}: {info.name} is not supported with tensor parallelism yet (it keeps several "
                 "weight versions); use flush, gpipe, interleaved or a zero-bubble kind")
-    if plan.tied:
-        return (f"tensor_parallel {t}: parameter {plan.tied[0].name!r} is shared by stages {plan.tied[0].stages}; "
-                "shared parameters are not supported with tensor parallelism yet")
     return None
 
 
@@ -139,7 +137,8 @@ def sharding_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None
     (FSDP2 shards the module's parameters, not stashes of older ones: pipedream, 2bw, zb-2bw
     and naive keep several). Under zb-h1 and zb-h2 a sharded stage's B runs its whole backward
     (FSDP2 reduces the weights' gradients when a backward ends) and its W is empty;
-    a parameter shared by stages is stepped by the TR actions, outside FSDP2: refused too.
+    a parameter shared by stages stays whole on each replica, outside FSDP2 (its copies are
+    stepped by the TR actions, as on a replicated stage).
     Asks :func:`tensor_parallel_support_problem` first (the plan's third dimension)."""
     info = schedule_kind(kind)
     problem = tensor_parallel_support_problem(plan, info)
@@ -150,9 +149,4 @@ def sharding_support_problem(plan: Plan, kind: str | ScheduleKind) -> str | None
     if info.asynchronous:
         return (f"stage {sharded[0]} is sharded ({first.sharding}): {info.name} keeps several weight versions of a "
                 f"stage, which torch's FSDP2 does not shard; use one of {SHARDING_KINDS_TEXT}, or sharding 'replicate'")
-    for t in plan.tied:
-        on = [s for s in t.stages if plan.stages[s].sharded]
-        if on:
-            return (f"parameter {t.name!r} is shared by stages {t.stages}, and stage {on[0]} is sharded: shared "
-                    "parameters on sharded stages are not supported yet; use sharding 'replicate' there")
     return None
