@@ -76,6 +76,23 @@ def test_untraceable_sequential_is_split_by_children():
         split_stages(model, Plan.straight([["1"], ["0", "2"]]))
 
 
+def test_stages_cut_from_a_model_are_named_by_it():
+    """Stage modules cut from a model's own modules (``model=``): a Pipeline's state and shared
+    parameters take the model's names; a stage parameter the model does not hold is refused by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Tanh(), nn.Linear(4, 5, bias=False))
+    model[2].weight = model[0].weight  # tied: stage 0 and stage 1 hold it
+    stages = [nn.Sequential(model[0], model[1]), model[2]]
+    split = split_stages(stages, Plan.straight([["a"], ["b"]]), model=model)
+    assert split.tied == {"0.weight": {0: "0.0.weight", 1: "1.weight"}}  # the model's name -> each stage's
+    pipe = Pipeline([nn.Sequential(*model)], Plan.straight([["a"]], schedule="flush"), model=model,
+                    loss_fn=lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 5), y.reshape(-1)),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert sorted(pipe.state_dict()) == sorted(model.state_dict()) == ["0.weight", "2.weight"]
+    with pytest.raises(StageSplitError, match="stage 1's parameter '1.weight' is not a parameter of the model"):
+        split_stages([stages[0], nn.Linear(4, 5)], Plan.straight([["a"], ["b"]]), model=model)
+
+
 def test_user_given_stages():
     torch.manual_seed(0)
     s0, s1 = nn.Linear(4, 6), nn.Sequential(nn.ReLU(), nn.Linear(6, 2))

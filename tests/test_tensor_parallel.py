@@ -13,6 +13,7 @@ gradients accumulated, or with torch's GradScaler, where the scenario says so).
 from __future__ import annotations
 
 import collections
+import json
 import dataclasses
 import functools
 from typing import Callable
@@ -482,8 +483,6 @@ def test_train_takes_tensor_parallel(tmp_path, capsys) -> None:
     """`train --tensor-parallel 2` trains the default model on workers of two processes (its
     report says so, its exported weights are whole tensors) and resumes from its DCP checkpoint;
     what it cannot run is refused by name before anything starts."""
-    import json
-
     from torchpipedream.cli import main
 
     out = tmp_path / "tensor"
@@ -499,11 +498,37 @@ def test_train_takes_tensor_parallel(tmp_path, capsys) -> None:
     assert main(common + ["--epochs", "2", "--resume"]) == 0
     capsys.readouterr()
     for extra, message in ((["--schedule", "pipedream"], "runs under the synchronous kinds"),
-                           (["--workers", "3"], "--workers 3 processes do not make whole workers of 2"),
-                           (["--model", "gpt2"], "torch.export traces GPT-2")):
+                           (["--workers", "3"], "--workers 3 processes do not make whole workers of 2")):
         assert main(["train", "--tensor-parallel", "2", "--schedule", "flush", "--workers", "2", *extra,
                      "--out", str(tmp_path / "no")]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_train_splits_gpt2_over_tensor_ranks_and_its_checkpoint_resumes_without(tmp_path) -> None:
+    """`train --model gpt2 --tensor-parallel 2` profiles and cuts GPT-2 by its own modules
+    (``GPT2Logits.pipeline_units``), here two stages of two processes each with the tied embedding
+    in the first and the output layer in the last; its exported state has the model's own names,
+    and its checkpoint resumes on two processes without tensor parallelism (torch.export's split)
+    to the weights of a run that never stopped."""
+    pytest.importorskip("transformers")
+    from torchpipedream.cli import main
+    from torchpipedream.models.hf import gpt2
+
+    def train(out, *extra: str) -> dict[str, torch.Tensor]:
+        assert main(["train", "--model", "gpt2", "--schedule", "flush", "--no-progress", "--max-minibatches", "3",
+                     "--timeout", "60", "--out", str(out), *extra]) == 0
+        return torch.load(out / "checkpoint.pt", weights_only=True)["state_dict"]
+
+    tensor = ["--workers", "4", "--tensor-parallel", "2", "--straight"]
+    state = train(tmp_path / "tp", *tensor, "--epochs", "1")
+    report = json.loads((tmp_path / "tp" / "report.json").read_text())
+    assert "straight ×2, tensor parallel ×2" in report["plan"]
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in gpt2().state_dict().items()}
+    assert torch.equal(state["model.lm_head.weight"], state["model.transformer.wte.weight"])
+    resumed = train(tmp_path / "tp", "--workers", "2", "--epochs", "2", "--resume")
+    straight = train(tmp_path / "plain", "--workers", "2", "--epochs", "2")
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value, atol=1e-5, rtol=1e-4, msg=key)
 
 
 # ------------------------------------------------------------------ what the planner and the simulator charge
@@ -533,6 +558,19 @@ def test_the_cost_model_splits_what_the_runtime_splits() -> None:
     assert tp["fc1"].backward_ms == pytest.approx(whole["fc1"].backward_ms / 2 + reduce_ms(whole["input_1"].activation_bytes))
     assert tp["fc3"].parameter_bytes == whole["fc3"].parameter_bytes // 2
     assert tp["head"] == whole["head"] and tp["norm"] == whole["norm"]
+
+
+def test_gpt2_blocks_profiled_as_units_are_priced_as_split_transformer_blocks() -> None:
+    """GPT-2 profiled by its units (what `train --tensor-parallel` does): each GPT2Block is split
+    whole, with a transformer block's two all-reduces each way; the embeddings and head are not."""
+    pytest.importorskip("transformers")
+    from torchpipedream.model.profiler import profile
+    from torchpipedream.search.tensor_parallel import split_layers
+    lm = gpt2_model()
+    x, y = gpt2_data(1)[0]
+    graph = profile(lm.pipeline_units(), x, warmup=0, iters=1)
+    assert [layer.kind for layer in graph.layers] == ["GPT2Stage", "GPT2Block", "GPT2Block", "GPT2Stage"]
+    assert split_layers(graph, 2) == {"1": (2, 2), "2": (2, 2)}
 
 
 def test_the_planner_plans_workers_of_several_processes() -> None:

@@ -32,6 +32,15 @@ class GPT2Logits(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits
 
+    def pipeline_units(self) -> list[nn.Module]:
+        """The model as a chain of its own modules, each called with the previous one's output:
+        the embeddings (a :class:`GPT2Stage` of no block), every block, and the final norm with
+        the output layer. ``train --tensor-parallel`` profiles and cuts GPT-2 by these units,
+        whose attention and MLP layers stay modules to split (a graph torch.export traced has
+        none left)."""
+        blocks = list(self.model.transformer.h)
+        return [GPT2Stage(self, range(0), True, False), *blocks, GPT2Stage(self, range(0), False, True)]
+
 
 def gpt2(vocab_size: int = VOCAB_SIZE, context: int = 64, d_model: int = 64, layers: int = 2, heads: int = 2,
          dropout: float = 0.0) -> nn.Module:

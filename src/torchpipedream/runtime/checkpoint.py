@@ -412,6 +412,9 @@ def saved_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
         if payload.get("dcp"):
             specs = _folder_specs(directory / payload["dcp"])
             shapes.update({k: tuple(specs[k][0]) for k in payload.get("dcp_tensors", ()) if k in specs})
+    for first, names in manifest.aliases.items():  # a tied parameter's other names hold the same tensor
+        if first in shapes:
+            shapes.update({name: shapes[first] for name in names})
     return shapes
 
 

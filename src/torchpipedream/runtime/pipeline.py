@@ -246,6 +246,11 @@ class Pipeline:
             worker's tensor ranks: the model's module names -> "colwise", "rowwise" or a torch
             ``ParallelStyle`` (it must leave each stage's outputs whole). Default: every pair of
             Linear layers with only element-wise work between them (runtime/tensor_parallel.py).
+        model: with a list of stage modules, the whole model they were cut from (their
+            parameters and buffers are its own, as ``models.hf.gpt2_stages`` cuts them): state
+            dicts, checkpoints and ``tensor_layout`` then use the model's names, so a checkpoint
+            loads onto a pipeline of the model itself. Default: the stages' own names
+            ("<stage>.<name>").
 
     Example, in one process (the same code runs on every rank under ``torchrun`` or
     :func:`~torchpipedream.launch` with a plan of more workers, e.g.
@@ -292,6 +297,7 @@ class Pipeline:
         loss_normalizer: Callable[[Any], Any] | None = None,
         accumulate: int = 1,
         tensor_layout: Mapping[str, Any] | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         _check_arguments(optimizer, loss_reduction, precision)
         self._scheduler_factory = _check_recipe_arguments(lr_scheduler, clip_grad_norm, loss_normalizer, loss_reduction)
@@ -315,8 +321,8 @@ class Pipeline:
         self._join_processes(precision)
         self._choose_device(device, tune_allocator)
         self.loss_fn = loss_fn
-        self._tensor_layout = None if tensor_layout is None else check_layout_names(
-            tensor_layout, module_or_stages if isinstance(module_or_stages, nn.Module) else None)
+        self._whole_model = module_or_stages if isinstance(module_or_stages, nn.Module) else model
+        self._tensor_layout = None if tensor_layout is None else check_layout_names(tensor_layout, self._whole_model)
         modules, local_tied = self._split_model(module_or_stages, sample)
         self._ar_group = self._make_replica_groups()
         self._split_tensors(modules, local_tied)  # tensor parallelism first, then FSDP2 over it (torch's order)
@@ -370,12 +376,12 @@ class Pipeline:
         parameters it found (checked against the plan's), the model's names of the stages'
         state, the first stage's input mapping, the last stage's output finish and, for a graph
         torch.export traced, the stages traced for evaluation."""
-        model = module_or_stages if isinstance(module_or_stages, nn.Module) else None
+        model = self._whole_model
         # traced at the size the profile was (torch.export specialises a graph to the sizes it sees)
         profiled = self.plan.meta.get("profile_microbatches") if isinstance(self.plan.meta, dict) else None
         m = profiled if isinstance(profiled, int) and profiled > 1 else 1
         call = as_call(microbatch_sample(sample, m)) if sample is not None else None
-        split = split_stages(module_or_stages, self.plan, sample=call, train=True)
+        split = split_stages(module_or_stages, self.plan, sample=call, train=True, model=model)
         self.plan = plan = self._with_shared_parameters(self.plan, split)
         # parameters the model knows by several names (tied): canonical name -> every name
         self._aliases = {k: v for k, v in parameter_aliases(model).items() if len(v) > 1} if model is not None else {}
@@ -1217,16 +1223,20 @@ class Pipeline:
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stage parameters and buffers (of every stage it holds), under the original
         model's key names."""
+        # stage modules cut from a model given with them (model=) are named by the model; a
+        # traced stage's keys are the model's already
+        names = {s: self._state_names[s] if self._split_method == "stages" else {} for s in self.engines}
         if self._sharded or self.plan.tensor_parallel > 1:  # gathered whole: every rank of the stage calls this
-            return {k: v for engine in self.engines.values() for k, v in full_state_dict(engine.module).items()}
-        return {k: v.detach().cpu().clone() for engine in self.engines.values()
+            return {names[s].get(k, k): v for s, engine in self.engines.items()
+                    for k, v in full_state_dict(engine.module).items()}
+        return {names[s].get(k, k): v.detach().cpu().clone() for s, engine in self.engines.items()
                 for k, v in engine.module.state_dict().items()}
 
     def state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
         """The full model state, gathered on rank ``dst`` (every rank when ``dst`` is None).
 
-        Keys match the original module's ``state_dict`` (for user-given stages,
-        ``"<stage>.<key>"``). Collective: call on every rank. Other ranks get None.
+        Keys match the original module's ``state_dict`` (for user-given stages without
+        ``model=``, ``"<stage>.<key>"``). Collective: call on every rank. Other ranks get None.
         """
         gathered = self._sharded or self.plan.tensor_parallel > 1  # a collective of the stage's ranks
         mine = self.stage_state_dict() if self.replica == 0 or gathered else {}

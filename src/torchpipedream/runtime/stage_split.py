@@ -72,7 +72,7 @@ class StageSplit:
 
 
 def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan, sample: tuple[tuple, dict] | None = None,
-                 train: bool = True, follow: StageSplit | None = None) -> StageSplit:
+                 train: bool = True, follow: StageSplit | None = None, model: nn.Module | None = None) -> StageSplit:
     """Split the model as ``plan`` says (see the module docstring for the contract).
 
     Args:
@@ -84,6 +84,8 @@ def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan, 
         follow: the split of the same model's training graph, when this is its evaluation graph
             (``train=False``): its operations go where their counterparts in that graph went
             (the plan's layer names are the training graph's; :func:`_assign_stages`).
+        model: with a list of stage modules, the whole model they were cut from: shared
+            parameters are named by it, and every stage parameter must be one of its own.
 
     Raises:
         StageSplitError: the plan names layers the model lacks, orders them against the data
@@ -100,7 +102,9 @@ def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan, 
             if not isinstance(m, nn.Module):
                 raise StageSplitError(f"stage {i} is a {type(m).__name__}, not an nn.Module")
         wrapped = [_UserStage(m, i, last=(i == len(stages) - 1)) for i, m in enumerate(stages)]
-        return StageSplit(wrapped, _positional, tied=_shared_between(wrapped, None), method="stages")
+        if model is not None:
+            _check_cut_from(wrapped, model)
+        return StageSplit(wrapped, _positional, tied=_shared_between(wrapped, model), method="stages")
     if not isinstance(module_or_stages, nn.Module):
         raise StageSplitError(f"expected an nn.Module or a list of stage modules, got {type(module_or_stages).__name__}")
     module = module_or_stages
@@ -113,6 +117,17 @@ def split_stages(module_or_stages: nn.Module | Sequence[nn.Module], plan: Plan, 
             return StageSplit(modules, _positional, tied=_shared_between(modules, module), method="sequential")
         raise StageSplitError(str(exc)) from None
     return _split_graph(traced, plan, module, follow=None if follow is None else follow.layout)
+
+
+def _check_cut_from(stages: list[nn.Module], model: nn.Module) -> None:
+    """Every parameter of the stage modules is one of ``model``'s (StageSplitError naming the
+    first that is not: its state would have no name in the model's checkpoints)."""
+    own = {id(p) for p in model.parameters()}
+    for s, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            if id(p) not in own:
+                raise StageSplitError(f"stage {s}'s parameter {name!r} is not a parameter of the model given with "
+                                      "the stages (model=): cut the stages from that model's own modules")
 
 
 def _shared_between(stages: list[nn.Module], original: nn.Module | None) -> dict[str, dict[int, str]]:

@@ -10,8 +10,9 @@ prices any other (a worker's processes run its actions alike).
 
 Which layers split, as the runtime splits them:
 
-* a ``TransformerBlock`` of an analytic profile (model/analytic_profiles.py): the whole block,
-  Megatron's layout (attention heads and the MLP's hidden features split; 2 all-reduces of the
+* a ``TransformerBlock`` of an analytic profile (model/analytic_profiles.py), or a measured
+  Hugging Face ``GPT2Block`` (``train --model gpt2 --tensor-parallel`` profiles GPT-2 block by
+  block: ``GPT2Logits.pipeline_units``): the whole block, Megatron's layout (attention heads and the MLP's hidden features split; 2 all-reduces of the
   block's output in its forward and 2 of its input gradient in its backward: Narayanan et al.
   2021, section 2.3);
 * a pair of ``Linear`` layers of a measured profile with only element-wise layers between them
@@ -40,10 +41,13 @@ from ..plans.plan import PlanError
 from ..plans.topology import Level, Topology
 from ..sim.costs import ring_allreduce_s
 
-__all__ = ["split_layers", "tensor_parallel_graph", "worker_topology", "BLOCK_KIND"]
+__all__ = ["split_layers", "tensor_parallel_graph", "worker_topology", "BLOCK_KIND", "BLOCK_KINDS"]
 
 #: The kind of an analytic profile's transformer block (model/analytic_profiles.py).
 BLOCK_KIND = "TransformerBlock"
+#: Layer kinds split as whole transformer blocks: an analytic profile's, and a measured GPT-2 block
+#: (its attention and MLP split by runtime.tensor_parallel.named_blocks).
+BLOCK_KINDS = (BLOCK_KIND, "GPT2Block")
 #: A block's activation terms per token that stay whole under tensor parallelism, of 34 (Korthikanti et al.).
 _BLOCK_WHOLE_SHARE = 10 / 34
 _LINEAR = re.compile(r"Linear\(in_features=(\d+), out_features=(\d+)")
@@ -73,7 +77,7 @@ def split_layers(graph: LayerGraph, degree: int) -> dict[str, tuple[int, int]]:
         predecessors.setdefault(b, []).append(a)
     out: dict[str, tuple[int, int]] = {}
     for layer in graph.layers:
-        if layer.kind == BLOCK_KIND:
+        if layer.kind in BLOCK_KINDS:
             out[layer.name] = (2, 2)
             continue
         width = _linear_width(layer)
@@ -108,7 +112,7 @@ def _split_layer(layer: Layer, input_bytes: int, reduces: tuple[int, int], degre
     """``layer`` as one of ``degree`` processes runs it split (see the module docstring)."""
     forward_reduce = reduces[0] * _allreduce_ms(layer.activation_bytes, degree, topology, microbatches)
     backward_reduce = reduces[1] * _allreduce_ms(input_bytes, degree, topology, microbatches)
-    if layer.kind == BLOCK_KIND:
+    if layer.kind in BLOCK_KINDS:
         kept = _BLOCK_WHOLE_SHARE + (1 - _BLOCK_WHOLE_SHARE) / degree
     else:  # a pair's first layer keeps its whole input; the others keep split activations
         kept = 1.0 if reduces == (0, 1) else 1 / degree

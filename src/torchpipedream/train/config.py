@@ -251,8 +251,9 @@ def tensor_degree(cfg: TrainConfig) -> int:
 
 
 def _check_tensor_parallel(cfg: TrainConfig) -> None:
-    """``--tensor-parallel`` (or a plan file's degree): whole workers of that many processes, a
-    kind that splits layers, a model whose layers torch.fx keeps as modules."""
+    """``--tensor-parallel`` (or a plan file's degree): whole workers of that many processes and
+    a kind that splits layers (a model torch.export traces is refused by the Pipeline unless it
+    lists its units, as GPT-2 does: ``inputs.pipeline_units``)."""
     _positive_int(cfg, "tensor_parallel")
     t = tensor_degree(cfg)
     if t == 1:
@@ -260,9 +261,6 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
     if cfg.schedule == AUTO or schedule_kind(cfg.schedule).asynchronous:
         raise TrainError(f"--tensor-parallel {t} splits layers with torch's DTensor, which runs under the synchronous "
                          f"kinds (one weight version: flush, gpipe, zb-h1, zb-h2), not --schedule {cfg.schedule}")
-    if cfg.model == "gpt2":
-        raise TrainError(f"--tensor-parallel {t} with --model gpt2: torch.export traces GPT-2, so its layers are no "
-                         "longer modules torch's parallelize_module can split; train it without --tensor-parallel")
     processes = cfg.resolved_workers()
     if processes % t:
         raise TrainError(f"--tensor-parallel {t}: --workers {processes} processes do not make whole workers of {t} "

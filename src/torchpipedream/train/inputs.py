@@ -8,12 +8,15 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from ..model.capture import canonical_names
+from ..model.graph import LayerGraph
 from ..models import cross_entropy, get_model
 from ..model.state_files import StateFileError, load_state_file
-from .config import TrainConfig, TrainError, load_data
+from ..plans.plan import Plan
+from .config import TrainConfig, TrainError, load_data, tensor_degree
 
 __all__ = ["load_data", "build_model", "seeded_model", "loss_for", "optimizer_factory", "build_optimizer",
-           "decay_groups", "minibatches"]
+           "decay_groups", "minibatches", "pipeline_units", "stage_modules", "units_named_by_model"]
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -30,6 +33,34 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             raise TrainError(f"--init {cfg.init} does not fit --model {cfg.model}: missing {sorted(missing)[:4]}, "
                              f"unexpected {sorted(unexpected)[:4]}")
     return model
+
+
+def pipeline_units(cfg: TrainConfig, model: nn.Module) -> list[nn.Module] | None:
+    """With ``--tensor-parallel`` > 1, the model as the chain of its own modules it lists
+    (``model.pipeline_units()``: GPT-2's embeddings, blocks and head), which train then profiles
+    and cuts: torch.export would trace the model into a graph with no layer left to split.
+    None otherwise (the model is profiled and split as given)."""
+    units = getattr(model, "pipeline_units", None)
+    return list(units()) if tensor_degree(cfg) > 1 and callable(units) else None
+
+
+def units_named_by_model(graph: LayerGraph, units: list[nn.Module], model: nn.Module) -> LayerGraph:
+    """``graph`` (the profile of ``units``) with its shared parameters named as ``model`` names
+    them, as the pipeline of the units cut from the model finds them; returns it."""
+    chain, names = nn.Sequential(*units), canonical_names(model)
+    for t in graph.tied:
+        t.name = names.get(id(chain.get_parameter(t.name)), t.name)
+    return graph
+
+
+def stage_modules(units: list[nn.Module], plan: Plan) -> list[nn.Module]:
+    """Each stage of ``plan`` (whose layers are the units' indices, as their profile names them)
+    as the chain of its units."""
+    try:
+        return [nn.Sequential(*(units[int(name)] for name in st.layers)) for st in plan.stages]
+    except (ValueError, IndexError):
+        raise TrainError(f"the plan's layers ({plan.stages[0].layers[:3]} ...) are not this model's "
+                         f"{len(units)} units: plan it again") from None
 
 
 def loss_for(cfg: TrainConfig) -> Callable[..., torch.Tensor]:

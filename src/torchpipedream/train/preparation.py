@@ -29,7 +29,8 @@ from ..sim.simulator import Costs, simulate
 from ..util.units import human_bytes
 from .config import (OPTIMIZER_STATE, TrainConfig, TrainError, check_options, check_workers_fit, microbatches_of,
                      optimizer_scratch_of, schedule_of, tensor_degree)
-from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
+from .inputs import (build_model, load_data, loss_for, minibatches, optimizer_factory, pipeline_units,
+                     units_named_by_model)
 from .resume import ResumePoint, plan_side_text, resume_point
 from .time_split import split_of
 
@@ -327,6 +328,7 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
     if measure_host:  # a local run: its workers must fit in this machine's memory
         check_workers_fit(processes, sum(p.numel() * p.element_size() for p in model.parameters()))
     profiles: dict[tuple[int, int], LayerGraph] = {}
+    units = pipeline_units(cfg, model)  # GPT-2 with --tensor-parallel: profiled by its own modules
 
     def profiled(microbatches: int, threads: int = 1) -> LayerGraph:
         """The model profiled as a schedule of ``microbatches`` runs it, on a worker of
@@ -336,8 +338,10 @@ def prepare(cfg: TrainConfig, measure_host: bool = False) -> Prepared:
             half = PRECISIONS[cfg.precision]
             with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
                 profiles[(microbatches, threads)] = profiler.profile(  # looked up when called (tests replace it)
-                    model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size], name=cfg.model,
+                    units if units is not None else model, x[: cfg.batch_size], loss_fn=loss_for(cfg), target=y[: cfg.batch_size], name=cfg.model,
                     optimizer=optimizer_factory(cfg), microbatches=microbatches, num_threads=threads)
+                if units is not None:
+                    units_named_by_model(profiles[(microbatches, threads)], units, model)
         return profiles[(microbatches, threads)]
 
     host_costs = measured_host_costs if measure_host and not cfg.topology else None  # a local run on this host

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from ..runtime import Pipeline
 from ..runtime.lr_schedule import LRSchedule
 from .config import TrainConfig, minibatches_per_epoch, schedule_of
-from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory
+from .inputs import build_model, load_data, loss_for, minibatches, optimizer_factory, pipeline_units, stage_modules
 from .out_dir import checkpoints_root, flight_record_dir, prune_checkpoints
 from .preparation import Prepared
 from .resume import checkpoint_dir
@@ -47,10 +47,12 @@ def train_rank(rank: int, prep: Prepared) -> dict[str, Any] | None:
     """Train as rank ``rank`` of the plan; rank 0 returns history, trace and full state."""
     cfg = prep.config
     model = build_model(cfg)
+    units = pipeline_units(cfg, model)  # GPT-2 with --tensor-parallel: cut by its own modules
     x, y, xt, yt = load_data(cfg)
     kind, microbatches = schedule_of(cfg, prep.plan)
     per_epoch = minibatches_per_epoch(len(x), cfg.batch_size, cfg.max_minibatches)
-    pipe = Pipeline(model, prep.plan, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
+    pipe = Pipeline(stage_modules(units, prep.plan) if units is not None else model, prep.plan,
+                    model=model if units is not None else None, optimizer=optimizer_factory(cfg), loss_fn=loss_for(cfg),
                     schedule=kind, microbatches=microbatches,
                     vertical_sync=cfg.vertical_sync,
                     timeout_s=cfg.timeout_s, seed=cfg.seed, failure_timeout_s=cfg.failure_timeout_s,

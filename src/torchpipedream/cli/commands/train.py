@@ -72,8 +72,9 @@ def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> N
                         "--shard alone means zero3 (default: replicate)")
     p.add_argument("--tensor-parallel", type=int, default=d.tensor_parallel, metavar="T",
                    help="every worker of the plan is T processes that split its stage's Linear pairs (an MLP's "
-                        "two layers, a Llama block's projections) with torch's DTensor; --workers counts "
-                        "processes, so the plan has workers / T workers; flush and gpipe (default: %(default)s)")
+                        "two layers, a Llama block's projections, GPT-2's attention and MLP) with torch's DTensor; "
+                        "--workers counts processes, so the plan has workers / T workers; the synchronous kinds: "
+                        "flush, gpipe, zb-h1, zb-h2, interleaved, zb-v (default: %(default)s)")
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage: keep only each stage's inputs between a forward "
                         "and its backward, and run the forward again in the backward (less memory, more compute)")
