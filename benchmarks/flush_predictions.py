@@ -21,21 +21,17 @@ Prints a table; writes benchmarks/results/flush_predictions.json.
 
 from __future__ import annotations
 
-import argparse
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from table_format import Data, Table, print_and_write, table  # noqa: E402
+# the same profiles, topologies and simulation as the zb-h1/zb-h2 replicas' table
+from zero_bubble_replicas import (FORMED_ON, HELD_OUT, MICROBATCHES, TOPOLOGIES, simulated_ms,  # noqa: E402
+                                  simulation_arguments, simulation_meta)
 
-RESULTS = Path(__file__).resolve().parent / "results"
-FORMED_ON = ("alexnet", "gnmt", "gnmt_large", "inception_v3", "vgg16", "resnet101")
-HELD_OUT = ("densenet121", "resnet18", "resnet50", "squeezenet1_0")
-TOPOLOGIES = ("4x2:25GB/s,1.25GB/s", "8:10GB/s", "A", "2x2:10GB/s,1.25GB/s")
 KINDS = ("flush", "gpipe")
-MICROBATCHES = (4, 8)
 
 
 def per_stage_fill_ms(busy_ms: list[float], compute_ms: list[float], cut_ms: list[float], microbatches: int) -> float:
@@ -53,15 +49,6 @@ def alternative_ms(plan, graph, topology: str) -> tuple[float, float]:
     ev = evaluate(chain, topology, stages, plan.schedule, plan.microbatches)
     compute = [sum(b.compute_ms for b in chain[i:j + 1]) for i, j, _ in stages]
     return ev.minibatch_ms, per_stage_fill_ms(ev.stage_ms, compute, ev.cut_ms, plan.microbatches)
-
-
-def simulated_ms(plan, memory_Bps: float, batches: int) -> float:
-    """The simulator's steady time per minibatch of ``plan``."""
-    from torchpipedream.schedule.build import build_schedule
-    from torchpipedream.sim.simulator import Costs, simulate
-
-    costs = Costs.from_plan(plan, plan.microbatches, accumulate_Bps=memory_Bps, copy_Bps=memory_Bps)
-    return 1e3 / simulate(build_schedule(plan, plan.schedule, minibatches=batches), costs).steady_minibatches_per_s
 
 
 def case(graph, model: str, topology: str, kind: str, mu: int, straight: bool, memory_Bps: float,
@@ -87,6 +74,8 @@ def case(graph, model: str, topology: str, kind: str, mu: int, straight: bool, m
 # ----------------------------------------------------------------------------- what the docs show
 def _accuracy(rows: list[dict], key: str) -> list[str]:
     err = [r["simulated_ms"] / r[key] for r in rows]
+    if not err:
+        return ["-"] * 4
     return [f"{sum(abs(x - 1) <= 0.15 for x in err)} of {len(err)}", str(sum(abs(x - 1) > 0.30 for x in err)),
             f"{sum(x > 1 for x in err)} / {sum(x < 1 for x in err)}", f"{statistics.median(err):.2f}"]
 
@@ -113,13 +102,7 @@ TABLES = {"flush_predictions": Table(("flush_predictions.json",), flush_predicti
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(FORMED_ON + HELD_OUT))
-    ap.add_argument("--batches", type=int, default=8, help="batches simulated per plan (default: %(default)s)")
-    ap.add_argument("--memory-bandwidth", type=float, default=300e9, metavar="BYTES_PER_S",
-                    help="gradient accumulation (default: %(default).0f, a GPU's order)")
-    ap.add_argument("--out", default=str(RESULTS / "flush_predictions.json"))
-    args = ap.parse_args(argv)
+    args = simulation_arguments(__doc__, "flush_predictions.json").parse_args(argv)
     from torchpipedream.model.profiles import load_profile
 
     rows = []
@@ -136,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{model:<13} {topology:<20} {kind} m={mu:<2} {r['plan']:>18} predicted "
                               f"{r['predicted_ms']:8.2f} per-stage {r['per_stage_fill_ms']:8.2f} simulated "
                               f"{r['simulated_ms']:8.2f} ms", flush=True)
-    data = {"meta": {"script": "benchmarks/flush_predictions.py", "kind": "simulated (reference GPU profiles)",
-                     "host": platform.node(), "topologies": list(TOPOLOGIES), "microbatches": list(MICROBATCHES),
-                     "memory_Bps": args.memory_bandwidth, "batches": args.batches},
-            "rows": rows}
+    data = {"meta": simulation_meta("benchmarks/flush_predictions.py", args), "rows": rows}
     print_and_write(flush_predictions(data), data, args.out)
     return 0
 

@@ -93,14 +93,27 @@ def zero_bubble_replicas(data: Data) -> str:
 TABLES = {"zero_bubble_replicas": Table(("zero_bubble_replicas.json",), zero_bubble_replicas)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def simulation_arguments(description: str | None, results_file: str) -> argparse.ArgumentParser:
+    """The options of a script that plans and simulates the reference profiles (this one's,
+    flush_predictions.py's): the profiles, batches simulated, memory speed, results file."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(FORMED_ON + HELD_OUT))
     ap.add_argument("--batches", type=int, default=8, help="batches simulated per plan (default: %(default)s)")
     ap.add_argument("--memory-bandwidth", type=float, default=300e9, metavar="BYTES_PER_S",
                     help="gradient accumulation and stash copies (default: %(default).0f, a GPU's order)")
-    ap.add_argument("--out", default=str(RESULTS / "zero_bubble_replicas.json"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default=str(RESULTS / results_file))
+    return ap
+
+
+def simulation_meta(script: str, args: argparse.Namespace) -> dict:
+    """The results file's ``meta`` of a script of :func:`simulation_arguments`."""
+    return {"script": script, "kind": "simulated (reference GPU profiles)", "host": platform.node(),
+            "topologies": list(TOPOLOGIES), "microbatches": list(MICROBATCHES), "memory_Bps": args.memory_bandwidth,
+            "batches": args.batches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = simulation_arguments(__doc__, "zero_bubble_replicas.json").parse_args(argv)
     rows = []
     for model in args.models.split(","):
         for topology in TOPOLOGIES:
@@ -111,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{model:<13} {topology:<20} {kind} m={mu:<2} {r['plan']:>16} predicted "
                           f"{r['predicted_ms']:8.2f} simulated {r['simulated_ms']:8.2f} straight "
                           f"{r['straight_simulated_ms']:8.2f} ms", flush=True)
-    data = {"meta": {"script": "benchmarks/zero_bubble_replicas.py", "kind": "simulated (reference GPU profiles)",
-                     "host": platform.node(), "topologies": list(TOPOLOGIES), "microbatches": list(MICROBATCHES),
-                     "memory_Bps": args.memory_bandwidth, "batches": args.batches},
-            "rows": rows}
+    data = {"meta": simulation_meta("benchmarks/zero_bubble_replicas.py", args), "rows": rows}
     print_and_write(zero_bubble_replicas(data), data, args.out)
     return 0
 
