@@ -228,7 +228,8 @@ class Engine:
         self.tied = dict(tied or {})
         self.buffers = buffers
         # a sharded stage's weights are installed by FSDP2 itself (sharding.py): no slot to swap
-        # (a tensor-parallel stage's shared parameters are plain tensors with copies of their own)
+        # (its shared parameters stay plain tensors outside FSDP2 and the tensor layout: their
+        # copies' versions are swapped into their slots as on any stage)
         names = (set() if weights.sharded else set(weights.names)).union(*(set(c.weights.names) for c in self.tied.values()))
         self._slots = _parameter_slots(module, names)
         self.eval_graph = False  # True while ``module`` is a graph traced for evaluation (its own weights)
