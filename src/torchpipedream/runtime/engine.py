@@ -536,9 +536,7 @@ class Engine:
                 raise RuntimeError(f"rank {self.rank}: B{microbatch} got {len(grads)} gradients for {len(ctx.outputs)} outputs")
             roots, grad_outputs = ctx.outputs, grads
         split = (self.stage, microbatch) in self._split
-        # FSDP2 holds the stage's weights (no tensor of them to name; its shared parameters' aside)
-        fsdp = self.weights.sharded and not self.weights.tensors(use_version)
-        if split and not fsdp:
+        if split and not self.weights.fsdp:  # FSDP2 holds no weights to name in a W (shared ones aside)
             # B: the inputs' gradients now (sent by SG), the weights' at this microbatch's W
             work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
             self._weight_work[microbatch] = (work, ctx, version)

@@ -192,6 +192,7 @@ class ShardedWeights(WeightVersions):
     one version, the optimizer on the shards, gradients reduced by FSDP2 in every backward."""
 
     sharded = True
+    fsdp = True
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_reduction: str, replicas: int,
                  **options: Any) -> None:

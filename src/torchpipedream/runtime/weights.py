@@ -136,6 +136,9 @@ class WeightVersions:
     #: FSDP2 shards the weights and reduces their gradients (sharding.py's subclass): the engine
     #: then runs the stage module as it is and back-propagates into whatever it holds.
     sharded = False
+    #: FSDP2 holds the weights themselves (no tensor of them to name: a split backward's W has
+    #: nothing to differentiate); a tensor-parallel stage is ``sharded`` without it.
+    fsdp = False
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_reduction: str = "mean",
                  replicated: bool = False, only: set[str] | None = None, exclude: set[str] = frozenset(),
