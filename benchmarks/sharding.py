@@ -2,7 +2,7 @@
 beside the memory model's prediction, and the time per minibatch, on 4 CPU processes.
 
 For each model, the planner plans 4 workers for flush (4 microbatches) with every sharding
-("replicate", "zero3", "zero2"), once with 2 stages and once as data parallelism (1 stage);
+("replicate", "zero3", "zero2", "zero1"), once with 2 stages and once as data parallelism (1 stage);
 each plan trains a warm-up minibatch and then two runs of ``MINIBATCHES / 2`` with
 ``Pipeline(measure_memory=True)`` (the peak of the tensors a rank held at once, from PyTorch's
 profiler), its stages' predicted peaks beside the larger of the two runs' measured ones (both
@@ -29,7 +29,7 @@ from table_format import Data, Table, table  # noqa: E402
 
 MINIBATCHES = 6
 WORKERS = 4
-SHARDINGS = ("replicate", "zero3", "zero2")
+SHARDINGS = ("replicate", "zero3", "zero2", "zero1")
 LAYOUTS = {"2 stages": 2, "data parallel": 1}
 
 
@@ -131,10 +131,20 @@ def _dp_share(model: str, sharding: str):
     return render
 
 
+def _zero1_time_share(data: Data) -> str:
+    """Per model and layout: zero1's time per minibatch as a share of zero3's, and of replicate's."""
+    rows = {(r["model"], r["layout"], r["sharding"]): r["s_per_minibatch"] for r in data["rows"]}
+    parts = [f"{model} {layout} {rows[(model, layout, 'zero1')] / rows[(model, layout, 'zero3')]:.2f} "
+             f"({rows[(model, layout, 'zero1')] / rows[(model, layout, 'replicate')]:.2f})"
+             for model, layout, sharding in rows if sharding == "zero1"]
+    return ", ".join(parts)
+
+
 TABLES = {"sharding": Table(("sharding.json",), sharding_memory)}
 VALUES = {"sharding_within": Table(("sharding.json",), _within),
           "sharding_lm_zero3_share": Table(("sharding.json",), _dp_share("transformer_lm", "zero3")),
-          "sharding_fc_zero3_share": Table(("sharding.json",), _dp_share("fc_heavy", "zero3"))}
+          "sharding_fc_zero3_share": Table(("sharding.json",), _dp_share("fc_heavy", "zero3")),
+          "sharding_zero1_time": Table(("sharding.json",), _zero1_time_share)}
 COMPANIONS = {"sharding.md": Table(("sharding.json",), sharding_memory)}
 
 

@@ -44,6 +44,11 @@ SCENARIOS: dict[str, dict] = {
     "flush_recompute": dict(kind="flush", shape=(2, 2), sharding="zero3", m=4, opt="momentum", recompute=True),
     # float16 with a loss scale that overflows at first: skipped updates agreed over the shards
     "flush_fp16": dict(kind="flush", shape=(2, 2), sharding="zero2", m=2, opt="sgd", precision="fp16"),
+    # zero1: gathered once per minibatch (UN), reduce-scattered once (RD), freed (RS)
+    "flush_zero1": dict(kind="flush", shape=(2, 2), sharding="zero1", m=4, opt="momentum", clip=True, sched=True),
+    "gpipe_zero1_fp16": dict(kind="gpipe", shape=(2, 2), sharding="zero1", m=2, opt="sgd", precision="fp16"),
+    "flush_3_1_zero1_uneven": dict(kind="flush", shape=(3, 1), sharding="zero1", m=3, opt="adam", uneven=True,
+                                   evaluate=True),
     # the control: the same plan with replicas that replicate (PipeDream's all-reduce)
     "flush_replicate": dict(kind="flush", shape=(2, 2), sharding="replicate", m=4, opt="adam"),
 }
@@ -84,11 +89,13 @@ def _pipeline(sc: dict, batches: list) -> Pipeline:
                     sample=batches[0][0], microbatches=sc["m"], timeout_s=60)
 
 
-#: checkpoints: (first plan, the plan that resumes it) — sharded onto a straight ×4 pipeline, and
+#: checkpoints: (first plan, the plan that resumes it) — sharded (zero3, zero1) onto a straight ×4 pipeline, and
 #: a replicating run onto a sharded one; the test process resumes the first on one process too
 RESUMES = {
     "sharded_to_straight": (dict(kind="flush", shape=(2, 2), sharding="zero3", m=4, opt="adam"),
                             dict(kind="gpipe", shape=(1, 1, 1, 1), sharding="replicate", m=2, opt="adam")),
+    "zero1_to_straight": (dict(kind="flush", shape=(2, 2), sharding="zero1", m=4, opt="adam"),
+                          dict(kind="gpipe", shape=(1, 1, 1, 1), sharding="replicate", m=2, opt="adam")),
     "replicated_to_sharded": (dict(kind="gpipe", shape=(2, 2), sharding="replicate", m=2, opt="adam"),
                               dict(kind="flush", shape=(2, 2), sharding="zero2", m=2, opt="adam")),
 }
@@ -229,8 +236,8 @@ def test_plan_fields_sharding() -> None:
     assert "sharding" not in plain.to_dict()["stages"][0]  # files as before sharding existed
     with pytest.raises(PlanError, match="stage 0: sharding 'zero3' splits the stage over its replicas, and it has 1"):
         Plan(stages=[Stage(["a"], ranks=[0], sharding="zero3")]).validate()
-    with pytest.raises(PlanError, match="stage 0: sharding must be one of replicate, zero3, zero2, got 'zero1'"):
-        Plan(stages=[Stage(["a"], replicas=2, ranks=[0, 1], sharding="zero1")]).validate()
+    with pytest.raises(PlanError, match="stage 0: sharding must be one of replicate, zero3, zero2, zero1, got 'zero4'"):
+        Plan(stages=[Stage(["a"], replicas=2, ranks=[0, 1], sharding="zero4")]).validate()
 
 
 def test_train_and_plan_take_shard(tmp_path, capsys) -> None:
@@ -249,7 +256,8 @@ def test_train_and_plan_take_shard(tmp_path, capsys) -> None:
     assert "sharded zero3" in report["plan"] and report["final_test_loss"] > 0
     state = torch.load(out / "checkpoint.pt", weights_only=True)["state_dict"]
     assert state and all(type(v) is torch.Tensor for v in state.values())
-    assert main(common + ["--epochs", "2", "--shard", "--resume"]) == 0
+    assert main(common + ["--epochs", "2", "--shard", "zero1", "--resume"]) == 0  # zero3 resumed as zero1
+    assert "sharded zero1" in json.loads((out / "report.json").read_text())["plan"]
     assert main(["plan", "vgg16", "-t", "4:1GB/s", "--schedule", "flush", "--microbatches", "4", "--stages", "1",
                  "--shard", "zero2"]) == 0
     assert "4 zero2" in capsys.readouterr().out
@@ -260,7 +268,8 @@ def test_train_and_plan_take_shard(tmp_path, capsys) -> None:
 
 def test_auto_shards_only_the_stages_that_need_it() -> None:
     """A plan with every replicated stage sharded keeps sharding only where the stage's replicated
-    peak exceeds the budget (replicating is the faster of the two where both fit)."""
+    peak exceeds the budget (replicating is the faster of the two where both fit), and there the
+    fastest sharding that fits: zero1, zero2, then zero3 (as planned)."""
     from torchpipedream.model.profiles import load_profile
     from torchpipedream.search.auto import shard_where_needed
     from torchpipedream.search.planner import plan as make_plan
@@ -269,15 +278,55 @@ def test_auto_shards_only_the_stages_that_need_it() -> None:
                         sharding="zero3")
     replicated = [s for s, st in enumerate(sharded.stages) if st.replicas > 1]
     assert replicated
-    whole = {s: dataclasses.replace(sharded, stages=[dataclasses.replace(st, sharding="replicate")
-                                                     for st in sharded.stages]).stage_memory_bytes(s)
-             for s in replicated}
-    for s in replicated:  # a budget the replicated stage s fits in, and one it does not
-        for budget, kept in ((whole[s] + 1, "replicate"), (whole[s] - 1, "zero3")):
+    def peak(s: int, sharding: str) -> float:
+        return dataclasses.replace(sharded, stages=[dataclasses.replace(st, sharding=sharding if st.replicas > 1
+                                                                        else st.sharding)
+                                                    for st in sharded.stages]).stage_memory_bytes(s)
+
+    for s in replicated:
+        held = {k: peak(s, k) for k in ("replicate", "zero1", "zero2", "zero3")}
+        # SGD with momentum (f = 2) on two replicas: replicating holds 3 weights' worth, zero1
+        # 1.5 + 3 gathered, zero2 1.5 + 1 (+ a layer), zero3 1.5 + two layers
+        assert held["zero3"] < held["zero2"] < held["replicate"] < held["zero1"]
+        for budget, kept in ((held["replicate"] + 1, "replicate"), (held["replicate"] - 1, "zero2"),
+                             (held["zero2"] - 1, "zero3")):
             chosen = shard_where_needed(sharded, budget)
             assert chosen.stages[s].sharding == kept
-            assert chosen.stages[s].memory_bytes == pytest.approx(whole[s] if kept == "replicate"
-                                                                  else sharded.stages[s].memory_bytes, abs=1)
+            assert chosen.stages[s].memory_bytes == pytest.approx(held[kept], abs=1)
+    # where zero1 holds less than replicating (mixed-precision Adam's f = 7 on four replicas:
+    # 8/4 + 3 gathered against 8), a budget between them takes zero1
+    adam = make_plan(load_profile("vgg16"), "4:1GB/s", schedule="flush", microbatches=4, num_stages=1,
+                     sharding="zero3", optimizer_state_factor=7.0)
+    assert adam.stages[0].replicas == 4
+    sharded, replicated = adam, [0]
+    held = {k: peak(0, k) for k in ("replicate", "zero1", "zero2")}
+    assert held["zero1"] < held["replicate"]
+    assert shard_where_needed(adam, (held["zero1"] + held["replicate"]) / 2).stages[0].sharding == "zero1"
+
+
+def test_a_shared_parameter_on_a_sharded_stage_is_charged_whole() -> None:
+    """FSDP2 leaves a parameter stages share whole on every replica (``ignored_params``): the
+    memory model charges its bytes and their optimizer state whole, (1 + f)(1 − 1/r) of them
+    more than if they were sharded (zero3 gathers one layer at a time either way)."""
+    from torchpipedream.model.profiles import load_profile
+    from torchpipedream.plans.plan import TiedParameter
+    from torchpipedream.search.planner import plan as make_plan
+    from torchpipedream.sim.simulator import Costs, simulate
+
+    sharded = make_plan(load_profile("vgg16"), "4:1GB/s", schedule="flush", microbatches=4, num_stages=2,
+                        sharding="zero3")
+    owner = next(s for s, st in enumerate(sharded.stages) if st.replicas > 1)
+    r, f, shared = sharded.stages[owner].replicas, 2.0, 10 * 2**20
+    other = 1 - owner
+    tied = dataclasses.replace(sharded, tied=[TiedParameter("embedding.weight", sorted([owner, other]), shared)])
+    if tied.tied[0].stages[0] != owner:  # the owner's profile counts the parameter; the other holds a copy
+        pytest.skip("the replicated stage is not the first holder")
+    assert tied.stage_memory_bytes(owner) - sharded.stage_memory_bytes(owner) == pytest.approx(
+        (1 + f) * shared * (1 - 1 / r))
+    costs = Costs.from_plan(tied, microbatches=4)
+    got = simulate(build_schedule(tied, "flush", minibatches=4), costs).peak_memory_bytes[owner]
+    base = simulate(build_schedule(sharded, "flush", minibatches=4), Costs.from_plan(sharded, microbatches=4))
+    assert got - base.peak_memory_bytes[owner] == pytest.approx((1 + f) * shared * (1 - 1 / r))
 
 
 def test_verify_takes_shard(tmp_path, capsys) -> None:

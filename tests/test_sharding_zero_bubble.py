@@ -34,7 +34,10 @@ SCENARIOS: dict[str, dict] = {
     "zb_h1_bf16": dict(kind="zb-h1", shape=(2, 2), sharding="zero3", m=2, opt="sgd", precision="bf16"),
     # float16 with a loss scale that overflows at first: skipped updates agreed over the shards
     "zb_h2_fp16": dict(kind="zb-h2", shape=(2, 2), sharding="zero2", m=2, opt="sgd", precision="fp16"),
+    "zb_h2_zero1": dict(kind="zb-h2", shape=(2, 2), sharding="zero1", m=4, opt="adamw", clip=True),
     # one stage on two workers of two tensor-parallel processes, sharded over the workers
+    "zb_h1_zero1_tensor_parallel": dict(kind="zb-h1", shape=(2,), sharding="zero1", m=2, opt="adam",
+                                        tensor_parallel=2),
     "zb_h1_tensor_parallel": dict(kind="zb-h1", shape=(2,), sharding="zero3", m=2, opt="adam", tensor_parallel=2),
 }
 #: a sharded zb-h1 run's checkpoint after two minibatches, resumed on a straight ×4 flush pipeline

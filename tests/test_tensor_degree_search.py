@@ -68,7 +68,7 @@ def test_auto_tries_every_degree_for_the_synchronous_kinds_only(graph) -> None:
     assert got.tensor_parallel == got.meta["auto"]["chosen"]["tensor_parallel"]
 
 
-def test_the_plan_command_takes_auto_and_refuses_a_fixed_degree_for_several_kinds(graph, tmp_path: Path,
+def test_the_plan_command_takes_auto_and_a_fixed_degree_for_auto_not_for_all(graph, tmp_path: Path,
                                                                                   capsys) -> None:
     path = tmp_path / "graph.json"
     graph.save(path)
@@ -76,7 +76,9 @@ def test_the_plan_command_takes_auto_and_refuses_a_fixed_degree_for_several_kind
                  "--tensor-parallel", "auto"]) == 0
     out = capsys.readouterr().out
     assert "tensor parallel ×1: " in out and "tensor parallel ×4: " in out and "predicted" in out
-    assert main(["plan", str(path), "-t", FAST, "--schedule", "auto", "--tensor-parallel", "2"]) == 2
+    assert main(["plan", str(path), "-t", FAST, "--schedule", "auto", "--tensor-parallel", "2"]) == 0
+    assert "tensor parallel ×2" in capsys.readouterr().out  # the synchronous kinds at that degree
+    assert main(["plan", str(path), "-t", FAST, "--schedule", "all", "--tensor-parallel", "2"]) == 2
     assert "or --tensor-parallel auto" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", str(path), "-t", FAST, "--tensor-parallel", "0"])

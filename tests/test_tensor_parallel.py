@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from scenario_reference import assert_equals_one_process, one_process_training, optimizer
 from torchpipedream.models import MODELS
+from torchpipedream.plans.kinds import schedule_kind
 from torchpipedream.plans.plan import Plan, PlanError, Stage
 from torchpipedream.runtime import Pipeline, PipelineError, launch
 from torchpipedream.runtime.composition import cell
@@ -502,6 +503,24 @@ def test_train_takes_tensor_parallel(tmp_path, capsys) -> None:
         assert main(["train", "--tensor-parallel", "2", "--schedule", "flush", "--workers", "2", *extra,
                      "--out", str(tmp_path / "no")]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_train_schedule_auto_chooses_among_the_kinds_that_split_layers(tmp_path, capsys) -> None:
+    """`train --schedule auto --tensor-parallel 2` plans every synchronous kind for workers of two
+    processes and trains the fastest predicted one; --allow-stale, which would let it choose an
+    asynchronous kind, is refused by name."""
+    from torchpipedream.cli import main
+
+    out = tmp_path / "auto"
+    assert main(["train", "--workers", "4", "--tensor-parallel", "2", "--schedule", "auto", "--no-progress",
+                 "--max-minibatches", "3", "--epochs", "1", "--timeout", "60", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "tensor parallel ×2" in report["plan"] and report["final_test_loss"] > 0
+    assert not schedule_kind(report["schedule"]).asynchronous
+    capsys.readouterr()
+    assert main(["train", "--workers", "4", "--tensor-parallel", "2", "--schedule", "auto", "--allow-stale",
+                 "--out", str(tmp_path / "no")]) == 2
+    assert "drop --allow-stale" in capsys.readouterr().err
 
 
 def test_train_splits_gpt2_over_tensor_ranks_and_its_checkpoint_resumes_without(tmp_path) -> None:

@@ -24,7 +24,12 @@ A stage sharded over its ``m`` replicas (``Stage.sharding``, FSDP2; one weight v
 gpipe) holds ``(1 + optimizer_state_factor) / m`` of its weights' worth, and gathered on top
 (:func:`sharded_weight_bytes`): under "zero3" one layer's weights and its unsharded gradient
 at a time (the largest parameter stands for the largest layer), under "zero2" the whole
-stage's weights (kept gathered from a forward to its backward) and one unsharded gradient.
+stage's weights (kept gathered from a forward to its backward) and one unsharded gradient,
+under "zero1" the whole stage's weights and its whole gradient (both kept from the minibatch's
+gather, ``UN``, to its reduce-scatter and reshard, ``RD``/``RS``) and, at the reduce-scatter,
+FSDP2's flat copy of that gradient: three times the stage's weights (charged beside the
+in-flight activations, which are mostly freed by then: an overcount where they are large;
+benchmarks/sharding.py measures it).
 
 The planner (feasibility under a budget), ``Plan.stages[s].memory_bytes`` and the simulator
 (with the schedule's exact in-flight counts) all use these terms. benchmarks/memory_model.py
@@ -156,36 +161,42 @@ def once_bytes(acts: StageActivations, microbatches: int, recompute: bool = Fals
 
 
 def sharded_weight_bytes(weights: Any, replicas: int, optimizer_factor: float, sharding: str,
-                         largest_parameter: Any) -> Any:
+                         largest_parameter: Any, whole: float = 0.0) -> Any:
     """What one replica of a sharded stage holds of its weights (see the module docstring): its
-    shard of the weights and of the gradient and optimizer state, and what is gathered whole."""
-    gathered = 2 * largest_parameter if sharding == "zero3" else weights + largest_parameter
-    return (1 + optimizer_factor) * weights / max(1, int(replicas)) + gathered
+    shard of the weights and of the gradient and optimizer state, and what is gathered whole.
+    ``whole``: bytes of those weights FSDP2 leaves whole on every replica (a parameter stages
+    share: runtime/sharding.py), held with their optimizer state as on a replicated stage."""
+    sharded = weights - whole
+    gathered = {"zero3": 2 * largest_parameter, "zero2": sharded + largest_parameter}.get(sharding, 3 * sharded)
+    return (1 + optimizer_factor) * (sharded / max(1, int(replicas)) + whole) + gathered
 
 
 def memory_terms(kind: str | ScheduleKind, weights: float, acts: StageActivations, microbatches: int,
                  optimizer_factor: float, recompute: bool = False, replicas: int = 1,
-                 scratch: tuple[float, float] = NO_SCRATCH, sharding: str = "replicate") -> tuple[float, float, float]:
+                 scratch: tuple[float, float] = NO_SCRATCH, sharding: str = "replicate",
+                 whole: float = 0.0) -> tuple[float, float, float]:
     """``(base, per, cap)``: a worker of a stage of ``replicas`` replicas holding ``d``
     minibatches in flight needs ``base + per · min(d, cap)`` bytes (the planner's vectorised
     search uses the same form; versions and in-flight counts are the kind's,
     ``ScheduleKind.memory_terms``). A sharded stage (one version: the kinds that shard keep
-    ``(1 + f)`` weights' worth) holds :func:`sharded_weight_bytes` instead."""
+    ``(1 + f)`` weights' worth) holds :func:`sharded_weight_bytes` instead (``whole``: its
+    bytes that stay whole, shared parameters)."""
     k = schedule_kind(kind)
     mu = max(1, int(microbatches)) if k.microbatched else 1
     base, per, cap = k.memory_terms(weights, acts.held(recompute), mu, optimizer_factor, replicas)
     if sharding != "replicate" and replicas > 1:
         base = base - (1 + optimizer_factor) * weights + sharded_weight_bytes(
-            weights, replicas, optimizer_factor, sharding, acts.largest_parameter)
+            weights, replicas, optimizer_factor, sharding, acts.largest_parameter, whole)
     return base + once_bytes(acts, mu, recompute, replicas, scratch, weights), per, cap
 
 
 def stage_memory_bytes(kind: str | ScheduleKind, weights: float, acts: StageActivations, depth: int,
                        microbatches: int, optimizer_factor: float, recompute: bool = False,
                        replicas: int = 1, scratch: tuple[float, float] = NO_SCRATCH,
-                       sharding: str = "replicate") -> float:
+                       sharding: str = "replicate", whole: float = 0.0) -> float:
     """Predicted peak bytes of one worker of a stage of ``replicas`` replicas with ``depth``
-    minibatches in flight (its weights ``sharding`` over them)."""
+    minibatches in flight (its weights ``sharding`` over them, but for ``whole`` bytes of
+    shared parameters)."""
     base, per, cap = memory_terms(kind, weights, acts, microbatches, optimizer_factor, recompute, replicas, scratch,
-                                  sharding)
+                                  sharding, whole)
     return base + per * min(depth, cap)

@@ -27,7 +27,7 @@ __all__ = ["Stage", "Plan", "PlanError", "TiedParameter", "PLAN_FORMAT_VERSION",
 
 PLAN_FORMAT_VERSION = 1
 #: What a stage's replicas may do with its weights (``Stage.sharding``).
-SHARDINGS = ("replicate", "zero3", "zero2")
+SHARDINGS = ("replicate", "zero3", "zero2", "zero1")
 #: Fields that older plan files carry and this version derives or no longer keeps: read and dropped.
 _LEGACY_STAGE_FIELDS = frozenset({"output_tensors"})
 #: The largest batch size and microbatch count a plan may name: more samples than any run has
@@ -88,8 +88,11 @@ class Stage:
         sharding: what the replicas of the stage hold: "replicate" (every replica the whole
             stage, gradients all-reduced: PipeDream's), "zero3" (torch's FSDP2 over the
             replicas: weights, gradients and optimizer state split, weights gathered for each
-            forward and backward) or "zero2" (the same, the gathered weights kept from a
-            forward to its backward). See ``SHARDINGS`` and runtime/sharding.py.
+            forward and backward), "zero2" (the same, the gathered weights kept from a
+            forward to its backward) or "zero1" (gathered once per minibatch, before its
+            first forward, and the gradient reduce-scattered once, after its last backward:
+            the schedule's ``UN``, ``RD`` and ``RS`` actions). See ``SHARDINGS`` and
+            runtime/sharding.py.
     """
 
     layers: list[str]
@@ -589,7 +592,12 @@ class Plan:
         first = -(-(self.num_workers - self.stages[0].ranks[0]) // self.stages[0].replicas)
         depth = schedule_kind(kind).stage_inflight(depth, first, self.num_stages, st.replicas, mu)
         return model_memory_bytes(kind, self.held_parameter_bytes(s), st.activations, depth, mu, f, st.recompute,
-                                  st.replicas, scratch_of_options(options), st.sharding)
+                                  st.replicas, scratch_of_options(options), st.sharding, self.whole_shared_bytes(s))
+
+    def whole_shared_bytes(self, s: int) -> int:
+        """Bytes of the shared parameters stage ``s`` holds (``tied``): a sharded stage keeps
+        them whole on every replica (runtime/sharding.py), so the memory model does not shard them."""
+        return sum(t.bytes for t in self.tied if s in t.stages)
 
     def held_parameter_bytes(self, s: int) -> int:
         """Parameter bytes a worker of stage ``s`` holds: its own, and a copy of each shared

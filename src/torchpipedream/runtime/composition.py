@@ -69,6 +69,7 @@ class Options:
     recompute: bool | None = None
     replicated: bool = False
     sharded: bool = False
+    sharding: str = "zero3"  # how a sharded stage shards (``Stage.sharding``)
     checkpoint: bool = False
     tensor_parallel: int = 1
 
@@ -114,6 +115,9 @@ FEATURE_OPTIONS: dict[str, Options] = {
     "sharded stage with fp16": Options(sharded=True, precision="fp16"),
     "sharded stage, checkpoint resume onto another plan": Options(sharded=True, checkpoint=True),
     "sharded stage with a shared parameter": Options(sharded=True, shared=True),
+    "sharded stage gathered once per minibatch (zero1)": Options(sharded=True, sharding="zero1"),
+    "zero1 stage with clip_grad_norm": Options(sharded=True, sharding="zero1", clip_grad_norm=1.0),
+    "zero1 stage with fp16": Options(sharded=True, sharding="zero1", precision="fp16"),
     "tensor parallel (×2)": Options(tensor_parallel=2),
     "tensor parallel with a replicated stage": Options(tensor_parallel=2, replicated=True),
     "tensor parallel with clip_grad_norm": Options(tensor_parallel=2, clip_grad_norm=1.0),
@@ -122,6 +126,7 @@ FEATURE_OPTIONS: dict[str, Options] = {
     "tensor parallel with fp16": Options(tensor_parallel=2, precision="fp16"),
     "tensor parallel, checkpoint resume onto another plan": Options(tensor_parallel=2, checkpoint=True),
     "tensor parallel with a sharded stage": Options(tensor_parallel=2, sharded=True),
+    "tensor parallel with a zero1 stage": Options(tensor_parallel=2, sharded=True, sharding="zero1"),
     "tensor parallel with a shared parameter": Options(tensor_parallel=2, shared=True),
 }
 
@@ -133,18 +138,19 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def kind_plan(kind: str, workers: int = 2, layers: list[str] | None = None, replicated: bool = False,
-              sharded: bool = False, tensor_parallel: int = 1) -> Plan:
+              sharded: bool = False, tensor_parallel: int = 1, sharding: str = "zero3") -> Plan:
     """A small plan of ``kind``'s shape: a straight pipeline of ``workers`` stages, interleaved's
     looped placement or zb-v's V (two stages per worker); with ``replicated``, stage 0 on two
     replicas and stage 1 on a third worker (``workers`` aside), with ``sharded`` too, stage 0
-    sharded over its replicas (FSDP2, "zero3"); every worker ``tensor_parallel`` ranks. ``layers``
+    sharded over its replicas (FSDP2, ``sharding``); every worker ``tensor_parallel`` ranks. ``layers``
     (default ``layer0`` ...) are split evenly over the stages."""
-    return dataclasses.replace(_kind_plan(kind, workers, layers, replicated, sharded), tensor_parallel=tensor_parallel)
+    return dataclasses.replace(_kind_plan(kind, workers, layers, replicated, sharding if sharded else "replicate"),
+                               tensor_parallel=tensor_parallel)
 
 
-def _kind_plan(kind: str, workers: int, layers: list[str] | None, replicated: bool, sharded: bool) -> Plan:
+def _kind_plan(kind: str, workers: int, layers: list[str] | None, replicated: bool, sharding: str) -> Plan:
     """:func:`kind_plan` with one rank a worker."""
-    replicated = replicated or sharded
+    replicated = replicated or sharding != "replicate"
     info = schedule_kind(kind)
     stages = 2 if replicated else (2 * workers if info.virtual_stages else workers)
     names = layers or [f"layer{i}" for i in range(2 * stages)]
@@ -154,7 +160,7 @@ def _kind_plan(kind: str, workers: int, layers: list[str] | None, replicated: bo
     groups = [names[i:i + step] for i in range(0, len(names), step)]
     microbatches = 4 if info.microbatched else 1
     if replicated:
-        return Plan(stages=[Stage(groups[0], replicas=2, ranks=[0, 1], sharding="zero3" if sharded else "replicate"),
+        return Plan(stages=[Stage(groups[0], replicas=2, ranks=[0, 1], sharding=sharding),
                             Stage(groups[1], ranks=[2])],
                     schedule=kind, microbatches=microbatches)
     if info.v_shape:
@@ -215,7 +221,7 @@ def ask(kind: str, options: Options, plan: Plan | None = None) -> None:
     :func:`kind_plan`); raises the library's error where it refuses."""
     if plan is None:
         plan = kind_plan(kind, replicated=options.replicated, sharded=options.sharded,
-                         tensor_parallel=options.tensor_parallel)
+                         tensor_parallel=options.tensor_parallel, sharding=options.sharding)
     plan, factory = _construct(plan, kind, options)  # Pipeline.save_checkpoint and load_checkpoint check nothing more
     _schedule(plan, kind, options, factory)
 

@@ -53,6 +53,7 @@ from .comm import P2P
 from .flight_recorder import FlightRecorder
 from .loss_scaling import LossScaler
 from ..model.split_backward import WeightGradients, backward_inputs
+from .sharding import free_gathered, gather_weights, reduce_in_backward
 from .weights import WeightVersions
 
 __all__ = ["Engine", "EngineConfig", "MicrobatchResult", "as_tuple", "run_actions"]
@@ -262,6 +263,10 @@ class Engine:
         self._rank_engines = rank_engines or [self]
         self._split = split_backwards(actions) if train else set()
         self._weight_work: dict[int, tuple[WeightGradients | None, _Context, int | None]] = {}  # B done, W to run
+        # a "zero1" stage (sharding.py): the B that each RD follows reduce-scatters the gradient
+        self._gathers = any(a.kind is Kind.UNSHARD for a in actions)
+        self._reducing = {b.id for b, a in zip(actions, actions[1:]) if a.kind is Kind.REDUCE_GRAD}
+        self._shard_bytes = 0  # what this replica's gather received (its RD sends as much)
 
     def execute(self, action: Action, comm: P2P | None, get_microbatch: Any, train: bool, version_base: int,
                 results: dict[int, MicrobatchResult]) -> tuple[int, int | None]:
@@ -301,6 +306,12 @@ class Engine:
             unscale, apply = self._update(action.id)
             self.tied[action.tie].weights.step_posted(self.timeout_s, unscale, apply)
             version = self.tied[action.tie].weights.version
+        elif kind == Kind.UNSHARD:
+            self._shard_bytes = nbytes = gather_weights(self.module)
+        elif kind == Kind.REDUCE_GRAD:  # reduce-scattered by the B before it (its FSDP2 hooks)
+            nbytes = self._shard_bytes
+        elif kind == Kind.RESHARD:
+            free_gathered(self.module)
         else:  # pragma: no cover - Kind is closed
             raise RuntimeError(f"unknown action {action}")
         return int(nbytes), version
@@ -541,8 +552,13 @@ class Engine:
             work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
             self._weight_work[microbatch] = (work, ctx, version)
         elif self.weights.sharded:
+            reduces = self._gathers and microbatch in self._reducing
+            if reduces:  # a zero1 stage's last B of an update: its hooks reduce-scatter (the RD after it)
+                reduce_in_backward(self.module, True)
             if roots:  # into everything the graph holds: FSDP2's gathered weights, whose hooks reduce them
                 torch.autograd.backward(roots, grad_tensors=grad_outputs)
+            if reduces:
+                reduce_in_backward(self.module, False)
             if split:  # FSDP2 reduces the weights' gradients when a whole backward ends: W has nothing left
                 self._weight_work[microbatch] = (None, ctx, version)
             else:

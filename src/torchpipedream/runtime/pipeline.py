@@ -97,12 +97,14 @@ class PipelineError(ValueError):
 
 
 def forward_only(schedule: Schedule) -> dict[int, list[Action]]:
-    """The forward part of a schedule (F, SA, RA in each rank's order): evaluation.
+    """The forward part of a schedule (F, SA, RA in each rank's order, and a "zero1" stage's
+    gathers and reshards around them, UN and RS): evaluation.
 
     Dropping backwards, gradient transfers and updates keeps it deadlock-free: each remaining
-    receive waits only for a send that comes after fewer actions upstream.
+    receive waits only for a send that comes after fewer actions upstream, and every replica
+    of a zero1 stage keeps its gathers in the same order.
     """
-    keep = (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT)
+    keep = (Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.UNSHARD, Kind.RESHARD)
     return {r: [a for a in acts if a.kind in keep] for r, acts in schedule.actions.items()}
 
 

@@ -13,6 +13,16 @@ How a sharded stage runs:
   block's weights for each forward and again for its backward; "zero2" keeps them gathered
   from a forward until its backward (``reshard_after_forward=False``). A parameter that two
   blocks share stays with the stage module (FSDP2 shards each parameter in one group).
+* "zero1" gathers once per update instead, by actions of the schedule (schedule/actions.py:
+  ``UN``, ``RD``, ``RS``), the whole stage as one FSDP2 unit (one all-gather and one
+  reduce-scatter per minibatch, not one per block): FSDP2 is told to keep the gathered weights after forwards and
+  backwards and to accumulate the gradient whole without reducing it
+  (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``). ``UN``
+  gathers every unit (:func:`gather_weights`: FSDP2's ``unshard``), so the F and B of the
+  update communicate nothing; the engine turns gradient sync on for the one B that ``RD``
+  follows (:func:`reduce_in_backward`), whose hooks reduce-scatter the accumulated gradient
+  into the shards; ``RS`` frees the gathered weights (:func:`free_gathered`: ``reshard``).
+  The price is memory: the whole stage's weights and gradient while an update runs.
 * The engine calls the stage module as it is (no weight aliases: FSDP2 installs the gathered
   weights itself) and back-propagates without naming the parameters, so FSDP2's hooks see
   every backward: each microbatch's weight gradient is reduce-scattered when its backward
@@ -54,7 +64,7 @@ from .loss_scaling import has_nonfinite
 from .weights import OptimizerFactory, WeightVersions, local_tensor, wait_for
 
 __all__ = ["shard_stage", "ShardedWeights", "GatheredEvaluation", "full_state_dict", "local_tensor", "whole", "shard_like",
-           "sharded_optimizer_entries"]
+           "sharded_optimizer_entries", "gather_weights", "free_gathered", "reduce_in_backward", "others_shard_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +108,54 @@ def shard_stage(module: nn.Module, group: dist.ProcessGroup, device: torch.devic
     from torch.distributed.fsdp import fully_shard
 
     mesh = mesh if mesh is not None else DeviceMesh.from_group(group, device.type)
-    keep = sharding == "zero2"
-    blocks = _blocks(module)
+    keep = sharding in ("zero2", "zero1")
+    # zero1 gathers the whole stage at once (UN): one unit, one all-gather and one reduce-scatter
+    # per minibatch; block units only pay off where blocks are gathered one at a time
+    blocks = _blocks(module) if sharding != "zero1" else []
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=not keep, ignored_params=ignored or None)
-    fully_shard(module, mesh=mesh, reshard_after_forward=not keep, ignored_params=ignored or None)
+    root = fully_shard(module, mesh=mesh, reshard_after_forward=not keep, ignored_params=ignored or None)
+    if sharding == "zero1":  # gathered and reduced by the schedule's UN, RD and RS actions (module docstring)
+        root.set_reshard_after_backward(False)
+        root.set_requires_gradient_sync(False)
     log.info("stage sharded (%s) over ranks %s in %d blocks", sharding, dist.get_process_group_ranks(group),
              len(blocks) + 1)
     return module
+
+
+def _units(module: nn.Module) -> list[nn.Module]:
+    # lazy: FSDP2 is loaded by the sharded stage already
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def gather_weights(module: nn.Module) -> int:
+    """UN of a "zero1" stage: gather every FSDP2 unit's weights whole (FSDP2's ``unshard``, an
+    all-gather among the replicas); they stay gathered until :func:`free_gathered`. Returns the
+    bytes received (the other replicas' shards)."""
+    received = others_shard_bytes(module)
+    for unit in _units(module):
+        unit.unshard()
+    return received
+
+
+def others_shard_bytes(module: nn.Module) -> int:
+    """Bytes of the stage's weights that the other replicas hold (what a gather receives and a
+    reduce-scatter sends); 0 while the weights are gathered."""
+    shards = [p for p in module.parameters() if getattr(p, "device_mesh", None) is not None]
+    return sum((p.numel() - local_tensor(p).numel()) * p.element_size() for p in shards)
+
+
+def free_gathered(module: nn.Module) -> None:
+    """RS of a "zero1" stage: free the gathered weights (FSDP2's ``reshard``)."""
+    for unit in _units(module):
+        unit.reshard()
+
+
+def reduce_in_backward(module: nn.Module, on: bool) -> None:
+    """Whether the next backwards of a "zero1" stage reduce-scatter the gradient they
+    accumulated (on for the one B its ``RD`` follows; FSDP2 reduces from a backward's hooks)."""
+    module.set_requires_gradient_sync(on)
 
 
 class GatheredEvaluation(nn.Module):

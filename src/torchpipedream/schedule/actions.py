@@ -23,10 +23,16 @@ Text form of an action (rank is implied by the list it is in)::
                non-blocking all-reduce with every stage holding a copy)
     s3TR3v4t0  stage 3 waits for that all-reduce (every holder's TP3) and steps the parameter,
                producing its version 4
+    s1UN3      a stage sharded "zero1" (``Stage.sharding``) gathers its weights whole for
+               update 3 (an all-gather among its replicas; FSDP2's ``unshard``)
+    s1RD3      it reduce-scatters update 3's gradient, accumulated whole over the update's
+               backwards, into its shards (FSDP2's reduce-scatter, run by the B this action
+               directly follows: FSDP2 reduces from a backward's hooks)
+    s1RS3      it frees the gathered weights (FSDP2's ``reshard``; no communication)
 
 ``id`` is a global microbatch index for F, B, W and the transfers (minibatch t with m
 microbatches per minibatch has ids t*m .. t*m+m-1; m = 1 for pipedream), and an update index
-for AR, U, TP and TR. ``version`` for F/B/W is the number of optimizer steps the weights used have
+for AR, U, TP, TR, UN, RD and RS. ``version`` for F/B/W is the number of optimizer steps the weights used have
 seen (w^(v)); for U and TR it is the version the step produces. ``tie`` (TP and TR only) indexes
 ``plan.tied``; a shared parameter's version at an F is the number of its TR steps before the F
 on that rank, and its B uses the F's (docs/architecture.md, "Shared parameters").
@@ -62,6 +68,9 @@ class Kind(str, enum.Enum):
     OPTIMIZER_STEP = "U"
     TIED_POST = "TP"
     TIED_REDUCE = "TR"
+    UNSHARD = "UN"
+    REDUCE_GRAD = "RD"
+    RESHARD = "RS"
 
     @property
     def is_compute(self) -> bool:
@@ -79,9 +88,14 @@ class Kind(str, enum.Enum):
     def is_transfer(self) -> bool:
         return self.is_send or self.is_recv
 
+    @property
+    def is_gather(self) -> bool:
+        """A zero1 stage's gather, reduce-scatter or reshard of its weights (UN, RD, RS)."""
+        return self in (Kind.UNSHARD, Kind.REDUCE_GRAD, Kind.RESHARD)
+
 
 _ACTION_RE = re.compile(
-    r"^s(?P<stage>\d+)(?:r(?P<replica>\d+))?(?P<kind>SA|RA|SG|RG|AR|TP|TR|F|B|W|U)(?P<id>\d+)"
+    r"^s(?P<stage>\d+)(?:r(?P<replica>\d+))?(?P<kind>SA|RA|SG|RG|AR|TP|TR|UN|RD|RS|F|B|W|U)(?P<id>\d+)"
     r"(?:v(?P<version>\d+))?(?:t(?P<tie>\d+))?(?:@(?P<peer>\d+))?$"
 )
 
@@ -120,7 +134,7 @@ def parse_action(text: str) -> Action:
     m = _ACTION_RE.match(text.strip())
     if not m:
         raise ScheduleFormatError(
-            f"cannot parse action {text!r}: expected s<stage>[r<replica>]<F|B|W|SA|RA|SG|RG|AR|TP|TR|U><id>[v<version>]"
+            f"cannot parse action {text!r}: expected s<stage>[r<replica>]<F|B|W|SA|RA|SG|RG|AR|TP|TR|UN|RD|RS|U><id>[v<version>]"
             "[t<tie>][@<peer>]"
         )
     g = m.groupdict()

@@ -6,7 +6,9 @@ Every schedule is built in three passes over plain data, each small enough to re
    microbatches that the placement rule sends to it: the generator the kind names
    (``ScheduleKind.order``), in ``schedule/orders.py``;
 2. **updates** — ``AR u`` (replicated stages) and ``U u`` after the rank's last backward
-   contributing to update u, then weight versions per the kind's semantics;
+   contributing to update u (and, on a stage sharded "zero1", the gather ``UN u`` before its
+   first forward of u, the reduce-scatter ``RD u`` after its last backward and the reshard
+   ``RS u``), then weight versions per the kind's semantics;
 3. **lowering** — ``SA``/``RA`` around every forward and ``SG``/``RG`` around every
    backward, with the peer rank that ran (or will run) the same microbatch.
 
@@ -64,6 +66,40 @@ def _add_updates(ctx: BuildContext, stage: int, items: list[ComputeItem]) -> lis
         out.append(item)
         for u in after.get(pos, []):
             out += ([("AR", u)] if replicated else []) + [("U", u)]
+    return out
+
+
+def _add_gathers(ctx: BuildContext, stage: int, items: list) -> list:
+    """A stage sharded "zero1" (``Stage.sharding``): for each update u, ("UN", u) gathers its
+    weights right before its first forward of u; ("RD", u) reduce-scatters the gradient right
+    after its last backward of u (FSDP2 reduces from that backward's hooks, so nothing may run
+    between them); ("RS", u) frees the gathered weights after its last B or W of u, before
+    the update's AR and U. Other stages gather inside every F and B (FSDP2's hooks) or not at all."""
+    st = ctx.plan.stages[stage]
+    if st.sharding != "zero1":
+        return items
+    plan, kind, m = ctx.plan, ctx.kind, ctx.microbatches
+    first: dict[int, int] = {}
+    last_b: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for pos, item in enumerate(items):
+        if isinstance(item, ComputeItem):
+            u = update_of(plan, kind, stage, item.microbatch, m)
+            first.setdefault(u, pos)
+            last[u] = pos
+            if item.kind is Kind.BACKWARD:
+                last_b[u] = pos
+    before: dict[int, list] = {}
+    after: dict[int, list] = {}
+    for u in first:
+        before.setdefault(first[u], []).append(("UN", u))
+        after.setdefault(last_b[u], []).append(("RD", u))
+        after.setdefault(last[u], []).append(("RS", u))
+    out: list = []
+    for pos, item in enumerate(items):
+        out += before.get(pos, [])
+        out.append(item)
+        out += after.get(pos, [])
     return out
 
 
@@ -194,6 +230,13 @@ def _lower(ctx: BuildContext, order: dict, versions: dict) -> dict[int, list[Act
                     continue
                 if item[0] == "TR":
                     out.append(Action(s, Kind.TIED_REDUCE, item[1], replica=replica, version=item[1] + 1, tie=item[2]))
+                    continue
+                if item[0] in ("UN", "RD", "RS"):
+                    gather = Action(s, Kind(item[0]), item[1], replica=replica)
+                    if item[0] == "RD":  # right after the B whose hooks reduce (before its SG)
+                        out.insert(next(k for k, a in enumerate(out) if a.kind is Kind.BACKWARD) + 1, gather)
+                    else:
+                        out.append(gather)
                     continue
                 k = Kind.ALLREDUCE if item[0] == "AR" else Kind.OPTIMIZER_STEP
                 out.append(Action(s, k, item[1], replica=replica,
@@ -362,7 +405,8 @@ def build_schedule(
 
 def _finish(ctx: BuildContext, compute: ComputeOrder) -> Schedule:
     """Passes 2 and 3 over a compute order: updates, shared parameters, versions, transfers."""
-    order = {key: _add_tied(ctx, key[0], _add_updates(ctx, key[0], items)) for key, items in compute.items()}
+    order = {key: _add_tied(ctx, key[0], _add_gathers(ctx, key[0], _add_updates(ctx, key[0], items)))
+             for key, items in compute.items()}
     versions = _versions(ctx, order)
     actions = _lower(ctx, order, versions)
     options = {"vertical_sync": True} if ctx.vertical_sync else {}

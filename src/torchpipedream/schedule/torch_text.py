@@ -15,8 +15,9 @@ durations and ``Pipeline.use_schedule`` runs; and one of ours becomes torch's te
 The mapping: torch's ``F``, ``B``, ``I``, ``W`` are our F, B, B-with-a-W (a split backward) and
 W. Transfers are not read: our lowering puts them around the compute, in the compute's order
 (``build.schedule_from_order``), and torch's loader does the same for a compute-only file.
-``UNSHARD``/``RESHARD`` (no FSDP here) and ``REDUCE_GRAD`` (our updates follow the kind's rule)
-are dropped. torch's stage index is our stage index and its ranks are ours: a rank may run
+``UNSHARD``/``RESHARD`` and ``REDUCE_GRAD`` are dropped: torch's schedule runs one worker per
+stage, which shards nothing (ours gives a stage sharded "zero1" its own ``UN``/``RS``/``RD``:
+build.py), and our updates follow the kind's rule. torch's stage index is our stage index and its ranks are ours: a rank may run
 several stages (virtual stages: ``Interleaved1F1B``, ``LoopedBFS`` with several stages per rank),
 read as kind ``interleaved`` with the rank's order of its stages kept (``rank_order``); with a
 split backward as well (``InterleavedZeroBubble`` with several stages per rank, ``ZBVZeroBubble``,

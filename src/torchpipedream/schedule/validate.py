@@ -16,8 +16,11 @@ failing action (marked ``>>s1B3v2<<``) and one line saying what is wrong. It che
 3. matching — the k-th send from rank a to rank b carries the same microbatch as the k-th
    receive on b from a (the runtime matches point-to-point messages in FIFO order);
 4. deadlock — execution with non-blocking sends, blocking receives and collective
-   all-reduces among a stage's replicas runs every action; if it gets stuck, the waiting
-   cycle is reported.
+   all-reduces among a stage's replicas (and a sharded stage's gathers and reduce-scatters:
+   inside its F and B, or its own UN and RD actions for "zero1") runs every action; if it
+   gets stuck, the waiting cycle is reported.
+
+A stage sharded "zero1" has rules of its own for its UN, RD and RS (gather_rules.py).
 
 :func:`schedule_stats` gives the same memory counts (peak live versions, peak in-flight
 activations per rank) to the simulator.
@@ -30,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .actions import Action, Kind, Schedule, message_key, split_backwards
+from .gather_rules import GatherWalk
 from ..plans.kinds import ScheduleKind, UnknownKindError, VersionRule, schedule_kind
 from .placement import (interleaved_warmup, num_updates, replica_of, sharding_support_problem, tied_support_problem,
                         update_of, v_shape_inflight, virtual_support_problem, warmup_depth)
@@ -173,6 +177,9 @@ class _RankWalk:
         self.tied = plan.tied_at(self.s)
         self.tied_steps = {k: 0 for k in self.tied}  # TR steps done, per shared parameter
         self.tied_posts = {k: 0 for k in self.tied}  # TP steps done
+        st = plan.stages[self.s]
+        self.gathers = GatherWalk(self.s, st.sharding if st.replicas > 1 else "replicate", self.n_updates,
+                                  self.by_update)
 
     def err(self, step: int, what: str) -> ScheduleError:
         return _fail(self.schedule, f"rank {self.rank} step {step} ({self.acts[step]}): {what}", [(self.rank, step)])
@@ -184,7 +191,8 @@ class _RankWalk:
         handlers = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward, Kind.WEIGHT_GRAD: self.weight_grad,
                     Kind.ALLREDUCE: self.allreduce,
                     Kind.OPTIMIZER_STEP: self.step, Kind.TIED_POST: self.tied_post,
-                    Kind.TIED_REDUCE: self.tied_reduce}
+                    Kind.TIED_REDUCE: self.tied_reduce, Kind.UNSHARD: self.gather, Kind.REDUCE_GRAD: self.gather,
+                    Kind.RESHARD: self.gather}
         for k in self.steps_of_stage:
             a = self.acts[k]
             self.fields(k, a)
@@ -216,8 +224,16 @@ class _RankWalk:
         elif not 0 <= a.id < self.n_updates:
             raise self.err(k, f"update {a.id} is out of range 0..{self.n_updates - 1}")
 
+    def gather(self, k: int, a: Action) -> None:
+        """UN, RD, RS of a stage sharded "zero1" (gather_rules.py)."""
+        self.gathers.action(k, a, self.acts[k - 1] if k else None, self.done_b, self.split - self.done_w, self.err)
+
+    def _on_gathered(self, k: int, a: Action) -> None:
+        self.gathers.compute(k, a, update_of(self.plan, self.kind, self.s, a.id, self.m), self.err)
+
     def forward(self, k: int, a: Action) -> None:
         i = a.id
+        self._on_gathered(k, a)
         if i not in self.mine:
             raise self.err(k, f"microbatch {i} belongs to replica {replica_of(self.plan, self.s, i)} of stage "
                               f"{self.s}, not replica {self.q}")
@@ -235,6 +251,7 @@ class _RankWalk:
 
     def backward(self, k: int, a: Action) -> None:
         i = a.id
+        self._on_gathered(k, a)
         if i not in self.fwd_ver:
             raise self.err(k, f"backward of microbatch {i} before its forward on this rank")
         if i in self.done_b:
@@ -255,6 +272,7 @@ class _RankWalk:
             raise self.err(k, f"the weight-gradient pass of microbatch {i} before its B on this rank")
         if i in self.done_w:
             raise self.err(k, f"microbatch {i}'s weight gradient is computed twice")
+        self._on_gathered(k, a)
         _check_version(self.schedule, a, self.steps, self.v0, self.replicas, self.err, k, forward=False,
                        fwd_version=self.fwd_ver[i])
         self.done_w.add(i)
@@ -327,6 +345,7 @@ class _RankWalk:
             raise self.err(k, f"stage {self.s} has one replica; there is nothing to all-reduce")
         if a.id != self.steps or self.reduced == a.id:
             raise self.err(k, f"expected the all-reduce of update {self.steps} here")
+        self.gathers.step(k, a, self.err)
         missing = self._missing_backward(a.id)
         if missing is not None:
             raise self.err(k, f"the all-reduce of update {a.id} runs before the backward of microbatch {missing} "
@@ -338,6 +357,7 @@ class _RankWalk:
             raise self.err(k, f"optimizer steps must come in order: expected U{self.steps}")
         if a.version != a.id + 1:
             raise self.err(k, f"U{a.id} produces version {a.id + 1}, not {a.version}")
+        self.gathers.step(k, a, self.err)
         if self.replicas > 1 and self.reduced != a.id:
             raise self.err(k, f"stage {self.s} is replicated: AR{a.id} must come before U{a.id}")
         missing = self._missing_backward(a.id)
@@ -363,6 +383,7 @@ class _RankWalk:
                           f"{self.s - 1}")
         if self.steps != self.n_updates:
             raise end_err(f"stage {self.s} takes {self.steps} optimizer steps; the schedule needs {self.n_updates}")
+        self.gathers.finish(end_err)
         for tie, done in self.tied_steps.items():
             if done != self.n_updates:
                 raise end_err(f"shared parameter {self.plan.tied[tie].name!r} takes {done} TR steps on stage {self.s}; "
@@ -583,7 +604,9 @@ class _ShardedRun(_BlockingRun):
     """The blocking run where every F and B of a sharded stage (``Stage.sharding``) is also a
     collective of the stage's replicas: torch's FSDP2 gathers the weights (and, in B, reduces
     the gradients) inside them, so the replicas' k-th F/B must meet, and be of one kind (each
-    replica's list is then a run of the same collectives: no deadlock, none left unmatched)."""
+    replica's list is then a run of the same collectives: no deadlock, none left unmatched).
+    A stage sharded "zero1" gathers and reduces in its UN and RD actions instead: those meet,
+    its F and B run alone."""
 
     def __init__(self, schedule: Schedule) -> None:
         super().__init__(schedule)
@@ -593,7 +616,7 @@ class _ShardedRun(_BlockingRun):
         for r, actions in self.acts.items():
             seen: dict[int, int] = {}
             for a in actions:
-                if a.kind in (Kind.FORWARD, Kind.BACKWARD) and self.plan.stages[a.stage].sharded:
+                if a.kind in (Kind.FORWARD, Kind.BACKWARD) and _gathers_in_passes(self.plan, a.stage):
                     k = seen.get(a.stage, 0)
                     seen[a.stage] = k + 1
                     self.keys[(r, a.kind.value, a.id)] = ("FSDP", a.stage, k, a.kind.value)
@@ -602,7 +625,14 @@ class _ShardedRun(_BlockingRun):
         key = self.keys.get((r, a.kind.value, a.id))
         if key is not None:
             return self._meet(r, key, list(self.plan.stages[a.stage].ranks))
+        if a.kind is Kind.UNSHARD or a.kind is Kind.REDUCE_GRAD:
+            return self._meet(r, *_collective(self.plan, a))
         return super()._proceeds(r, a)
+
+
+def _gathers_in_passes(plan: Plan, stage: int) -> bool:
+    """Whether FSDP2 gathers (and reduces) inside each F and B of ``stage``: sharded, not "zero1"."""
+    return plan.stages[stage].sharded and plan.stages[stage].sharding != "zero1"
 
 
 class _UpdateBarrierRun(_BlockingRun):
@@ -713,10 +743,10 @@ def _report_deadlock(schedule: Schedule, stuck: dict[int, int], arrived: dict[tu
         a = acts[r][p]
         if a.kind.is_recv:
             waits_for[r] = [a.peer]  # type: ignore[list-item]
-        elif a.kind is Kind.ALLREDUCE or a.kind is Kind.TIED_REDUCE:
+        elif a.kind in (Kind.ALLREDUCE, Kind.TIED_REDUCE, Kind.UNSHARD, Kind.REDUCE_GRAD):
             key, members = _collective(schedule.plan, a)
             waits_for[r] = [o for o in members if o not in arrived.get(key, set())]
-        elif a.kind in (Kind.FORWARD, Kind.BACKWARD) and schedule.plan.stages[a.stage].sharded:
+        elif a.kind in (Kind.FORWARD, Kind.BACKWARD) and _gathers_in_passes(schedule.plan, a.stage):
             waits_for[r] = [o for o in schedule.plan.stages[a.stage].ranks if o != r and o in stuck]
         else:
             waits_for[r] = []
@@ -732,12 +762,13 @@ def _report_deadlock(schedule: Schedule, stuck: dict[int, int], arrived: dict[tu
 
 
 def _collective(plan: Plan, a: Action) -> tuple[tuple, list[int]]:
-    """The key and the member ranks of a collective action: an AR among its stage's replicas,
-    a TP/TR among every rank of every stage holding the shared parameter."""
+    """The key and the member ranks of a collective action: an AR (or a zero1 stage's UN or RD)
+    among its stage's replicas, a TP/TR among every rank of every stage holding the shared
+    parameter."""
     if a.kind in (Kind.TIED_POST, Kind.TIED_REDUCE):
         members = [r for s in plan.tied[a.tie].stages for r in plan.stages[s].ranks]  # type: ignore[index]
         return ("TR", a.tie, a.id), members
-    return ("AR", a.stage, a.id), list(plan.stages[a.stage].ranks)
+    return (a.kind.value, a.stage, a.id), list(plan.stages[a.stage].ranks)
 
 
 def _find_cycle(graph: dict[int, list[int]]) -> list[int]:

@@ -63,7 +63,7 @@ class Candidate:
     error: str = ""
     threads: int = 1  # torch threads per worker (choose_layout)
     recompute_stages: list[int] | None = None  # the stages that recompute, where only some do
-    sharding: str = "replicate"  # what its replicated stages do with their weights (Stage.sharding)
+    sharding: str = "replicate"  # what its replicated stages do with their weights (Stage.sharding; "+" between several)
     tensor_parallel: int = 1  # processes per worker splitting its layers (Plan.tensor_parallel)
 
     @property
@@ -324,8 +324,8 @@ class _Search:
                     cand.recompute_stages = again
             if cand.sharding != "replicate" and self.sharding == "replicate" and self.budget is not None:
                 plan = shard_where_needed(plan, self.budget)  # tried by auto, not asked for: only where needed
-                if not any(st.sharded for st in plan.stages):
-                    cand.sharding = "replicate"  # every stage fits replicated: the label says what runs
+                # the label says what runs: "replicate" where every stage fits replicated, else its shardings
+                cand.sharding = "+".join(sorted({st.sharding for st in plan.stages if st.sharded})) or "replicate"
             extra = self.host_costs(plan, m) if self.host_costs is not None else {}
             sim = simulate(build_schedule(plan, name, minibatches=self.minibatches, microbatches=m),
                            Costs.from_plan(plan, microbatches=m, **extra))
@@ -369,24 +369,34 @@ def recompute_where_needed(plan: Plan, budget: float) -> Plan:
     return plan if len(need) == plan.num_stages else plan.with_recompute(need)
 
 
+#: Ways a stage's replicas may hold its weights, fastest first: one all-reduce per update; one
+#: gather and one reduce-scatter per update (``UN``, ``RD``); gathers and reduce-scatters in every
+#: microbatch, once (zero2) or twice (zero3) per microbatch's gather (benchmarks/sharding.py
+#: measures this order).
+FASTEST_FIRST = ("replicate", "zero1", "zero2", "zero3")
+
+
 def shard_where_needed(plan: Plan, budget: float) -> Plan:
-    """``plan`` (planned with its replicated stages sharded) sharding only the stages whose
-    predicted memory replicated exceeds ``budget``: a replicating stage is faster (one
-    all-reduce per update, against gathers and reduce-scatters in every microbatch), and a
-    stage's memory depends on its own sharding only. Plans without the memory model's terms
-    are returned as they are."""
+    """``plan`` (planned with its replicated stages sharded) with each sharded stage holding
+    its weights the fastest way that fits ``budget`` (``FASTEST_FIRST``, up to the sharding
+    it was planned with): a stage that fits replicated replicates, one that fits gathered
+    once per minibatch is "zero1", and so on; a stage's memory depends on its own sharding
+    only. Plans without the memory model's terms are returned as they are."""
     if any(st.activations is None for st in plan.stages):
         return plan
     out = copy.deepcopy(plan)
     for s, st in enumerate(out.stages):
         if not st.sharded:
             continue
-        st.sharding = "replicate"
-        memory = out.stage_memory_bytes(s)
-        if memory is None or memory > budget:
-            st.sharding = plan.stages[s].sharding
+        planned = plan.stages[s].sharding
+        for sharding in FASTEST_FIRST[:FASTEST_FIRST.index(planned)]:
+            st.sharding = sharding
+            memory = out.stage_memory_bytes(s)
+            if memory is not None and memory <= budget:
+                st.memory_bytes = int(math.ceil(memory))
+                break
         else:
-            st.memory_bytes = int(math.ceil(memory))
+            st.sharding = planned
     out.predicted["peak_memory_bytes"] = max(st.memory_bytes for st in out.stages)
     return out
 

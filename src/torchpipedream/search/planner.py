@@ -66,7 +66,7 @@ from ..plans.memory import (DEFAULT_OPTIMIZER_STATE_FACTOR, NO_SCRATCH, StageAct
 from ..plans.plan import SHARDINGS, Plan, PlanError, Stage, TiedParameter, looped_rank, v_shape_rank
 from ..plans.topology import Level, Topology, format_bytes
 from ..schedule.build import build_schedule
-from ..sim.costs import MS_PER_S, paper_allreduce, paper_transfer, ring_allreduce_share, sharded_passes
+from ..sim.costs import MS_PER_S, paper_allreduce, paper_transfer, ring_allreduce_share, sharded_collectives
 from ..sim.simulator import Costs, simulate
 from .replica_round_trip import replica_round_trip_ms
 from .tensor_parallel import tensor_parallel_graph, worker_topology
@@ -148,11 +148,11 @@ def shared_sync_ms(parameter_bytes: float, replicas: int, bandwidth_Bps: float, 
 
 
 def sharded_sync_ms(parameter_bytes: Any, replicas: Any, bandwidth_Bps: float, sharding: str, local: Any) -> Any:
-    """A sharded stage's collectives per minibatch on one replica, in milliseconds: ``local``
-    microbatches, each ``sim.costs.sharded_passes`` all-gathers and reduce-scatters of
+    """A sharded stage's collectives per minibatch on one replica, in milliseconds: for ``local``
+    microbatches, ``sim.costs.sharded_collectives`` all-gathers and reduce-scatters of
     (m − 1)/m of the weights (half a ring all-reduce each; arrays broadcast)."""
-    passes = sum(sharded_passes(sharding))
-    return local * passes * (ring_allreduce_share(replicas) / 2) * (parameter_bytes / bandwidth_Bps * MS_PER_S)
+    count = sharded_collectives(sharding, local)
+    return count * (ring_allreduce_share(replicas) / 2) * (parameter_bytes / bandwidth_Bps * MS_PER_S)
 
 
 def fill_drain_factor(schedule: str | ScheduleKind, microbatches: int, depth: int) -> float:
@@ -229,12 +229,14 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         ranks.append(list(range(r, r + m)))
         r += m
     copies = [0.0] * len(stages)  # bytes of shared parameters a stage holds beyond the profile's count
+    whole = [0.0] * len(stages)  # bytes of shared parameters a stage holds (whole, on a sharded stage too)
     exchange = [0.0] * len(stages)  # ms of shared-parameter all-reduce per update
     for t, holders in tied_holders(blocks, stages, tied):
         group = [r for s in holders for r in ranks[s]]
         cost = allreduce_ms(t.bytes, len(group), topology.allreduce_bandwidth(group))
         for s in holders:
             exchange[s] += cost
+            whole[s] += t.bytes
         for s in holders[1:]:
             copies[s] += t.bytes
     kind = schedule_kind(schedule)
@@ -249,7 +251,7 @@ def evaluate(blocks: Sequence[Block], topology: Topology, stages: Sequence[tuple
         depth = kind.stage_inflight(in_flight(workers - ranks[s][0], m), first_depth, len(stages), m, microbatches)
         mem.append(stage_memory_bytes(schedule, params, stage_activations(blocks, i, j), depth, microbatches,
                                       optimizer_state_factor, recompute, replicas=m, scratch=optimizer_scratch,
-                                      sharding=sharding))
+                                      sharding=sharding, whole=whole[s]))
         if s + 1 < len(stages):
             cut_ms.append(2 * transfer_ms(blocks[j].cut_bytes, topology.span_bandwidth(ranks[s] + ranks[s + 1])))
     worst_stage = max(range(len(stages)), key=lambda s: stage_ms[s])
@@ -1058,7 +1060,7 @@ def plan(
             is cut into workers × v stages of balanced time (a straight plan of that depth),
             stage k on worker k mod workers (``Plan.looped``).
         sharding: what replicated stages do with their weights (``Stage.sharding``): "replicate",
-            or "zero3"/"zero2" (FSDP2; flush, gpipe), priced with the shards' memory and collectives.
+            or "zero3"/"zero2"/"zero1" (FSDP2; flush, gpipe, zb-h1, zb-h2), priced with the shards' memory and collectives.
         tensor_parallel: processes per worker (``Plan.tensor_parallel``; flush, gpipe), grouped on
             the innermost level; each runs the model as search/tensor_parallel.py prices it.
 
@@ -1119,7 +1121,7 @@ def _unless_straight_is_faster(graph: LayerGraph, topo: Topology, replicated: Pl
 
 
 def nothing_sharded(plan: Plan, sharding: str) -> str | None:
-    """Why ``plan`` shards nothing although ``sharding`` ("zero3", "zero2") was asked for, or
+    """Why ``plan`` shards nothing although ``sharding`` ("zero3", "zero2", "zero1") was asked for, or
     None: it has no replicated stage, because the planner found none worth its workers (under
     zb-h1 and zb-h2 a straight pipeline can be faster: replicas wait on round trips)."""
     if sharding == "replicate" or any(st.sharded for st in plan.stages):

@@ -15,7 +15,9 @@ A ring all-reduce of ``|w|`` bytes among ``m`` members moves ``2(m − 1)/m · |
 member (:func:`ring_allreduce_share`) over the slowest link of the ring, in ``2(m − 1)`` steps.
 An all-gather or a reduce-scatter moves half of that, ``(m − 1)/m · |w|``: a stage sharded over
 its replicas (``Stage.sharding``, FSDP2) runs :func:`sharded_passes` of them per microbatch
-instead of one all-reduce per update.
+("zero3", "zero2": inside its F and B) or one gather and one reduce-scatter per minibatch
+("zero1": the schedule's ``UN`` and ``RD``) instead of one all-reduce per update
+(:func:`sharded_collectives` counts both).
 
 Pure Python (the vectorised planner passes numpy arrays to :func:`ring_allreduce_share`).
 """
@@ -26,7 +28,7 @@ import math
 from typing import Any
 
 __all__ = ["MS_PER_S", "ring_allreduce_share", "transfer_s", "ring_allreduce_s", "paper_transfer", "paper_allreduce",
-           "sharded_passes"]
+           "sharded_passes", "sharded_collectives"]
 
 #: Milliseconds per second: the planner's unit (its times are milliseconds per minibatch).
 MS_PER_S = 1e3
@@ -42,12 +44,23 @@ def sharded_passes(sharding: str) -> tuple[int, int]:
     """(in the forward, in the backward): the all-gathers and reduce-scatters of a sharded
     stage's weights in one microbatch, each ``(m − 1)/m`` of the stage's bytes per replica.
     "zero3" gathers the weights for the forward and again for the backward, then
-    reduce-scatters the gradient; "zero2" keeps the forward's weights for the backward."""
+    reduce-scatters the gradient; "zero2" keeps the forward's weights for the backward;
+    "zero1" runs none inside them (its gather and reduce-scatter are actions of their own,
+    once per minibatch)."""
     if sharding == "zero3":
         return 1, 2
     if sharding == "zero2":
         return 1, 1
     return 0, 0
+
+
+def sharded_collectives(sharding: str, local: Any) -> Any:
+    """All-gathers plus reduce-scatters of a sharded stage's weights that one replica runs per
+    minibatch of ``local`` microbatches (an int or a numpy array): :func:`sharded_passes` per
+    microbatch, or for "zero1" one of each per minibatch (``UN`` and ``RD``)."""
+    if sharding == "zero1":
+        return 2 + 0 * local
+    return local * sum(sharded_passes(sharding))
 
 
 def transfer_s(nbytes: float, bandwidth_Bps: float, latency_s: float = 0.0) -> float:

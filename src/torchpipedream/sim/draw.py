@@ -35,6 +35,8 @@ COLOURS = {
     "SG": "#C9A25E",  # gradient transfer
     "AR": "#D1495B",  # all-reduce
     "TR": "#7B4FB5",  # shared parameter's gradients summed across stages
+    "UN": "#E08E2B",  # a zero1 stage gathers its weights
+    "RD": "#B5651D",  # a zero1 stage reduce-scatters its gradient
     "U": "#222222",  # optimizer step
 }
 _SUFFIXES = (".png", ".svg", ".pdf")
@@ -78,9 +80,11 @@ def _plot(ax, trace: Trace, title: str | None, t_scale: float, unit: str) -> Non
             # a rank's later stages (virtual stages) in a darker shade of the same colour
             ax.broken_barh(spans, (y - 0.38, 0.62), facecolors=_shade(COLOURS[k], chunk), edgecolors="white",
                            linewidth=0.4)
-        elif k in ("AR", "TR"):
+        elif k in ("AR", "TR", "UN", "RD"):
             ax.broken_barh(spans, (y - 0.38, 0.62), facecolors="none", edgecolors=COLOURS[k],
-                           hatch="////" if k == "AR" else "\\\\\\\\", linewidth=0.6)
+                           hatch="\\\\\\\\" if k == "TR" else "////", linewidth=0.6)
+        elif k == "RS":  # frees memory, moves nothing
+            continue
         elif k == "U":
             w = span / 400
             ax.broken_barh([(s + d - w, w) for s, d in spans], (y - 0.42, 0.7), facecolors=COLOURS[k])
@@ -181,6 +185,11 @@ def draw_timelines(traces: Sequence[tuple[str, Trace]], out: str | Path, width: 
     if "TR" in kinds:
         legend.append(Patch(facecolor="none", edgecolor=COLOURS["TR"], hatch="\\\\\\\\",
                             label="shared parameter: gradients summed"))
+    if "UN" in kinds:
+        legend.append(Patch(facecolor="none", edgecolor=COLOURS["UN"], hatch="////", label="gather weights (zero1)"))
+    if "RD" in kinds:
+        legend.append(Patch(facecolor="none", edgecolor=COLOURS["RD"], hatch="////",
+                            label="reduce-scatter gradient (zero1)"))
     if "U" in kinds:
         legend.append(Patch(color=COLOURS["U"], label="optimizer step"))
     fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=8, frameon=False)

@@ -12,7 +12,9 @@
   message on it;
 * a receive (RA, RG) blocks until the matching message (FIFO per pair) has arrived, then
   takes ``o``;
-* AR starts when every replica of the stage has reached it and costs a ring all-reduce,
+* AR (and a "zero1" stage's UN and RD, each half of one: an all-gather of its weights, a
+  reduce-scatter of its gradient; its RS frees memory and costs nothing) starts when every
+  replica of the stage has reached it and costs a ring all-reduce,
   2(r−1)/r · |w| / (e · B) (+ 2(r−1) latencies; e = ``Costs.allreduce_efficiency``;
   ``sim.costs.ring_allreduce_s``), or
   the stage's measured all-reduce time when ``Costs.allreduce_s`` gives one, after which
@@ -325,6 +327,8 @@ class _Charges:
     allreduce_bytes: dict[int, int]  # stage -> bytes each replica moves in it
     tied: dict[int, float] = field(default_factory=dict)  # shared parameter -> seconds of one TR
     tied_bytes: dict[int, int] = field(default_factory=dict)  # shared parameter -> bytes each rank moves
+    gather: dict[int, float] = field(default_factory=dict)  # zero1 stage -> seconds of one UN (or RD)
+    gather_bytes: dict[int, int] = field(default_factory=dict)  # zero1 stage -> bytes each replica moves in it
 
     @classmethod
     def of(cls, plan: Plan, costs: Costs) -> "_Charges":
@@ -334,6 +338,8 @@ class _Charges:
         steps = costs.step_s if isinstance(costs.step_s, list) else [costs.step_s] * n
         allreduce: dict[int, float] = {}
         moved: dict[int, int] = {}
+        gather: dict[int, float] = {}
+        gathered: dict[int, int] = {}
         forward = [f * slow for f in costs.forward_s]
         backward = [b * slow for b in costs.backward_s]
         for s, st in enumerate(plan.stages):
@@ -347,6 +353,7 @@ class _Charges:
                 in_forward, in_backward = sharded_passes(st.sharding)
                 forward[s] += in_forward * one
                 backward[s] += in_backward * one
+                gather[s], gathered[s] = one, int(ring_allreduce_share(r) / 2 * params[s])  # zero1's UN and RD
                 allreduce[s], moved[s] = _allreduce_among_s(costs, list(st.ranks), 8.0), 8
                 continue
             moved[s] = int(ring_allreduce_share(r) * params[s])
@@ -366,15 +373,17 @@ class _Charges:
                    weight_grad=[min(w, b) * slow for w, b in zip(wg, costs.backward_s)],
                    step=[u * slow for u in steps], copy=[b / costs.copy_Bps for b in params],
                    add=[b / costs.accumulate_Bps for b in params], output_bytes=costs.output_bytes or [0.0] * n,
-                   allreduce=allreduce, allreduce_bytes=moved, tied=tied, tied_bytes=tied_moved)
+                   allreduce=allreduce, allreduce_bytes=moved, tied=tied, tied_bytes=tied_moved, gather=gather,
+                   gather_bytes=gathered)
 
 
-def _weight_bytes(stage: Any, params: float, versions: int, optimizer_state_factor: float) -> float:
+def _weight_bytes(stage: Any, params: float, versions: int, optimizer_state_factor: float, whole: float) -> float:
     """What one replica of ``stage`` holds of its weights: ``versions`` of them with the optimizer's
-    state, or a sharded stage's shard with what it gathers (``plans.memory.sharded_weight_bytes``)."""
+    state, or a sharded stage's shard with what it gathers (``plans.memory.sharded_weight_bytes``;
+    ``whole``: its shared parameters' bytes, which stay whole)."""
     if stage.sharded and stage.replicas > 1:
         largest = stage.activations.largest_parameter if stage.activations is not None else params
-        return sharded_weight_bytes(params, stage.replicas, optimizer_state_factor, stage.sharding, largest)
+        return sharded_weight_bytes(params, stage.replicas, optimizer_state_factor, stage.sharding, largest, whole)
     return params * (versions + optimizer_state_factor)
 
 
@@ -449,7 +458,8 @@ class _EventLoop:
         self.arrivals: dict[tuple[int, int], deque[float]] = {}  # (sender, receiver) -> arrival times, FIFO
         self.link_cost: dict[tuple[int, int, int], float] = {}  # (sender, receiver, stage) -> seconds
         self.receiver_waiting: dict[tuple[int, int], int] = {}  # (sender, receiver) -> the blocked receiver
-        self.allreduce_arrivals: dict[tuple[int, int], list[tuple[int, float, Action]]] = {}  # (stage, update)
+        # (kind, stage, update) of an AR, UN or RD -> the replicas there so far
+        self.allreduce_arrivals: dict[tuple[Kind, int, int], list[tuple[int, float, Action]]] = {}
         self.tied_size = {k: sum(plan.stages[s].replicas for s in tie.stages) for k, tie in enumerate(plan.tied)}
         self.tied_posts: dict[tuple[int, int], dict[int, float]] = {}  # (parameter, update) -> rank -> post time
         self.tied_waiting: dict[tuple[int, int], set[int]] = {}  # ranks blocked at a TR until every post is in
@@ -461,6 +471,7 @@ class _EventLoop:
             Kind.SEND_ACT: self.send, Kind.SEND_GRAD: self.send, Kind.RECV_ACT: self.receive,
             Kind.RECV_GRAD: self.receive, Kind.ALLREDUCE: self.allreduce, Kind.TIED_POST: self.tied_post,
             Kind.TIED_REDUCE: self.tied_reduce, Kind.OPTIMIZER_STEP: self.optimizer_step,
+            Kind.UNSHARD: self.allreduce, Kind.REDUCE_GRAD: self.allreduce, Kind.RESHARD: self.reshard,
         }
         assert set(self.handlers) == set(Kind), "every action kind needs a handler"
 
@@ -551,17 +562,22 @@ class _EventLoop:
         return now
 
     def allreduce(self, rank: int, index: int, a: Action, now: float) -> float | None:
-        """AR: once every replica of the stage has arrived, the all-reduce runs from the latest
-        arrival and ends for all of them at once."""
+        """AR (or a zero1 stage's UN or RD: an all-gather, a reduce-scatter): once every replica
+        of the stage has arrived, the collective runs from the latest arrival and ends for all
+        of them at once."""
         s = a.stage
-        arrived = self.allreduce_arrivals.setdefault((s, a.id), [])
+        arrived = self.allreduce_arrivals.setdefault((a.kind, s, a.id), [])
         if all(other != rank for other, _, _ in arrived):
             arrived.append((rank, now, a))
         if len(arrived) < self.plan.stages[s].replicas:
             return _BLOCKED
-        end = max(0.0, *(at for _, at, _ in arrived)) + self.charge.allreduce.get(s, 0.0)
+        if a.kind is Kind.ALLREDUCE:
+            seconds, nbytes = self.charge.allreduce.get(s, 0.0), self.charge.allreduce_bytes.get(s, 0)
+        else:
+            seconds, nbytes = self.charge.gather.get(s, 0.0), self.charge.gather_bytes.get(s, 0)
+        end = max(0.0, *(at for _, at, _ in arrived)) + seconds
         for other, arrived_at, act in arrived:
-            self.emit(other, act, arrived_at, end, self.charge.allreduce_bytes.get(s, 0))
+            self.emit(other, act, arrived_at, end, nbytes)
             if other != rank:  # the others were parked at this AR: it is done for them too
                 self.clock[other] = end
                 self.position[other] += 1
@@ -589,6 +605,11 @@ class _EventLoop:
         end = max(now, max(posts.values()) + self.charge.tied[a.tie])  # type: ignore[index]
         self.emit(rank, a, now, end, self.charge.tied_bytes[a.tie], a.version)  # type: ignore[index]
         return end
+
+    def reshard(self, rank: int, index: int, a: Action, now: float) -> float:
+        """RS: a zero1 stage frees its gathered weights (no communication, no time)."""
+        self.emit(rank, a, now, now)
+        return now
 
     def optimizer_step(self, rank: int, index: int, a: Action, now: float) -> float:
         """U: the stage's step, plus a copy of its weights where the replaced version is still used."""
@@ -643,7 +664,8 @@ def _report(schedule: Schedule, costs: Costs, trace: Trace) -> SimResult:
     params = costs.parameter_bytes or [0.0] * n
     acts = costs.activation_bytes or [0.0] * n
     once = costs.working_bytes or [0.0] * n
-    mem = [_weight_bytes(plan.stages[s], params[s], max_v[s], costs.optimizer_state_factor) + acts[s] * max_a[s]
+    mem = [_weight_bytes(plan.stages[s], params[s], max_v[s], costs.optimizer_state_factor, plan.whole_shared_bytes(s))
+           + acts[s] * max_a[s]
            + once[s] for s in range(n)]
     return SimResult(
         trace=trace,

@@ -36,7 +36,8 @@ COMPUTE_KINDS = frozenset({"F", "B", "W", "U"})
 #: Chrome-trace thread per category; tid = index in this tuple.
 CATEGORIES = ("compute", "send", "recv", "sync")
 _CATEGORY = {"F": "compute", "B": "compute", "W": "compute", "U": "compute", "SA": "send", "SG": "send",
-             "RA": "recv", "RG": "recv", "AR": "sync", "TP": "sync", "TR": "sync"}
+             "RA": "recv", "RG": "recv", "AR": "sync", "TP": "sync", "TR": "sync",
+             "UN": "sync", "RD": "sync", "RS": "sync"}
 
 _KINDS = frozenset(_CATEGORY)
 
@@ -57,7 +58,8 @@ class Event:
     Attributes:
         rank: the global rank that ran it.
         stage / replica: the stage and replica index of that rank.
-        kind: the action kind's text ("F", "B", "W", "SA", "RA", "SG", "RG", "AR", "U", "TP", "TR").
+        kind: the action kind's text ("F", "B", "W", "SA", "RA", "SG", "RG", "AR", "U", "TP", "TR",
+            "UN", "RD", "RS").
         id: microbatch id (F, B, transfers) or update index (AR, U), as in the schedule.
         start_s / end_s: wall-clock seconds from the start of the run.
         bytes: bytes moved (transfers, all-reduce), 0 otherwise.

@@ -83,7 +83,7 @@ class TrainConfig:
     stages: int | None = None  # planner: exactly this many stages
     straight: bool = False  # planner: no replication
     recompute: bool = False  # activation recomputation on every stage (Stage.recompute)
-    shard: str = "replicate"  # what replicated stages do with their weights: replicate, zero3, zero2 (Stage.sharding)
+    shard: str = "replicate"  # what replicated stages do with their weights: replicate, zero3, zero2, zero1 (Stage.sharding)
     tensor_parallel: int = 1  # processes per worker splitting its stage's layers (Plan.tensor_parallel)
     memory: str | None = None  # per-worker memory budget for the planner ("512MB")
     measure_memory: bool = False  # record each worker's peak tensor memory (runtime/memory_probe.py)
@@ -258,9 +258,12 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
     t = tensor_degree(cfg)
     if t == 1:
         return
-    if cfg.schedule == AUTO or schedule_kind(cfg.schedule).asynchronous:
+    if cfg.schedule != AUTO and schedule_kind(cfg.schedule).asynchronous:
         raise TrainError(f"--tensor-parallel {t} splits layers with torch's DTensor, which runs under the synchronous "
                          f"kinds (one weight version: flush, gpipe, zb-h1, zb-h2), not --schedule {cfg.schedule}")
+    if cfg.schedule == AUTO and cfg.allow_stale:
+        raise TrainError(f"--tensor-parallel {t} runs under the synchronous kinds only, and --allow-stale lets "
+                         "--schedule auto choose an asynchronous one: drop --allow-stale")
     processes = cfg.resolved_workers()
     if processes % t:
         raise TrainError(f"--tensor-parallel {t}: --workers {processes} processes do not make whole workers of {t} "

@@ -273,13 +273,25 @@ def _auto_plan(cfg: TrainConfig, profiled: Any, workers: int,
     each candidate planned from a profile at its own microbatch size, and on this machine's
     workers priced with its measured host costs (as the run's own prediction is). A local run
     (this machine's cores, no --topology) also tries fewer workers with more torch threads each
-    (``auto.local_layouts``), each from a profile at that thread count."""
+    (``auto.local_layouts``), each from a profile at that thread count; with --tensor-parallel,
+    workers of that many processes, one thread each (the kinds that split layers)."""
+    t = tensor_degree(cfg)
     options = dict(allow_stale=cfg.allow_stale, batch_size=cfg.batch_size, num_stages=cfg.stages,
                    straight=_straight(cfg), recompute=cfg.recompute,
                    optimizer_state_factor=OPTIMIZER_STATE[cfg.optimizer], optimizer_scratch=_scratch(cfg),
                    host_costs=host_costs,
                    sharding=cfg.shard)
     try:
+        if t > 1:
+            log.info("--schedule auto: planning the kinds that split layers over %d processes per worker", t)
+
+            def split(costs: Callable[[Plan, int], dict[str, Any]] | None) -> Plan:
+                return choose_schedule(lambda m: profiled(m, 1), _topology(cfg, workers * t),
+                                       **dict(options, host_costs=costs, tensor_parallel=t))
+
+            if host_costs is not None:
+                _measure_ahead(split)  # every candidate's shape in one launch, not one launch each
+            return split(host_costs)
         if host_costs is not None:
             layouts = local_layouts(workers, os.cpu_count() or 1)
             log.info("--schedule auto: planning every schedule kind and microbatch count for %s",

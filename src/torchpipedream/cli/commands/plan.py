@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
                    help="extra weight-sized buffers per worker: gradient + optimizer state (default 2)")
     p.add_argument("--recompute", action="store_true",
                    help="activation recomputation on every stage (each backward runs its forward again)")
-    p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
+    p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2", "zero1"],
                    help="shard every replicated stage over its replicas (FSDP2; flush, gpipe, zb-h1, zb-h2), priced with the "
                         "shards' memory and collectives; --shard alone means zero3")
     p.add_argument("--tensor-parallel", type=_tensor_degree, default=1, metavar="T",
@@ -99,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
                    memory_bytes=memory, optimizer_state_factor=f, method=args.method, recompute=args.recompute,
                    chunks=args.chunks, sharding=args.shard)
     if args.tensor_parallel != 1:
-        if args.schedule in (AUTO, ALL) and args.tensor_parallel != AUTO:
-            raise CommandError(f"--tensor-parallel {args.tensor_parallel} is planned for one kind; give --schedule "
-                               f"flush, gpipe, zb-h1, zb-h2, interleaved or zb-v, not {args.schedule}, or "
-                               "--tensor-parallel auto (each candidate at every degree)")
+        if args.schedule == ALL and args.tensor_parallel != AUTO:
+            raise CommandError(f"--tensor-parallel {args.tensor_parallel} splits layers under the synchronous kinds "
+                               "only, and --schedule all plans every kind; give --schedule auto (the synchronous "
+                               "kinds at this degree), one kind, or --tensor-parallel auto (each candidate at every "
+                               "degree)")
         options["tensor_parallel"] = args.tensor_parallel
     if args.schedule == ALL:
         if args.microbatches != 1:

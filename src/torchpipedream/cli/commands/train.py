@@ -65,10 +65,11 @@ def _add_model_and_plan_options(p: argparse.ArgumentParser, d: TrainConfig) -> N
                    help="microbatches per minibatch for 2bw, flush, gpipe, zb-h1, zb-h2, zb-2bw (default: %(default)s)")
     p.add_argument("--stages", type=int, default=None, help="plan exactly this many stages (default: the planner's choice)")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
-    p.add_argument("--shard", nargs="?", const="zero3", default=d.shard, choices=["zero3", "zero2"],
+    p.add_argument("--shard", nargs="?", const="zero3", default=d.shard, choices=["zero3", "zero2", "zero1"],
                    help="shard every replicated stage over its replicas with torch's FSDP2 (ZeRO: weights, gradients "
                         "and optimizer state split; zero3 gathers the weights for each forward and backward, zero2 "
-                        "keeps them from a forward to its backward); flush, gpipe, zb-h1 and zb-h2; the planner prices it. "
+                        "keeps them from a forward to its backward, zero1 gathers them once per minibatch and "
+                        "reduce-scatters the gradient once); flush, gpipe, zb-h1 and zb-h2; the planner prices it. "
                         "--shard alone means zero3 (default: replicate)")
     p.add_argument("--tensor-parallel", type=int, default=d.tensor_parallel, metavar="T",
                    help="every worker of the plan is T processes that split its stage's Linear pairs (an MLP's "

@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
                    help="clip every update by the norm over all the model's gradients; the reference uses "
                         "torch.nn.utils.clip_grad_norm_ on the whole model")
     p.add_argument("--straight", action="store_true", help="plan a straight pipeline (no replicated stages)")
-    p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2"],
+    p.add_argument("--shard", nargs="?", const="zero3", default="replicate", choices=["zero3", "zero2", "zero1"],
                    help="shard the plan's replicated stages over their replicas (FSDP2; flush, gpipe, zb-h1, zb-h2); "
                         "--shard alone means zero3")
     p.add_argument("--plan", dest="plan_file", default=None, help="check this plan.json instead of planning")
