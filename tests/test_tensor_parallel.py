@@ -200,7 +200,8 @@ def _gpt2(rank: int, directory: str) -> dict:
 
 # ------------------------------------------------------------------ the launch
 def _checkpoint(directory: str) -> dict:
-    """Two minibatches on PP2 × TP2, saved; resumed on DP2-sharded × TP2 for the third."""
+    """Two minibatches on PP2 × TP2, saved; resumed on DP2-sharded × TP2 for the third, and on one
+    worker of four tensor ranks (another degree: every split weight cut in four) for the third."""
     batches = data()
     first = _pipeline(SCENARIOS["pp2_user_layout"] | {"layout": None, "opt": "adam"}, batches)
     first.train_minibatches(batches[:2])
@@ -208,7 +209,12 @@ def _checkpoint(directory: str) -> dict:
     again = _pipeline(dict(kind="flush", shape=(2,), sharding="zero2", m=2, opt="adam"), batches)
     again.load_checkpoint(directory)
     again.train_minibatches(batches[2:])
-    return again.state_dict()
+    four = Pipeline(model(), Plan(stages=[Stage(LAYERS[0] + LAYERS[1], ranks=[0])], schedule="flush", microbatches=2,
+                                  tensor_parallel=4),
+                    loss_fn=nn.functional.cross_entropy, optimizer=optimizer("adam"), timeout_s=60)
+    four.load_checkpoint(directory)
+    four.train_minibatches(batches[2:])
+    return {"zero2_tp2": again.state_dict(), "tp4": four.state_dict(), "tp4_held": _held(four)}
 
 
 def _refusal(rank: int) -> str:
@@ -362,13 +368,21 @@ def test_a_gpt2_checkpoint_of_split_heads_reads_whole_and_resumes_on_pp2_tp2(res
     _assert_gpt2_state(got["resumed"], _gpt2_reference(False)[0], "resumed")
 
 
-def test_a_checkpoint_moves_from_pp2_tp2_to_sharded_tp2_and_to_one_process(results: dict, checkpoints: str) -> None:
+def test_a_checkpoint_moves_from_pp2_tp2_to_sharded_tp2_to_tp4_and_to_one_process(results: dict,
+                                                                                   checkpoints: str) -> None:
     want = reference(dict(opt="adam"))["state"]
     one = Pipeline(model(), Plan.straight([LAYERS[0] + LAYERS[1]], schedule="flush"),
                    loss_fn=nn.functional.cross_entropy, optimizer=optimizer("adam"))
     one.load_checkpoint(checkpoints)  # the tensor-parallel save, read whole on one process
     one.train_minibatches(data()[2:])
-    for label, got in (("DP2 zero2 × TP2", results["checkpoint"]), ("one process", one.state_dict())):
+    # on four tensor ranks each holds a quarter of every split weight (fc1-fc4 but the row-wise
+    # layers' biases; the norm and head whole)
+    split = sum(v.numel() * v.element_size() for k, v in model().state_dict().items()
+                if k.startswith("fc") and k not in ("fc2.bias", "fc4.bias"))
+    local, whole = results["checkpoint"]["tp4_held"]
+    assert local == whole - split + split // 4
+    for label, got in (("DP2 zero2 × TP2", results["checkpoint"]["zero2_tp2"]), ("TP4", results["checkpoint"]["tp4"]),
+                       ("one process", one.state_dict())):
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, atol=2e-5, rtol=2e-5, msg=f"{label}: {key}")
 

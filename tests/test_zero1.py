@@ -20,7 +20,7 @@ from torchpipedream.plans.plan import Plan, Stage
 from torchpipedream.runtime import Pipeline, launch
 from torchpipedream.schedule.actions import Action, Kind, parse_action
 from torchpipedream.schedule.build import build_schedule
-from torchpipedream.schedule.validate import ScheduleError, validate_schedule
+from torchpipedream.schedule.validate import ScheduleError, update_barrier_problem, validate_schedule
 from torchpipedream.sim.simulator import Costs, simulate
 
 KINDS = ["flush", "gpipe", "zb-h1", "zb-h2"]
@@ -117,6 +117,9 @@ def test_the_gathers_are_collectives_in_the_deadlock_proof() -> None:
     validate_schedule(reordered("replicate"))
     with pytest.raises(ScheduleError, match=r"deadlock: cycle .*rank 2 waits at s1r1RD0 for rank 1"):
         validate_schedule(reordered("zero1"))
+    # the proof for clipping by the global norm (one more collective at each update) meets them too
+    assert update_barrier_problem(reordered("replicate")) is None
+    assert "would wait forever" in (update_barrier_problem(reordered("zero1")) or "")
 
 
 def test_the_simulator_charges_one_gather_and_one_reduce_scatter_per_update() -> None:

@@ -635,9 +635,10 @@ def _gathers_in_passes(plan: Plan, stage: int) -> bool:
     return plan.stages[stage].sharded and plan.stages[stage].sharding != "zero1"
 
 
-class _UpdateBarrierRun(_BlockingRun):
-    """The blocking run with one more collective: every rank's first U or TR of each update
-    waits there for every rank's (a global reduction taken there: clipping by the global norm)."""
+class _UpdateBarrierRun(_ShardedRun):
+    """The blocking run (with a sharded stage's collectives, :class:`_ShardedRun`) with one more
+    collective: every rank's first U or TR of each update waits there for every rank's (a global
+    reduction taken there: clipping by the global norm)."""
 
     def __init__(self, schedule: Schedule, firsts: set[tuple[int, Action]]) -> None:
         super().__init__(schedule)
