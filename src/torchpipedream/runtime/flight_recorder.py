@@ -34,6 +34,8 @@ _WAITS = {
     Kind.SEND_GRAD: "sending the gradients of microbatch {id} to {peer}",
     Kind.ALLREDUCE: "the gradient all-reduce among its stage's replicas",
     Kind.TIED_REDUCE: "the all-reduce of a parameter shared between stages",
+    Kind.UNSHARD: "the gather of its stage's weights among the stage's replicas (FSDP2)",
+    Kind.REDUCE_GRAD: "the reduce-scatter of its stage's gradient among the stage's replicas (FSDP2)",
 }
 
 
