@@ -264,7 +264,6 @@ class Engine:
         self._split = split_backwards(actions) if train else set()
         self._weight_work: dict[int, tuple[WeightGradients | None, _Context, int | None]] = {}  # B done, W to run
         # a "zero1" stage (sharding.py): the B that each RD follows reduce-scatters the gradient
-        self._gathers = any(a.kind is Kind.UNSHARD for a in actions)
         self._reducing = {b.id for b, a in zip(actions, actions[1:]) if a.kind is Kind.REDUCE_GRAD}
         self._shard_bytes = 0  # what this replica's gather received (its RD sends as much)
 
@@ -552,7 +551,7 @@ class Engine:
             work = backward_inputs(roots, grad_outputs, ctx.leaves, params) if roots else None
             self._weight_work[microbatch] = (work, ctx, version)
         elif self.weights.sharded:
-            reduces = self._gathers and microbatch in self._reducing
+            reduces = microbatch in self._reducing
             if reduces:  # a zero1 stage's last B of an update: its hooks reduce-scatter (the RD after it)
                 reduce_in_backward(self.module, True)
             if roots:  # into everything the graph holds: FSDP2's gathered weights, whose hooks reduce them

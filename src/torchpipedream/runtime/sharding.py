@@ -64,7 +64,7 @@ from .loss_scaling import has_nonfinite
 from .weights import OptimizerFactory, WeightVersions, local_tensor, wait_for
 
 __all__ = ["shard_stage", "ShardedWeights", "GatheredEvaluation", "full_state_dict", "local_tensor", "whole", "shard_like",
-           "sharded_optimizer_entries", "gather_weights", "free_gathered", "reduce_in_backward", "others_shard_bytes"]
+           "sharded_optimizer_entries", "gather_weights", "free_gathered", "reduce_in_backward"]
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +133,13 @@ def gather_weights(module: nn.Module) -> int:
     """UN of a "zero1" stage: gather every FSDP2 unit's weights whole (FSDP2's ``unshard``, an
     all-gather among the replicas); they stay gathered until :func:`free_gathered`. Returns the
     bytes received (the other replicas' shards)."""
-    received = others_shard_bytes(module)
+    received = _others_shard_bytes(module)
     for unit in _units(module):
         unit.unshard()
     return received
 
 
-def others_shard_bytes(module: nn.Module) -> int:
+def _others_shard_bytes(module: nn.Module) -> int:
     """Bytes of the stage's weights that the other replicas hold (what a gather receives and a
     reduce-scatter sends); 0 while the weights are gathered."""
     shards = [p for p in module.parameters() if getattr(p, "device_mesh", None) is not None]

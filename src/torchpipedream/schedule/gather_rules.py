@@ -24,7 +24,7 @@ action. UN and RD are collectives of the stage's replicas: the deadlock check me
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 from .actions import Action, Kind
 
@@ -43,7 +43,7 @@ class GatherWalk:
         self.gathered: int | None = None  # the update whose gathered weights are held
         self.done = {Kind.UNSHARD: 0, Kind.REDUCE_GRAD: 0, Kind.RESHARD: 0}  # of each, so far
 
-    def action(self, k: int, a: Action, previous: Action | None, done_b: set[int], pending_w: Iterable[int],
+    def action(self, k: int, a: Action, previous: Action | None, done_b: set[int], pending_w: set[int],
                err: ErrorAt) -> None:
         """UN, RD or RS ``a`` at step ``k``: ``previous`` is the rank's action before it, ``done_b``
         the microbatches backpropagated so far, ``pending_w`` those whose W has not run."""
@@ -74,7 +74,7 @@ class GatherWalk:
                 raise err(k, f"RS{a.id} frees weights that are not gathered (no UN{a.id} before it)")
             if self.done[Kind.REDUCE_GRAD] <= a.id:
                 raise err(k, f"RS{a.id} before RD{a.id}: the update's gradient is reduce-scattered first")
-            late = next((j for j in mine if j in set(pending_w)), None)
+            late = next((j for j in mine if j in pending_w), None)
             if late is not None:
                 raise err(k, f"RS{a.id} frees the weights before the W of microbatch {late}")
             self.gathered = None
